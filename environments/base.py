@@ -1,0 +1,84 @@
+"""What every environment shares: the Task record and the split rule that keeps splits disjoint."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class Task:
+    id: str
+    domain: str
+    split: str
+    prompt: str                       # the user message
+    answer: str                       # reference final answer
+    demo: list[dict] = field(default_factory=list)  # assistant/tool messages of a demonstration
+    meta: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(s: str) -> "Task":
+        return Task(**json.loads(s))
+
+    def messages(self, with_demo: bool = False) -> list[dict]:
+        msgs = [{"role": "user", "content": self.prompt}]
+        return msgs + (list(self.demo) if with_demo else [])
+
+
+def split_of(key: str) -> str:
+    """Splits are a pure function of the problem's canonical key: disjoint by construction."""
+    bucket = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100
+    return "test" if bucket < 10 else "val" if bucket < 15 else "train"
+
+
+def collect(domain: str, split: str, n: int, seed: int, make: Callable[[random.Random], tuple[str, Task]],
+            max_tries: int = 200_000) -> list[Task]:
+    """Draw candidate problems until `n` distinct ones fall into `split`."""
+    rng = random.Random(f"{domain}:{split}:{seed}")
+    out: dict[str, Task] = {}
+    for _ in range(max_tries):
+        if len(out) >= n:
+            break
+        key, task = make(rng)
+        if key in out or split_of(f"{domain}:{key}") != split:
+            continue
+        task.id = f"{domain}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+        task.split = split
+        out[key] = task
+    if len(out) < n:
+        raise ValueError(f"{domain}: only {len(out)} distinct {split} problems exist for these knobs (asked {n})")
+    return list(out.values())
+
+
+_THINK = re.compile(r"<think>.*?</think>", re.S)
+
+
+def final_answer(completion: str) -> str:
+    """The text after the last think block, without tool calls or the end marker."""
+    text = _THINK.sub("", completion)
+    text = text.split("<|end|>")[0]
+    text = re.sub(r"<tool_call>.*?(</tool_call>|$)", "", text, flags=re.S)
+    return text.strip()
+
+
+def verify_number(task: Task, completion: str) -> tuple[float, str]:
+    ans = final_answer(completion)
+    m = re.fullmatch(r"\s*([+-]?\d+)\s*\.?\s*", ans)
+    if not m:
+        return 0.0, f"no single integer in final answer {ans[:40]!r}"
+    if int(m.group(1)) == int(task.answer):
+        return 1.0, "correct"
+    return 0.0, f"wrong: {m.group(1)} != {task.answer}"
+
+
+def unique_ids(tasks: Iterable[Task]) -> bool:
+    ids = [t.id for t in tasks]
+    return len(ids) == len(set(ids))

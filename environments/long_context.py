@@ -1,0 +1,47 @@
+"""A fact buried in filler at a given length; the answer must quote it."""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+from environments.base import Task, collect, verify_number
+
+DOMAIN = "long_context"
+FILLER = ("the old road ran past a quiet field where birds sang in the warm light and people walked "
+          "slowly home after a long day while clouds moved over hills near a small river town").split()
+
+
+def _make(n_words: int):
+    def make(rng: random.Random) -> tuple[str, Task]:
+        code = str(rng.randint(1000, 9999))
+        words = [rng.choice(FILLER) for _ in range(n_words)]
+        pos = rng.randint(0, len(words))
+        fact = f"The secret code is {code}."
+        text = " ".join(words[:pos] + [fact] + words[pos:])
+        prompt = f"{text}\nWhat is the secret code?"
+        return f"{code}:{pos}:{n_words}:{rng.random()}", Task(
+            id="", domain=DOMAIN, split="", prompt=prompt, answer=code, meta={"n_words": n_words, "pos": pos},
+            demo=[{"role": "assistant", "reasoning_content": fact, "content": code}])
+    return make
+
+
+def generate(split: str, n: int, seed: int, n_words: int = 40, **_) -> list[Task]:
+    # the key includes a random draw, so splits differ by seed stream, and by code/position otherwise
+    return collect(DOMAIN, split, n, seed, _make(n_words))
+
+
+def fit_to_length(split: str, n: int, seed: int, max_tokens: int, count_tokens: Callable[[Task], int]) -> list[Task]:
+    """Largest filler whose rendered prompt fits `max_tokens` (measured with the real tokenizer)."""
+    lo, hi = 0, max_tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        probe = generate(split, 4, seed, n_words=mid)
+        if max(count_tokens(t) for t in probe) <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    tasks = generate(split, n, seed, n_words=lo)
+    return [t for t in tasks if count_tokens(t) <= max_tokens] or tasks[:1]
+
+
+verify = verify_number

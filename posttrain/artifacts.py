@@ -1,0 +1,154 @@
+"""Artifacts: folders with a manifest (sha256 of every file, parents, config digest, code version).
+
+Writes are atomic: a stage writes into a temp folder beside the target and renames it into place,
+so a crash never leaves a half artifact that a later node could consume.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from posttrain.config import ROOT
+
+MANIFEST = "manifest.json"
+
+
+class DigestMismatch(RuntimeError):
+    """An artifact's files do not match its manifest, or the manifest not the expected digest."""
+
+
+@dataclass
+class ArtifactRef:
+    """What flows between DAG nodes: where an artifact lives and the digest it must have."""
+    stage: str
+    path: str
+    sha256: str
+    mlflow_run_id: str = ""
+    seconds: float = 0.0
+    cached: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        sha = out.stdout.strip() or "nogit"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "nogit"
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): sha256_file(p)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def write_manifest(folder: Path, *, stage: str, parents: dict[str, str], config_digest: str,
+                   code_digest: str, mlflow_run_id: str, extra: dict | None = None) -> str:
+    """Write manifest.json into `folder`; return the artifact digest (sha256 of its content part)."""
+    files = file_digests(folder)
+    body = {"stage": stage, "files": files, "parents": parents, "config_digest": config_digest,
+            "code_digest": code_digest}
+    digest = sha256_json(body)
+    manifest = {**body, "sha256": digest, "git_sha": git_sha(), "mlflow_run_id": mlflow_run_id,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(extra or {})}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return digest
+
+
+def read_manifest(folder: Path | str) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        raise DigestMismatch(f"{folder}: no {MANIFEST}; not a posttrain artifact (or a half-written one)")
+    return json.loads(path.read_text())
+
+
+def verify(folder: Path | str, expected: str | None = None) -> dict:
+    """Re-hash every file; refuse a mismatch with the file name. Returns the manifest."""
+    folder = Path(folder)
+    m = read_manifest(folder)
+    if expected and m["sha256"] != expected:
+        raise DigestMismatch(f"{folder}: manifest digest {m['sha256'][:12]} != expected {expected[:12]}")
+    actual = file_digests(folder)
+    for name, digest in m["files"].items():
+        if name not in actual:
+            raise DigestMismatch(f"{folder}: file {name} listed in manifest is missing")
+        if actual[name] != digest:
+            raise DigestMismatch(f"{folder}: file {name} has sha256 {actual[name][:12]}, "
+                                 f"manifest says {digest[:12]} (modified after it was written)")
+    extra = sorted(set(actual) - set(m["files"]))
+    if extra:
+        raise DigestMismatch(f"{folder}: files not in manifest: {extra[:5]}")
+    body = {k: m[k] for k in ("stage", "files", "parents", "config_digest", "code_digest")}
+    if sha256_json(body) != m["sha256"]:
+        raise DigestMismatch(f"{folder}: manifest content does not hash to its recorded digest")
+    return m
+
+
+def verify_ref(ref: ArtifactRef) -> dict:
+    return verify(ref.path, ref.sha256)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """Yield a temp folder; on success rename it to `target` (replacing an old one), else delete it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if target.exists():
+            old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def find_by_digest(root: Path, digest: str) -> Path | None:
+    for m in root.rglob(MANIFEST):
+        if ".tmp-" in str(m) or ".old-" in str(m):
+            continue
+        try:
+            if json.loads(m.read_text()).get("sha256") == digest:
+                return m.parent
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None

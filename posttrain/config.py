@@ -1,0 +1,231 @@
+"""Typed pipeline configuration: YAML profiles under configs/, `--set a.b=c` overrides, a digest."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES_DIR = ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A profile or override is wrong; the message names the key and the file."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorldConfig(_Strict):
+    """The generated task world (see environments/)."""
+    n_train: int = 4000
+    n_val: int = 64
+    n_test: int = 128
+    max_operand: int = 20
+    n_ops: int = 2
+    agentic_numbers: int = 3
+
+
+class CurateConfig(_Strict):
+    inputs: list[str] = Field(default_factory=list)  # JSONL(.gz) / Parquet files or globs; empty: generated
+    text_field: str = "text"
+    raw_docs: int = 6000
+    shingle_size: int = 5
+    near_dup_threshold: float = 0.8
+    num_perm: int = 64
+    min_chars: int = 20
+    max_chars: int = 20000
+    min_alpha_ratio: float = 0.3
+    decontam_ngram: int = 8
+    on_bad_row: Literal["fail", "quarantine"] = "quarantine"
+
+
+class TokenizerConfig(_Strict):
+    vocab_size: int = 512
+
+
+class ModelConfig(_Strict):
+    hidden_size: int = 96
+    num_layers: int = 3
+    num_heads: int = 4
+    intermediate_size: int = 256
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 128
+
+
+class TrainConfig(_Strict):
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+
+
+class BaseConfig(TrainConfig):
+    init_from: str = ""  # a local Hugging Face checkpoint dir; empty: build and pretrain the tiny preset
+
+
+class RampStage(_Strict):
+    seq_len: int
+    steps: int
+    lr: float = 1e-3
+    rope_theta: float
+    long_share: float = 0.3
+
+
+class RampConfig(_Strict):
+    batch_size: int = 8
+    warmup: int = 10
+    stages: list[RampStage] = Field(default_factory=lambda: [
+        RampStage(seq_len=256, steps=60, rope_theta=20000.0),
+        RampStage(seq_len=512, steps=60, rope_theta=40000.0, long_share=0.5)])
+
+
+class SFTConfig(TrainConfig):
+    nothink_share: float = 0.25
+    preserve_thinking_share: float = 0.5
+
+
+class RLConfig(_Strict):
+    algorithm: Literal["grpo"] = "grpo"
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 8
+    lr: float = 3e-4
+    temperature: float = 1.0
+    max_new_tokens: int = 48
+    clip_eps: float = 0.2
+    max_turns: int = 3
+
+
+class OPDConfig(_Strict):
+    steps: int = 20
+    prompts_per_step: int = 16
+    lr: float = 3e-4
+    temperature: float = 1.0
+    max_new_tokens: int = 48
+
+
+class QuantizeConfig(_Strict):
+    mlp_bits: Literal[4] = 4
+    attn_bits: Literal[8] = 8
+    act_bits: Literal[8] = 8
+    group_size: int = 32
+
+
+class EvalConfig(_Strict):
+    n_per_suite: int = 64
+    max_new_tokens: int = 48
+    batch_size: int = 64
+
+
+class RuntimeConfig(_Strict):
+    ray_num_cpus: int = 2
+    torch_threads: int = 2
+    object_store_mb: int = 256
+
+
+class PipelineConfig(_Strict):
+    profile: str = "tiny"
+    seed: int = 0
+    world: WorldConfig = WorldConfig()
+    curate: CurateConfig = CurateConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    base: BaseConfig = BaseConfig()
+    ramp: RampConfig = RampConfig()
+    sft: SFTConfig = SFTConfig()
+    rl: RLConfig = RLConfig()
+    opd: OPDConfig = OPDConfig()
+    quantize: QuantizeConfig = QuantizeConfig()
+    eval: EvalConfig = EvalConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    registered_model: str = "posttrain-tiny"
+
+    def digest(self, *sections: str) -> str:
+        """sha256 of the whole config, or of only the named top-level sections."""
+        data = self.model_dump(mode="json")
+        if sections:
+            data = {k: data[k] for k in sections}
+        else:
+            data.pop("runtime")  # where it runs does not change what it computes
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def eval_lengths(self) -> list[int]:
+        return [self.model.max_position_embeddings] + [s.seq_len for s in self.ramp.stages]
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> dict:
+    data = json.loads(json.dumps(data))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{source}: override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            if not isinstance(node.setdefault(p, {}), dict):
+                raise ConfigError(f"{source}: {key!r}: {p!r} is not a section")
+            node = node[p]
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config in {source}:"]
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def profile_path(profile: str) -> Path:
+    p = Path(profile)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    path = PROFILES_DIR / f"{profile}.yaml"
+    if not path.exists():
+        known = sorted(x.stem for x in PROFILES_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown profile {profile!r}: no file {path} (known: {', '.join(known)})")
+    return path
+
+
+def load_config(profile: str = "tiny", overrides: list[str] | None = None) -> PipelineConfig:
+    path = profile_path(profile)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    data.setdefault("profile", path.stem)
+    try:
+        PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, str(path))) from None
+    return config_from_dict(apply_overrides(data, overrides or []), f"{path} with --set {overrides}")
+
+
+def config_from_dict(data: dict, source: str = "config") -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, source)) from None

@@ -1,0 +1,88 @@
+"""evaluate: every checkpoint on every suite's test split, thinking on and off; a table and a plot."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from environments import DOMAINS, long_context
+from posttrain.chat import render_ids
+from posttrain.config import PipelineConfig
+from posttrain.curate import load_tasks
+from posttrain.quantize import load_any
+from posttrain.rollout import run_episodes, score
+
+CHECKPOINTS = {"base": "base", "ramped": "ramp", "sft": "sft", "specialist/reasoning": "rl-reasoning",
+               "specialist/agentic": "rl-agentic", "specialist/general": "rl-general", "generalist": "opd",
+               "quantized": "quantize"}
+
+
+def suites(cfg: PipelineConfig, curate_dir: str, tok) -> dict[str, tuple[list, bool]]:
+    n = cfg.eval.n_per_suite
+    out = {}
+    for d in DOMAINS:
+        tasks = load_tasks(curate_dir, "test", d)[:n]
+        out[d] = (tasks, True)
+        out[f"{d}:nothink"] = (tasks, False)
+    for L in cfg.eval_lengths():
+        def count(t):
+            return len(render_ids(tok, t.messages(), add_generation_prompt=True)) + cfg.eval.max_new_tokens // 2
+        out[f"long_context@{L}"] = (long_context.fit_to_length("test", n, cfg.seed, L, count), True)
+    return out
+
+
+def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict) -> tuple[dict, dict]:
+    torch.manual_seed(cfg.seed)
+    model, tok = load_any(path)
+    model.eval()
+    scores, tokens = {}, {}
+    for name, (tasks, thinking) in suite_tasks.items():
+        eps = run_episodes(model, tok, tasks, enable_thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
+                           temperature=0.0, max_turns=cfg.rl.max_turns, batch_size=cfg.eval.batch_size)
+        s = score(eps)
+        scores[name] = round(sum(s) / len(s), 4)
+        tokens[name] = round(sum(e.n_generated for e in eps) / len(eps), 2)
+    return scores, tokens
+
+
+def table(scores: dict[str, dict[str, float]]) -> str:
+    suites_ = list(next(iter(scores.values())))
+    head = "| checkpoint | " + " | ".join(suites_) + " |"
+    rows = [f"| {ck} | " + " | ".join(f"{s[x]:.2f}" for x in suites_) + " |" for ck, s in scores.items()]
+    return "\n".join([head, "|" + "---|" * (len(suites_) + 1), *rows])
+
+
+def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cks, sts = list(scores), list(next(iter(scores.values())))
+    fig, ax = plt.subplots(figsize=(1.1 * len(sts) + 2, 0.5 * len(cks) + 1.5))
+    im = ax.imshow([[scores[c][s] for s in sts] for c in cks], vmin=0, vmax=1, cmap="viridis")
+    ax.set_xticks(range(len(sts)), sts, rotation=45, ha="right")
+    ax.set_yticks(range(len(cks)), cks)
+    for i, c in enumerate(cks):
+        for j, s in enumerate(sts):
+            ax.text(j, i, f"{scores[c][s]:.2f}", ha="center", va="center", color="w", fontsize=8)
+    fig.colorbar(im, ax=ax, label="test score")
+    ax.set_title("score by checkpoint and suite")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(inputs["sft"])
+    suite_tasks = suites(cfg, inputs["curate"], tok)
+    all_scores, all_tokens = {}, {}
+    for ck, stage in CHECKPOINTS.items():
+        all_scores[ck], all_tokens[ck] = evaluate_checkpoint(cfg, inputs[stage], suite_tasks)
+        print(f"[evaluate] {ck}: {all_scores[ck]}", flush=True)
+    (out / "eval.json").write_text(json.dumps({"eval": all_scores, "tokens": all_tokens}, indent=1))
+    (out / "eval.md").write_text(table(all_scores) + "\n")
+    plot(all_scores, out / "eval.png")
+    metrics = {f"{ck.replace('/', '_')}.{s.replace('@', '_at_').replace(':', '_')}": v
+               for ck, ss in all_scores.items() for s, v in ss.items()}
+    return {"metrics": metrics}

@@ -1,0 +1,143 @@
+"""The local rollout engine: batched sampling with a KV cache, returning the exact token ids and
+logprobs produced (token in, token out), and multi-turn episodes against an environment's tools."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from environments.agentic import open_workspace, parse_tool_call
+from environments.base import Task
+from posttrain.chat import render_ids
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
+           pad_id: int, generator: torch.Generator | None = None) -> list[tuple[list[int], list[float]]]:
+    """Generate for a batch of token-id prompts; temperature 0 is greedy. Returns (ids, logprobs)."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        attn[i, L - len(p):] = 1
+    cache = DynamicCache()
+    cur, out_ids, out_lp = ids, [[] for _ in range(B)], [[] for _ in range(B)]
+    done = torch.zeros(B, dtype=torch.bool)
+    stop = torch.tensor(sorted(stop_ids))
+    for _ in range(max_new_tokens):
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -cur.size(1):]
+        logits = model(input_ids=cur, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                       use_cache=True).logits[:, -1].float()
+        if temperature > 0:
+            logp = torch.log_softmax(logits / temperature, -1)
+            nxt = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+        else:
+            logp = torch.log_softmax(logits, -1)
+            nxt = logits.argmax(-1)
+        lp = logp.gather(1, nxt[:, None]).squeeze(1)
+        for i in (~done).nonzero().flatten().tolist():
+            out_ids[i].append(int(nxt[i]))
+            out_lp[i].append(float(lp[i]))
+        done |= torch.isin(nxt, stop)
+        if done.all():
+            break
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        cur = nxt[:, None]
+        attn = torch.cat([attn, (~done).long()[:, None]], 1)
+    return list(zip(out_ids, out_lp))
+
+
+@dataclass
+class Episode:
+    task: Task
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)       # everything after the prompt
+    gen_mask: list[int] = field(default_factory=list)  # 1: the model produced this token
+    logprobs: list[float] = field(default_factory=list)
+    last_turn: str = ""
+    blocked: list[dict] = field(default_factory=list)
+    turns: int = 0
+
+    @property
+    def n_generated(self) -> int:
+        return sum(self.gen_mask)
+
+
+def run_episodes(model, tok, tasks: list[Task], *, enable_thinking: bool = True, max_new_tokens: int = 48,
+                 temperature: float = 0.0, max_turns: int = 3, generator: torch.Generator | None = None,
+                 batch_size: int = 64) -> list[Episode]:
+    """Roll out each task; agentic tasks call tools in their own sandboxed workspace between turns."""
+    end_id = tok.convert_tokens_to_ids("<|end|>")
+    episodes = [Episode(t, render_ids(tok, t.messages(), add_generation_prompt=True, enable_thinking=enable_thinking))
+                for t in tasks]
+    workspaces = {i: open_workspace(e.task) for i, e in enumerate(episodes) if e.task.domain == "agentic"}
+    active = list(range(len(episodes)))
+    try:
+        for turn in range(max_turns):
+            if not active:
+                break
+            results = []
+            for s in range(0, len(active), batch_size):
+                chunk = active[s:s + batch_size]
+                results += sample(model, [episodes[i].prompt_ids + episodes[i].ids for i in chunk],
+                                  max_new_tokens=max_new_tokens, temperature=temperature, stop_ids={end_id},
+                                  pad_id=tok.pad_token_id, generator=generator)
+            still = []
+            for i, (new, lp) in zip(active, results):
+                e = episodes[i]
+                e.ids += new
+                e.gen_mask += [1] * len(new)
+                e.logprobs += lp
+                e.turns += 1
+                e.last_turn = tok.decode(new, skip_special_tokens=False)
+                call = parse_tool_call(e.last_turn) if i in workspaces else None
+                if call and turn < max_turns - 1 and new and new[-1] == end_id:
+                    obs = workspaces[i].call(*call)
+                    suffix = "<|tool|>" + obs + "<|end|><|assistant|>" + ("" if enable_thinking else "<think></think>")
+                    obs_ids = tok(suffix, add_special_tokens=False)["input_ids"]
+                    e.ids += obs_ids
+                    e.gen_mask += [0] * len(obs_ids)
+                    e.logprobs += [0.0] * len(obs_ids)
+                    still.append(i)
+            active = still
+    finally:
+        for i, ws in workspaces.items():
+            episodes[i].blocked = list(ws.blocked)
+            ws.close()
+    return episodes
+
+
+def score(episodes: list[Episode]) -> list[float]:
+    import environments
+    return [environments.get(e.task.domain).verify(e.task, e.last_turn)[0] for e in episodes]
+
+
+def episode_batch(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion ids, with the mask and rollout logprobs aligned to targets.
+
+    Position j of `mask`/`old_logprobs` refers to the token predicted by logits[:, j] (= ids[:, j+1]).
+    """
+    seqs = [e.prompt_ids + e.ids for e in episodes]
+    T = max(map(len, seqs))
+    ids = torch.full((len(seqs), T), pad_id)
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)
+    mask = torch.zeros((len(seqs), T - 1))
+    old = torch.zeros((len(seqs), T - 1))
+    for i, (e, s) in enumerate(zip(episodes, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        p = len(e.prompt_ids) - 1
+        mask[i, p: p + len(e.ids)] = torch.tensor(e.gen_mask, dtype=torch.float)
+        old[i, p: p + len(e.ids)] = torch.tensor(e.logprobs)
+    return {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logprobs": old}
+
+
+def token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+
+
+def mean_score(model, tok, tasks: list[Task], **kw) -> float:
+    eps = run_episodes(model, tok, tasks, temperature=0.0, **kw)
+    return sum(score(eps)) / max(1, len(eps))

@@ -1,0 +1,144 @@
+"""The DAG's nodes as data, and `execute`: verify inputs, content-addressed cache, run on Ray,
+manifest, atomic publish, MLflow child run. The Flyte tasks in tasks/ are thin calls to this."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from posttrain import tracking
+from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, git_sha, sha256_json, verify, verify_ref, \
+    write_manifest
+from posttrain.codehash import code_digest
+from posttrain.config import PipelineConfig, config_from_dict
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    fn: str                      # "module:function" doing the work
+    inputs: tuple[str, ...]      # upstream stage names
+    sections: tuple[str, ...]    # config sections that change its output
+    params: tuple[tuple[str, str], ...] = ()
+    num_cpus: float = 1.0        # Ray CPUs reserved; the specialists take a share so all three run at once
+    threads: int = 2
+
+
+DOMAIN_STAGES = tuple(f"rl-{d}" for d in ("reasoning", "agentic", "general"))
+STAGES: dict[str, Stage] = {s.name: s for s in [
+    Stage("raw", "posttrain.curate:make_raw", (), ("seed", "world", "curate"), num_cpus=1, threads=1),
+    Stage("curate", "posttrain.curate:run", ("raw",), ("seed", "world", "curate"), threads=1),
+    Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base")),
+    Stage("ramp", "posttrain.ramp:run", ("base", "curate"), ("seed", "ramp")),
+    Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft")),
+    *[Stage(s, "posttrain.rl:run", ("sft", "curate"), ("seed", "rl"), (("domain", s[3:]),), num_cpus=0.6, threads=1)
+      for s in DOMAIN_STAGES],
+    Stage("opd", "posttrain.opd:run", ("sft", "curate", *DOMAIN_STAGES), ("seed", "opd", "rl")),
+    Stage("quantize", "posttrain.quantize:run", ("opd",), ("seed", "quantize")),
+    Stage("evaluate", "posttrain.evaluate:run", ("base", "ramp", "sft", *DOMAIN_STAGES, "opd", "quantize", "curate"),
+          ("seed", "eval", "rl", "model", "ramp")),
+]}
+ORDER = list(STAGES)
+
+
+def downstream(stage: str) -> list[str]:
+    """`stage` and every stage that (transitively) consumes it, in DAG order."""
+    hit = {stage}
+    for s in ORDER:
+        if set(STAGES[s].inputs) & hit:
+            hit.add(s)
+    return [s for s in ORDER if s in hit]
+
+
+@dataclass
+class RunContext:
+    """What every node needs to know about the pipeline run it belongs to (flows through Flyte)."""
+    run_id: str
+    home: str
+    config: dict
+    parent_run_id: str = ""
+    tags: dict[str, str] = field(default_factory=dict)
+    force: list[str] = field(default_factory=list)  # stages to redo even on a cache hit
+
+    def cfg(self) -> PipelineConfig:
+        return config_from_dict(self.config, f"run {self.run_id}")
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+def cache_key(stage: Stage, cfg: PipelineConfig, inputs: dict[str, ArtifactRef]) -> str:
+    return sha256_json({"stage": stage.name, "config": cfg.digest(*stage.sections),
+                        "code": code_digest(stage.fn.split(":")[0]), "params": list(stage.params),
+                        "inputs": {k: v.sha256 for k, v in sorted(inputs.items())}})
+
+
+def _small_files(folder: Path) -> list[Path]:
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".md", ".png")
+            and p.stat().st_size < 2_000_000 and p.name not in ("tokenizer.json",)]
+
+
+async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
+    """Run one node (or take it from the cache) and return its verified artifact."""
+    from posttrain.raysupport import ensure_ray, submit
+
+    stage, cfg, t0 = STAGES[name], ctx.cfg(), time.time()
+    code = code_digest(stage.fn.split(":")[0])
+    missing = set(stage.inputs) - set(inputs)
+    if missing:
+        raise StageFailed(f"{name}: missing inputs {sorted(missing)}")
+    for ref in inputs.values():
+        verify_ref(ref)  # refuses a tampered or half-written upstream artifact
+    key = cache_key(stage, cfg, inputs)
+    target = Path(ctx.home) / "artifacts" / name / key[:16]
+    tags = {"posttrain.stage": name, "posttrain.run_id": ctx.run_id, "git_sha": git_sha(),
+            "config_digest": cfg.digest(), "cache_key": key, **ctx.tags}
+    datasets = [(k, v.sha256, v.path) for k, v in inputs.items()]
+    if target.exists() and name not in ctx.force:
+        try:
+            manifest = verify(target)
+        except DigestMismatch:
+            manifest = None  # a corrupted cache entry is recomputed, never served
+        if manifest:
+            run_id = tracking.start_run(ctx.home, name, {**tags, "posttrain.cache_hit": "true",
+                                                         "artifact_uri": str(target),
+                                                         "artifact_sha256": manifest["sha256"],
+                                                         "produced_by_run": manifest["mlflow_run_id"]},
+                                        ctx.parent_run_id)
+            tracking.log_result(ctx.home, run_id, params={}, metrics=manifest.get("metrics", {}), datasets=datasets)
+            tracking.end_run(ctx.home, run_id)
+            return ArtifactRef(name, str(target), manifest["sha256"], run_id, round(time.time() - t0, 2), True,
+                               manifest.get("metrics", {}))
+    run_id = tracking.start_run(ctx.home, name, tags, ctx.parent_run_id)
+    try:
+        ensure_ray(cfg.runtime)
+        with atomic_dir(target) as tmp:
+            ref = submit(stage.fn, stage.num_cpus, stage.threads, cfg, {k: v.path for k, v in inputs.items()}, tmp,
+                         **dict(stage.params))
+            result = await ref
+            metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
+            digest = write_manifest(tmp, stage=name, parents={k: v.sha256 for k, v in inputs.items()},
+                                    config_digest=cfg.digest(*stage.sections), code_digest=code,
+                                    mlflow_run_id=run_id, extra={"metrics": metrics})
+            files = _small_files(tmp)
+            tracking.log_result(ctx.home, run_id, params={**{f"{s}": json.dumps(cfg.model_dump(mode="json")[s])
+                                                             for s in stage.sections}, **dict(stage.params)},
+                                metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
+                                tags={"artifact_uri": str(target), "artifact_sha256": digest})
+    except BaseException as e:
+        tracking.end_run(ctx.home, run_id, "FAILED")
+        if isinstance(e, (KeyboardInterrupt, asyncio.CancelledError)):
+            raise
+        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
+        raise StageFailed(f"stage {name} failed: {detail}") from e
+    tracking.end_run(ctx.home, run_id)
+    return ArtifactRef(name, str(target), digest, run_id, round(time.time() - t0, 2), False, metrics)
+
+
+def ref_from_dict(d: dict) -> ArtifactRef:
+    return ArtifactRef(**{k: v for k, v in d.items() if k in ArtifactRef.__dataclass_fields__})
+

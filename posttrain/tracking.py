@@ -1,0 +1,76 @@
+"""MLflow lineage: one parent run per pipeline run, one child per node, linked by explicit ids.
+
+Run ids are passed explicitly through MlflowClient: MLflow's active-run stack is thread-local, so
+siblings started under asyncio.gather would otherwise get the wrong parent.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from mlflow import MlflowClient
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+
+EXPERIMENT = "posttrain"
+
+
+def tracking_uri(home: str | Path) -> str:
+    return f"sqlite:///{Path(home).resolve()}/mlflow.db"
+
+
+def client(home: str | Path) -> MlflowClient:
+    Path(home).mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=tracking_uri(home), registry_uri=tracking_uri(home))
+
+
+def experiment_id(c: MlflowClient, home: str | Path) -> str:
+    exp = c.get_experiment_by_name(EXPERIMENT)
+    if exp:
+        return exp.experiment_id
+    try:
+        return c.create_experiment(EXPERIMENT, artifact_location=(Path(home).resolve() / "mlruns").as_uri())
+    except Exception:  # created concurrently
+        return c.get_experiment_by_name(EXPERIMENT).experiment_id
+
+
+def start_run(home: str, name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
+    c = client(home)
+    if parent_run_id:
+        tags = {**tags, "mlflow.parentRunId": parent_run_id}
+    return c.create_run(experiment_id(c, home), run_name=name, tags=tags).info.run_id
+
+
+def log_result(home: str, run_id: str, *, params: dict, metrics: dict[str, float],
+               history: dict[str, list[float]] | None = None, tags: dict[str, str] | None = None,
+               datasets: list[tuple[str, str, str]] = (), files: list[Path] = ()) -> None:
+    """Params, final metrics, step curves (batched), input datasets (name, digest, uri), small files."""
+    c = client(home)
+    now = int(time.time() * 1000)
+    ms = [Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float))]
+    for key, xs in (history or {}).items():
+        ms += [Metric(f"curve/{key}", float(x), now, i) for i, x in enumerate(xs)]
+    ps = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
+    ts = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+    for i in range(0, max(len(ms), 1), 900):  # the store caps a batch at 1000 metrics
+        c.log_batch(run_id, metrics=ms[i:i + 900], params=ps if i == 0 else [], tags=ts if i == 0 else [])
+    if datasets:
+        c.log_inputs(run_id, datasets=[
+            DatasetInput(Dataset(name=n, digest=d[:36], source_type="local", source=json.dumps({"uri": u})),
+                         tags=[InputTag("mlflow.data.context", "input"), InputTag("sha256", d)])
+            for n, d, u in datasets])
+    for f in files:
+        c.log_artifact(run_id, str(f))
+
+
+def end_run(home: str, run_id: str, status: str = "FINISHED") -> None:
+    client(home).set_terminated(run_id, status=status)
+
+
+def register_model(home: str, name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
+    c = client(home)
+    try:
+        c.get_registered_model(name)
+    except Exception:
+        c.create_registered_model(name, description="posttrain pipeline output; lineage: `posttrain lineage`")
+    return c.create_model_version(name, source=source, run_id=run_id, tags=tags).version

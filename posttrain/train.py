@@ -1,0 +1,104 @@
+"""The supervised training loop shared by base, ramp and sft: AdamW, warmup + cosine, masked loss."""
+from __future__ import annotations
+
+import math
+import random
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+
+Batch = dict[str, torch.Tensor]
+
+
+def masked_lm_loss(model, batch: Batch) -> torch.Tensor:
+    """Next-token cross-entropy where `loss_mask` of the target token is 1."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   position_ids=batch.get("position_ids")).logits[:, :-1]
+    target = batch["input_ids"][:, 1:]
+    mask = batch["loss_mask"][:, 1:].float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none")
+    return (ce * mask.reshape(-1)).sum() / mask.sum().clamp(min=1)
+
+
+def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+
+
+def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0.1,
+          weight_decay: float = 0.0, grad_clip: float = 1.0, desc: str = "train",
+          eval_fn: Callable[[], float] | None = None, eval_every: int = 0) -> dict[str, list[float]]:
+    """Run `steps` optimizer steps; return the history (loss per step, eval loss when asked)."""
+    opt = make_optimizer(model, lr, weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, steps, warmup, min_lr_ratio))
+    hist: dict[str, list[float]] = {"loss": [], "lr": []}
+    model.train()
+    bar = tqdm(range(steps), desc=desc, mininterval=5, leave=False)
+    for step in bar:
+        loss = masked_lm_loss(model, next_batch(step))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        sched.step()
+        hist["loss"].append(loss.item())
+        hist["lr"].append(sched.get_last_lr()[0])
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if eval_fn and eval_every and ((step + 1) % eval_every == 0 or step == steps - 1):
+            model.eval()
+            hist.setdefault("val_loss", []).append(eval_fn())
+            model.train()
+    model.eval()
+    return hist
+
+
+def pack_stream(docs: list[list[int]], seq_len: int, bos: int, eos: int) -> torch.Tensor:
+    """Concatenate bos+doc+eos and cut into rows of `seq_len` (classic pretraining packing)."""
+    stream = [t for d in docs for t in [bos, *d, eos]]
+    n = len(stream) // seq_len
+    return torch.tensor(stream[: n * seq_len]).view(n, seq_len)
+
+
+def row_sampler(rows: torch.Tensor, batch_size: int, seed: int) -> Callable[[int], Batch]:
+    def next_batch(step: int) -> Batch:
+        rng = random.Random(seed * 100_003 + step)
+        ids = rows[[rng.randrange(len(rows)) for _ in range(batch_size)]]
+        return {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    return next_batch
+
+
+def pad_examples(examples: list[tuple[list[int], list[int]]], pad_id: int, max_len: int) -> Batch:
+    """Right-pad (ids, loss_mask) pairs into a batch, truncating to `max_len`."""
+    examples = [(ids[:max_len], m[:max_len]) for ids, m in examples]
+    T = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), T), pad_id)
+    mask = torch.zeros((len(examples), T), dtype=torch.long)
+    attn = torch.zeros((len(examples), T), dtype=torch.long)
+    for i, (x, m) in enumerate(examples):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(m)] = torch.tensor(m)
+        attn[i, : len(x)] = 1
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+@torch.no_grad()
+def eval_loss(model, batches: list[Batch]) -> float:
+    return sum(masked_lm_loss(model, b).item() for b in batches) / max(1, len(batches))
+
+
+def summarize(hist: dict[str, list[float]], key: str = "loss", k: int = 10) -> dict[str, float]:
+    """First and last `k`-step means of a curve: the numbers that show a stage learned."""
+    xs = hist.get(key, [])
+    if not xs:
+        return {}
+    return {f"{key}_first": sum(xs[:k]) / len(xs[:k]), f"{key}_last": sum(xs[-k:]) / len(xs[-k:])}
+
