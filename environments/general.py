@@ -6,19 +6,23 @@ import random
 from environments.base import Task, collect, final_answer
 
 DOMAIN = "general"
-WORDS = ["cat", "sun", "tree", "blue", "river", "stone", "bird", "moon", "fish", "lamp", "road", "cloud",
-         "apple", "wind", "gold", "snow", "ship", "rain", "fire", "leaf"]
+WORDS = ("cat sun tree blue river stone bird moon fish lamp road cloud apple wind gold snow ship rain fire leaf "
+         "door book hill star milk bread chair glass horse light night paper plant sand sea song table water wood "
+         "king queen house grass field garden flower window bell coat ring salt seed shell smoke storm tooth wheel "
+         "wing cake coin").split()
+SEPARATORS = {"spaces": " ", "commas": ", "}
 CASES = {"uppercase": str.upper, "lowercase": str.lower, "title case": str.title}
 ENDINGS = {"": "", "an exclamation mark": "!", "a period": "."}
 
 
 def _make(rng: random.Random) -> tuple[str, Task]:
-    word, k = rng.choice(WORDS), rng.randint(1, 4)
-    case, ending = rng.choice(list(CASES)), rng.choice(list(ENDINGS))
-    prompt = f"Write the word {word} {k} times in {case}" + (f", ending with {ending}." if ending else ".")
-    answer = " ".join([CASES[case](word)] * k) + ENDINGS[ending]
-    think = f"word={word}. times={k}. case={case}." + (f" end={ENDINGS[ending]}" if ending else "")
-    meta = {"word": word, "k": k, "case": case, "ending": ENDINGS[ending]}
+    word, k = rng.choice(WORDS), rng.randint(1, 5)
+    case, ending, sep = rng.choice(list(CASES)), rng.choice(list(ENDINGS)), rng.choice(list(SEPARATORS))
+    prompt = (f"Write the word {word} {k} times in {case}, separated by {sep}"
+              + (f", ending with {ending}." if ending else "."))
+    answer = SEPARATORS[sep].join([CASES[case](word)] * k) + ENDINGS[ending]
+    think = f"word={word}. times={k}. case={case}. sep={sep}." + (f" end={ENDINGS[ending]}" if ending else "")
+    meta = {"word": word, "k": k, "case": case, "ending": ENDINGS[ending], "sep": SEPARATORS[sep]}
     return prompt, Task(id="", domain=DOMAIN, split="", prompt=prompt, answer=answer, meta=meta,
                         demo=[{"role": "assistant", "reasoning_content": think, "content": answer}])
 
@@ -31,7 +35,8 @@ def verify(task: Task, completion: str) -> tuple[float, str]:
     """Fraction of the four constraints met; the reason names the ones missed."""
     m, text = task.meta, final_answer(completion)
     body = text[:-1] if m["ending"] and text.endswith(m["ending"]) else text
-    words = body.split()
+    words = body.split(m["sep"].strip() or None) if m["sep"].strip() else body.split()
+    words = [w.strip() for w in words]
     checks = {
         "ending": text.endswith(m["ending"]) if m["ending"] else not text.endswith(("!", ".")),
         "word": bool(words) and all(w.lower() == m["word"] for w in words),

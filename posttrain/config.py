@@ -23,10 +23,10 @@ class _Strict(BaseModel):
 
 class WorldConfig(_Strict):
     """The generated task world (see environments/)."""
-    n_train: int = 4000
+    n_train: int = 3000
     n_val: int = 64
     n_test: int = 128
-    max_operand: int = 20
+    max_operand: int = 9
     n_ops: int = 2
     agentic_numbers: int = 3
 
@@ -41,7 +41,6 @@ class CurateConfig(_Strict):
     min_chars: int = 20
     max_chars: int = 20000
     min_alpha_ratio: float = 0.3
-    decontam_ngram: int = 8
     on_bad_row: Literal["fail", "quarantine"] = "quarantine"
 
 

@@ -87,6 +87,10 @@ def _quality(text: str, c) -> str | None:
     return None
 
 
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
 def _shingles(words: list[str], n: int) -> set[str]:
     return {" ".join(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
 
@@ -99,8 +103,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     c, w = cfg.curate, cfg.world
     knobs = {k: v for k, v in w.model_dump().items() if k not in ("n_train", "n_val", "n_test")}
     tests = {d: environments.get(d).generate("test", w.n_test, cfg.seed, **knobs) for d in environments.DOMAINS}
-    test_ngrams = {g for ts in tests.values() for t in ts
-                   for g in _shingles(t.prompt.lower().split(), c.decontam_ngram)}
+    # a test prompt quoted anywhere in a document contaminates it (prompts are short templated text,
+    # so shared word n-grams would flag every document of the same template)
+    test_prompts = {_norm(t.prompt) for ts in tests.values() for t in ts}
     lsh = MinHashLSH(threshold=c.near_dup_threshold, num_perm=c.num_perm)
     seen_exact: set[str] = set()
     kept, quarantine = [], []
@@ -124,8 +129,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         else:
             seen_exact.add(h)
             reason = _quality(text, c)
-        words = text.lower().split()
-        if reason is None and _shingles(words, c.decontam_ngram) & test_ngrams:
+        normed = _norm(text)
+        words = normed.split()
+        if reason is None and any(p in normed for p in test_prompts):
             reason = "contamination"
         if reason is None:
             mh = MinHash(num_perm=c.num_perm, seed=cfg.seed)

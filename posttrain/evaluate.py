@@ -83,6 +83,5 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     (out / "eval.json").write_text(json.dumps({"eval": all_scores, "tokens": all_tokens}, indent=1))
     (out / "eval.md").write_text(table(all_scores) + "\n")
     plot(all_scores, out / "eval.png")
-    metrics = {f"{ck.replace('/', '_')}.{s.replace('@', '_at_').replace(':', '_')}": v
-               for ck, ss in all_scores.items() for s, v in ss.items()}
+    metrics = {f"{ck}.{s}": v for ck, ss in all_scores.items() for s, v in ss.items()}
     return {"metrics": metrics}

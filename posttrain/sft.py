@@ -43,9 +43,17 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     val_batches = [pad_examples(val[i:i + s.batch_size], tok.pad_token_id, s.seq_len)
                    for i in range(0, len(val), s.batch_size)]
 
+    # length buckets: a batch pads to its longest row, so one long-context example would make the
+    # whole batch 512 tokens wide
+    buckets: dict[int, list] = {}
+    for ex in examples:
+        buckets.setdefault(min(s.seq_len, 1 << max(6, (len(ex[0]) - 1).bit_length())), []).append(ex)
+    keys = sorted(buckets)
+
     def next_batch(step: int):
         rng = random.Random(cfg.seed * 31 + step)
-        return pad_examples([examples[rng.randrange(len(examples))] for _ in range(s.batch_size)],
+        bucket = buckets[rng.choices(keys, weights=[len(buckets[k]) for k in keys])[0]]
+        return pad_examples([bucket[rng.randrange(len(bucket))] for _ in range(s.batch_size)],
                             tok.pad_token_id, s.seq_len)
 
     hist = train(model, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,

@@ -58,13 +58,13 @@ class RunContext:
     """What every node needs to know about the pipeline run it belongs to (flows through Flyte)."""
     run_id: str
     home: str
-    config: dict
+    config_json: str
     parent_run_id: str = ""
     tags: dict[str, str] = field(default_factory=dict)
     force: list[str] = field(default_factory=list)  # stages to redo even on a cache hit
 
     def cfg(self) -> PipelineConfig:
-        return config_from_dict(self.config, f"run {self.run_id}")
+        return config_from_dict(json.loads(self.config_json), f"run {self.run_id}")
 
 
 class StageFailed(RuntimeError):

@@ -6,6 +6,7 @@ siblings started under asyncio.gather would otherwise get the wrong parent.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -41,15 +42,23 @@ def start_run(home: str, name: str, tags: dict[str, str], parent_run_id: str | N
     return c.create_run(experiment_id(c, home), run_name=name, tags=tags).info.run_id
 
 
+_BAD = re.compile(r"[^\w\-. :/]")
+
+
+def metric_name(key: str) -> str:
+    """MLflow allows alphanumerics, _ - . space : / in names."""
+    return _BAD.sub("_", key.replace("@", "_at_"))
+
+
 def log_result(home: str, run_id: str, *, params: dict, metrics: dict[str, float],
                history: dict[str, list[float]] | None = None, tags: dict[str, str] | None = None,
                datasets: list[tuple[str, str, str]] = (), files: list[Path] = ()) -> None:
     """Params, final metrics, step curves (batched), input datasets (name, digest, uri), small files."""
     c = client(home)
     now = int(time.time() * 1000)
-    ms = [Metric(k, float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float))]
+    ms = [Metric(metric_name(k), float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float))]
     for key, xs in (history or {}).items():
-        ms += [Metric(f"curve/{key}", float(x), now, i) for i, x in enumerate(xs)]
+        ms += [Metric(metric_name(f"curve/{key}"), float(x), now, i) for i, x in enumerate(xs)]
     ps = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
     ts = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
     for i in range(0, max(len(ms), 1), 900):  # the store caps a batch at 1000 metrics
@@ -73,4 +82,4 @@ def register_model(home: str, name: str, source: str, run_id: str, tags: dict[st
         c.get_registered_model(name)
     except Exception:
         c.create_registered_model(name, description="posttrain pipeline output; lineage: `posttrain lineage`")
-    return c.create_model_version(name, source=source, run_id=run_id, tags=tags).version
+    return str(c.create_model_version(name, source=source, run_id=run_id, tags=tags).version)

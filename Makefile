@@ -1,0 +1,31 @@
+# `make run` and `make test` install everything they need from nothing, then do their job.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PROFILE ?= tiny
+B       ?=
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+# torch first and pinned: 2.13.0 is the CPU build available locally; anything else pulls CUDA wheels.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+run: install
+	$(BIN)/posttrain run --profile $(PROFILE)
+
+test: install
+	$(BIN)/python -m pytest -x
+
+bench: install
+	$(BIN)/python -m bench $(B)
+
+clean:
+	rm -rf .posttrain

@@ -1,0 +1,1 @@
+"""Triton kernels, each beside its plain-torch reference (the DSA indexer arrives with the kernels work)."""

@@ -1,0 +1,168 @@
+"""`posttrain`: run the pipeline, rerun one node, audit lineage, open the MLflow UI, show a report."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from posttrain.config import ROOT, ConfigError, load_config
+
+EPILOG = """examples:
+  posttrain run                                  # embedded default (profile tiny), locally
+  posttrain run --profile smoke --set rl.steps=4
+  posttrain rerun opd --from latest --set opd.steps=40 --downstream
+  posttrain lineage posttrain-tiny@1             # chain back to the raw corpus, digests re-verified
+  posttrain report                               # eval table of the latest run
+  posttrain ui                                   # MLflow UI on http://127.0.0.1:5000
+"""
+
+
+def _flyte_init(remote: bool) -> None:
+    import flyte
+    if remote:
+        flyte.init_from_config(str(ROOT / "flyte.yaml"))
+    else:
+        flyte.init()  # purely local: nothing is contacted
+
+
+def _run_flyte(task, remote: bool, **kwargs) -> dict | None:
+    import flyte
+
+    from posttrain.artifacts import git_sha
+    _flyte_init(remote)
+    if remote:
+        run = flyte.with_runcontext(mode="remote", version=git_sha()).run(task, **kwargs)
+        print(f"submitted: {run.url}")
+        return None
+    out = flyte.with_runcontext(mode="local").run(task, **kwargs).outputs()[0]
+    return json.loads(Path(out.report_path).read_text())
+
+
+def print_report(report: dict) -> None:
+    from posttrain.evaluate import table
+    print(f"\nrun {report['run_id']} (profile {report['profile']}), {report['wall_seconds']:.0f} s, "
+          f"MLflow run {report['mlflow_run_id']}")
+    for s, v in report["stages"].items():
+        print(f"  {s:13s} {v['seconds']:7.1f} s  {'cached ' if v.get('cached') else ''}{v['sha256'][:12]}")
+    if report.get("eval"):
+        print("\ntest scores (thinking on; ':nothink' = thinking off)\n" + table(report["eval"]))
+    if report.get("registered_model"):
+        print(f"\nregistered model: {report['registered_model']}  (audit: posttrain lineage {report['registered_model']})")
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
+    if not a.remote:
+        from posttrain.raysupport import ensure_ray
+        ensure_ray(cfg.runtime)
+    from workflows.post_train import post_train
+    report = _run_flyte(post_train, a.remote, profile=a.profile, overrides=a.set, force=a.force)
+    if report:
+        print_report(report)
+    return 0
+
+
+def cmd_rerun(a: argparse.Namespace) -> int:
+    from posttrain.config import apply_overrides, config_from_dict
+    from posttrain.pipeline import load_run
+    from posttrain.stages import STAGES
+    if a.stage not in STAGES:
+        raise ConfigError(f"unknown stage {a.stage!r}; stages: {', '.join(STAGES)}")
+    _, old = load_run(a.from_run)
+    cfg = config_from_dict(apply_overrides(old.model_dump(mode="json"), a.set), f"--set {a.set}")
+    if not a.remote:
+        from posttrain.raysupport import ensure_ray
+        ensure_ray(cfg.runtime)
+    from workflows.post_train import rerun
+    report = _run_flyte(rerun, a.remote, stage=a.stage, from_run=a.from_run, overrides=a.set,
+                        downstream=a.downstream)
+    if report:
+        print_report(report)
+    return 0
+
+
+def cmd_lineage(a: argparse.Namespace) -> int:
+    from posttrain.lineage import lineage
+    ok = lineage(a.model, print)
+    return 0 if ok else 1
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from posttrain.pipeline import load_run
+    report, _ = load_run(a.run)
+    if a.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print_report(report)
+    return 0
+
+
+def cmd_ui(a: argparse.Namespace) -> int:
+    from posttrain.pipeline import home_dir
+    from posttrain.tracking import tracking_uri
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    args = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(home_dir()),
+            "--registry-store-uri", tracking_uri(home_dir()), "--host", "127.0.0.1", "--port", str(a.port),
+            "--workers", "1"]
+    print(f"MLflow UI on http://127.0.0.1:{a.port} (Ctrl-C to stop)")
+    os.execve(sys.executable, args, env)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="posttrain", description=__doc__, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the whole DAG (cached nodes are reused)")
+    r.add_argument("--profile", default="tiny", help="configs/<profile>.yaml or a path to a YAML file (default: tiny)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. rl.lr=1e-4")
+    r.add_argument("--force", action="append", default=[], metavar="STAGE", help="redo STAGE even on a cache hit")
+    r.add_argument("--remote", action="store_true", help="submit to the Flyte cluster in flyte.yaml")
+    r.set_defaults(fn=cmd_run)
+    rr = sub.add_parser("rerun", help="redo one node with inputs from an earlier run's lineage")
+    rr.add_argument("stage", help="stage name: raw, curate, base, ramp, sft, rl-<domain>, opd, quantize, evaluate")
+    rr.add_argument("--from", dest="from_run", required=True, help="run id (see .posttrain/runs) or 'latest'")
+    rr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    rr.add_argument("--downstream", action="store_true", help="also redo every node that consumes STAGE")
+    rr.add_argument("--remote", action="store_true")
+    rr.set_defaults(fn=cmd_rerun)
+    ln = sub.add_parser("lineage", help="print a registered model's chain back to the raw corpus, re-verifying digests")
+    ln.add_argument("model", help="NAME@VERSION, e.g. posttrain-tiny@1")
+    ln.set_defaults(fn=cmd_lineage)
+    rp = sub.add_parser("report", help="show a run's report (default: the latest)")
+    rp.add_argument("run", nargs="?", default="latest")
+    rp.add_argument("--json", action="store_true")
+    rp.set_defaults(fn=cmd_report)
+    ui = sub.add_parser("ui", help="MLflow UI on 127.0.0.1")
+    ui.add_argument("--port", type=int, default=5000)
+    ui.set_defaults(fn=cmd_ui)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    t0 = time.time()
+    try:
+        return a.fn(a)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"posttrain: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a failed stage: say which, not a bare traceback
+        from posttrain.artifacts import DigestMismatch
+        from posttrain.stages import StageFailed
+        cause = e
+        while cause is not None and not isinstance(cause, (StageFailed, DigestMismatch, ConfigError)):
+            cause = cause.__cause__ or cause.__context__
+        # Flyte's local controller re-raises a node's error as its own type, keeping only the message
+        msg = str(cause or e)
+        if cause is None and not any(k in msg for k in (" failed: ", "digest", "invalid config")):
+            raise
+        print(f"posttrain: error after {time.time() - t0:.0f} s: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Audit: from a registered model version back to the raw corpus, every digest re-verified."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from posttrain import tracking
+from posttrain.artifacts import DigestMismatch, find_by_digest, verify
+from posttrain.pipeline import home_dir
+
+
+def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
+    """Print the chain for NAME@VERSION; False if any artifact is missing or fails verification."""
+    if "@" not in spec:
+        raise ValueError(f"expected NAME@VERSION, got {spec!r}")
+    name, version = spec.rsplit("@", 1)
+    home = home_dir()
+    c = tracking.client(home)
+    mv = c.get_model_version(name, version)
+    say(f"{name} version {version}: {mv.source} (run {mv.run_id})")
+    ok = True
+    seen: set[str] = set()
+
+    def walk(path: Path, expected: str | None, depth: int) -> None:
+        nonlocal ok
+        pad = "  " * depth
+        try:
+            m = verify(path, expected)
+        except DigestMismatch as e:
+            ok = False
+            say(f"{pad}FAILED {e}")
+            return
+        run = m.get("mlflow_run_id", "")
+        say(f"{pad}{m['stage']:13s} sha256 {m['sha256'][:16]}  ok ({len(m['files'])} files)  "
+            f"config {m['config_digest'][:10]}  code {m['code_digest'][:10]}  git {m.get('git_sha', '')[:12]}  "
+            f"mlflow {run}")
+        if m["sha256"] in seen:
+            return
+        seen.add(m["sha256"])
+        for pname, digest in sorted(m["parents"].items()):
+            found = find_by_digest(home / "artifacts", digest)
+            if found is None:
+                ok = False
+                say(f"{pad}  MISSING parent {pname} {digest[:16]}: no artifact with that digest")
+                continue
+            walk(found, digest, depth + 1)
+
+    walk(Path(mv.source), mv.tags.get("sha256"), 1)
+    say("lineage verified: every artifact matches its manifest" if ok else "lineage FAILED verification")
+    return ok

@@ -1,0 +1,86 @@
+"""A pipeline run's beginning and end: run context, parent MLflow run, report.json, registry."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from posttrain import tracking
+from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha
+from posttrain.config import PipelineConfig
+from posttrain.stages import ORDER, RunContext
+
+def home_dir() -> Path:
+    return Path(os.environ.get("POSTTRAIN_HOME", Path.cwd() / ".posttrain")).resolve()
+
+
+def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None = None,
+          force: list[str] | None = None) -> RunContext:
+    home = home_dir()
+    run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    run_dir = home / "runs" / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+    tags = {"posttrain.run_id": run_id, "profile": cfg.profile, "git_sha": git_sha(),
+            "config_digest": cfg.digest(), **(tags or {})}
+    parent = tracking.start_run(str(home), f"pipeline-{run_id}", tags)
+    tracking.log_result(str(home), parent, params={"profile": cfg.profile}, metrics={},
+                        files=[run_dir / "config.json"])
+    return RunContext(run_id=run_id, home=str(home), config_json=cfg.model_dump_json(), parent_run_id=parent,
+                      tags={"posttrain.pipeline_run": parent}, force=list(force or []))
+
+
+def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, extra: dict | None = None) -> dict:
+    """Write report.json (and the `latest` copy), register the final model, close the parent run."""
+    cfg = ctx.cfg()
+    home, run_dir = Path(ctx.home), Path(ctx.home) / "runs" / ctx.run_id
+    report = {"run_id": ctx.run_id, "profile": cfg.profile, "mlflow_run_id": ctx.parent_run_id,
+              "wall_seconds": round(wall_seconds, 1), "config_digest": cfg.digest(), "git_sha": git_sha(),
+              "stages": {s: {"seconds": r.seconds, "mlflow_run_id": r.mlflow_run_id, "artifact": r.path,
+                             "sha256": r.sha256, "cached": r.cached}
+                         for s in ORDER if (r := refs.get(s))},
+              **(extra or {})}
+    if "evaluate" in refs:
+        report.update(json.loads((Path(refs["evaluate"].path) / "eval.json").read_text()))
+    if "quantize" in refs:
+        report["quantization"] = refs["quantize"].metrics
+        q = refs["quantize"]
+        report["registered_model"] = f"{cfg.registered_model}@" + tracking.register_model(
+            ctx.home, cfg.registered_model, q.path, q.mlflow_run_id,
+            {"sha256": q.sha256, "pipeline_run": ctx.parent_run_id, "posttrain.run_id": ctx.run_id})
+    text = json.dumps(report, indent=1)
+    atomic_write_text(run_dir / "report.json", text)
+    atomic_write_text(home / "latest" / "report.json", text)
+    if "evaluate" in refs:
+        for name in ("eval.md", "eval.png"):
+            shutil.copy(Path(refs["evaluate"].path) / name, run_dir / name)
+    files = [run_dir / "report.json"] + [run_dir / n for n in ("eval.md", "eval.png") if (run_dir / n).exists()]
+    metrics = {f"{ck}.{s}": v for ck, ss in report.get("eval", {}).items() for s, v in ss.items()}
+    tracking.log_result(ctx.home, ctx.parent_run_id, params={}, metrics={"wall_seconds": wall_seconds, **metrics},
+                        files=files)
+    tracking.end_run(ctx.home, ctx.parent_run_id)
+    return report
+
+
+def fail(ctx: RunContext) -> None:
+    tracking.end_run(ctx.home, ctx.parent_run_id, "FAILED")
+
+
+def load_run(run: str) -> tuple[dict, PipelineConfig]:
+    """An earlier run's report and config, by run id (or 'latest')."""
+    from posttrain.config import config_from_dict
+    home = home_dir()
+    run_dir = home / "runs" / run if run != "latest" else None
+    if run_dir is None:
+        run = json.loads((home / "latest" / "report.json").read_text())["run_id"]
+        run_dir = home / "runs" / run
+    report_path = run_dir / "report.json"
+    if not report_path.exists():
+        known = sorted(p.name for p in (home / "runs").glob("*") if (p / "report.json").exists())
+        raise FileNotFoundError(f"no finished run {run!r} under {home / 'runs'} (finished runs: {known[-5:]})")
+    cfg = config_from_dict(json.loads((run_dir / "config.json").read_text()), str(run_dir / "config.json"))
+    return json.loads(report_path.read_text()), cfg
+

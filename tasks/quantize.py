@@ -1,0 +1,13 @@
+"""quantize node: W4A8 checkpoint."""
+from __future__ import annotations
+
+from posttrain.artifacts import ArtifactRef
+from posttrain.stages import RunContext
+from tasks.common import run_stage, stage_env
+
+env = stage_env("quantize", cpu=4, memory="32Gi")
+
+
+@env.task
+async def quantize(ctx: RunContext, opd: ArtifactRef) -> ArtifactRef:
+    return await run_stage("quantize", ctx, {"opd": opd})

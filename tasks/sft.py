@@ -1,0 +1,13 @@
+"""sft node: chat-template SFT with thinking modes, assistant-only loss."""
+from __future__ import annotations
+
+from posttrain.artifacts import ArtifactRef
+from posttrain.stages import RunContext
+from tasks.common import GPU_TRAIN, run_stage, stage_env
+
+env = stage_env("sft", img=GPU_TRAIN, cpu=8, memory="64Gi", gpu=8, workers=2)
+
+
+@env.task
+async def sft(ctx: RunContext, ramp: ArtifactRef, curate: ArtifactRef) -> ArtifactRef:
+    return await run_stage("sft", ctx, {"ramp": ramp, "curate": curate})
