@@ -24,6 +24,9 @@ def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
     def walk(path: Path, expected: str | None, depth: int) -> None:
         nonlocal ok
         pad = "  " * depth
+        if expected in seen:
+            say(f"{pad}{path.parent.name:13s} sha256 {expected[:16]}  (verified above)")
+            return
         try:
             m = verify(path, expected)
         except DigestMismatch as e:
@@ -34,8 +37,6 @@ def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
         say(f"{pad}{m['stage']:13s} sha256 {m['sha256'][:16]}  ok ({len(m['files'])} files)  "
             f"config {m['config_digest'][:10]}  code {m['code_digest'][:10]}  git {m.get('git_sha', '')[:12]}  "
             f"mlflow {run}")
-        if m["sha256"] in seen:
-            return
         seen.add(m["sha256"])
         for pname, digest in sorted(m["parents"].items()):
             found = find_by_digest(home / "artifacts", digest)
