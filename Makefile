@@ -22,7 +22,7 @@ run: install
 	$(BIN)/posttrain run --profile $(PROFILE)
 
 test: install
-	$(BIN)/python -m pytest -x
+	$(BIN)/python -m pytest -x -q
 
 bench: install
 	$(BIN)/python -m bench $(B)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             cause = cause.__cause__ or cause.__context__
         # Flyte's local controller re-raises a node's error as its own type, keeping only the message
         msg = str(cause or e)
-        if cause is None and not any(k in msg for k in (" failed: ", "digest", "invalid config")):
+        if cause is None and not re.search(r"stage [\w-]+ (failed|refused)|invalid config", msg):
             raise
         print(f"posttrain: error after {time.time() - t0:.0f} s: {msg}", file=sys.stderr)
         return 1

@@ -91,8 +91,11 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     missing = set(stage.inputs) - set(inputs)
     if missing:
         raise StageFailed(f"{name}: missing inputs {sorted(missing)}")
-    for ref in inputs.values():
-        verify_ref(ref)  # refuses a tampered or half-written upstream artifact
+    for k, ref in inputs.items():
+        try:
+            verify_ref(ref)  # refuses a tampered or half-written upstream artifact
+        except DigestMismatch as e:
+            raise StageFailed(f"stage {name} refused its input {k}: {e}") from e
     key = cache_key(stage, cfg, inputs)
     target = Path(ctx.home) / "artifacts" / name / key[:16]
     tags = {"posttrain.stage": name, "posttrain.run_id": ctx.run_id, "git_sha": git_sha(),

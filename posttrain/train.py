@@ -52,7 +52,7 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
         sched.step()
         hist["loss"].append(loss.item())
         hist["lr"].append(sched.get_last_lr()[0])
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
         if eval_fn and eval_every and ((step + 1) % eval_every == 0 or step == steps - 1):
             model.eval()
             hist.setdefault("val_loss", []).append(eval_fn())

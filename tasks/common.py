@@ -5,32 +5,24 @@ through one lean local Ray instance; remotely each task is a RayJob on KubeRay.
 """
 from __future__ import annotations
 
-import os
-
 import flyte
 from flyteplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from posttrain.artifacts import ArtifactRef
-from posttrain.config import ROOT
 from posttrain.stages import RunContext, execute
 
-REGISTRY = os.environ.get("POSTTRAIN_REGISTRY", "ghcr.io/posttrain")
-
-
-def image(name: str) -> flyte.Image:
-    return flyte.Image.from_dockerfile(ROOT / "containers" / name / "Dockerfile", registry=REGISTRY,
-                                       name=f"posttrain-{name}")
-
-
-CPU = image("cpu")
-GPU_TRAIN = image("gpu-train")
+# Images are references resolved from flyte.yaml `image.image_refs` (or `--image cpu=URI`): CI builds
+# containers/<name>/Dockerfile and passes the URI, so deploy never builds anything itself.
+CPU = flyte.Image.from_ref_name("cpu")
+GPU_TRAIN = flyte.Image.from_ref_name("gpu-train")
 
 
 def ray_job(workers: int, cpu: int, memory: str, gpu: int = 0) -> RayJobConfig:
-    res = flyte.Resources(cpu=cpu, memory=memory, gpu=gpu) if gpu else flyte.Resources(cpu=cpu, memory=memory)
+    # strings: the kubernetes client validates pod resources as quantities
+    res = flyte.Resources(cpu=str(cpu), memory=memory, gpu=gpu) if gpu else flyte.Resources(cpu=str(cpu), memory=memory)
     return RayJobConfig(
         head_node_config=HeadNodeConfig(ray_start_params={"num-cpus": "0"},
-                                        requests=flyte.Resources(cpu=1, memory="2Gi")),
+                                        requests=flyte.Resources(cpu="1", memory="2Gi")),
         worker_node_config=[WorkerNodeConfig(group_name="workers", replicas=workers, requests=res)],
         shutdown_after_job_finishes=True, ttl_seconds_after_finished=600)
 
@@ -39,7 +31,7 @@ def stage_env(name: str, *, img: flyte.Image = CPU, cpu: int = 2, memory: str = 
               gpu: int = 0) -> flyte.TaskEnvironment:
     # caching is ours (content-addressed on config, source closure and input digests): Flyte's
     # cache="auto" hashes only the task body and would serve stale results after a helper change.
-    return flyte.TaskEnvironment(name=name, image=img, resources=flyte.Resources(cpu=1, memory="2Gi"),
+    return flyte.TaskEnvironment(name=name, image=img, resources=flyte.Resources(cpu="1", memory="2Gi"),
                                  plugin_config=ray_job(workers, cpu, memory, gpu), cache="disable")
 
 

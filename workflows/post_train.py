@@ -19,7 +19,7 @@ from tasks import base as base_t, curate as curate_t, evaluate as evaluate_t, op
 from tasks.common import CPU
 
 env = flyte.TaskEnvironment(
-    name="post_train", image=CPU, resources=flyte.Resources(cpu=1, memory="2Gi"), cache="disable",
+    name="post_train", image=CPU, resources=flyte.Resources(cpu="1", memory="2Gi"), cache="disable",
     depends_on=[curate_t.env, base_t.env, ramp_t.env, sft_t.env, rl_t.env, opd_t.env, quantize_t.env,
                 evaluate_t.env])
 

@@ -1,0 +1,40 @@
+import pytest
+from transformers import AutoTokenizer
+
+import environments
+from posttrain.chat import render_ids, render_with_mask, train_tokenizer
+from posttrain.sft import conversation
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    texts = [t.prompt + " " + str(t.demo) for d in environments.DOMAINS
+             for t in environments.get(d).generate("train", 100, 0)]
+    path = tmp_path_factory.mktemp("tok")
+    train_tokenizer(texts, 400).save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)  # what a serving engine would load
+
+
+def test_loss_mask_covers_only_assistant_turns(tok):
+    task = environments.get("agentic").generate("train", 1, 0)[0]
+    ids, mask = render_with_mask(tok, conversation(task, thinking=True))
+    trained = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert "<tool_call>read" in trained and "<think>" in trained and task.answer in trained
+    assert "Add up" not in trained  # user turn
+    assert task.meta["files"][next(iter(task.meta["files"]))] not in trained  # tool observation
+
+
+def test_thinking_off_renders_empty_think_block(tok):
+    msgs = [{"role": "user", "content": "Compute 1+2."}]
+    off = tok.convert_ids_to_tokens(render_ids(tok, msgs, add_generation_prompt=True, enable_thinking=False))
+    on = tok.convert_ids_to_tokens(render_ids(tok, msgs, add_generation_prompt=True))
+    assert off[-3:] == ["<|assistant|>", "<think>", "</think>"] and on[-1] == "<|assistant|>"
+
+
+def test_preserve_thinking_keeps_earlier_turns_thinking(tok):
+    msgs = [{"role": "user", "content": "Compute 1+2."},
+            {"role": "assistant", "reasoning_content": "1+2=3.", "content": "3"},
+            {"role": "user", "content": "Compute 2+2."}]
+    dropped = tok.decode(render_ids(tok, msgs, add_generation_prompt=True))
+    kept = tok.decode(render_ids(tok, msgs, add_generation_prompt=True, preserve_thinking=True))
+    assert "1+2=3." not in dropped and "1+2=3." in kept

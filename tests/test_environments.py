@@ -1,0 +1,66 @@
+import pytest
+
+import environments
+from environments import agentic, general, reasoning
+from environments.sandbox import BLOCKED_OUTPUT, Workspace
+
+
+@pytest.mark.parametrize("name", ["reasoning", "agentic", "general", "long_context"])
+def test_generators_are_deterministic_and_splits_disjoint(name):
+    env = environments.get(name)
+    a = env.generate("train", 50, seed=3)
+    b = env.generate("train", 50, seed=3)
+    assert [t.to_json() for t in a] == [t.to_json() for t in b]
+    # the problem identity (id = hash of its canonical key) never crosses splits
+    ids = {s: {t.id for t in env.generate(s, 30, seed=3)} for s in ("train", "val", "test")}
+    assert not ids["train"] & ids["test"] and not ids["val"] & ids["test"] and not ids["train"] & ids["val"]
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("<think>2+3=5.</think>5<|end|>", 1.0),
+    ("<think>x</think>  5 ", 1.0),
+    ("<think>x</think>+5", 1.0),
+    ("<think>5</think>6", 0.0),
+    ("the answer is 5", 0.0),
+    ("<think>x</think>5 apples", 0.0),
+    ("", 0.0),
+])
+def test_number_verifier_edge_formats(completion, expected):
+    task = reasoning.generate("test", 1, 0)[0]
+    task.answer = "5"
+    assert reasoning.verify(task, completion)[0] == expected
+
+
+def test_general_verifier_gives_partial_credit_with_reasons():
+    task = next(t for t in general.generate("test", 50, 0) if t.meta["ending"] and t.meta["k"] > 1)
+    assert general.verify(task, task.answer) == (1.0, "all constraints met")
+    score, reason = general.verify(task, task.answer.lower().swapcase())
+    assert score < 1.0 and "case" in reason
+
+
+ATTACKS = ["../grader/grader.txt", "/etc/passwd", "grader.txt", "../../", "~/.ssh/id_rsa",
+           "http://evil/answers", "sub/../../grader/grader.txt", "tests/test_hidden.py"]
+
+
+@pytest.mark.parametrize("arg", ATTACKS)
+def test_sandbox_blocks_escapes_and_the_episode_goes_on(arg):
+    task = agentic.generate("test", 1, 0)[0]
+    ws = agentic.open_workspace(task)
+    try:
+        assert ws.call("read", arg) == BLOCKED_OUTPUT
+        assert ws.blocked and ws.blocked[-1]["arg"] == arg
+        fname = next(iter(task.meta["files"]))
+        assert ws.call("read", fname) == task.meta["files"][fname]  # still usable afterwards
+    finally:
+        ws.close()
+
+
+def test_symlink_out_of_workspace_is_blocked(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("42")
+    ws = Workspace.create({"data.txt": "1 2"}, grader="3")
+    try:
+        (ws.root / "link.txt").symlink_to(secret)
+        assert ws.call("read", "link.txt") == BLOCKED_OUTPUT
+    finally:
+        ws.close()

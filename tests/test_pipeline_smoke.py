@@ -1,0 +1,109 @@
+"""End to end on the smoke profile, through the CLI and Flyte's local runner: the contracts a user
+relies on (report, MLflow lineage, registry, caching, rerun, digest checks)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINTS = ["base", "ramped", "sft", "specialist/reasoning", "specialist/agentic", "specialist/general",
+               "generalist", "quantized"]
+
+
+def posttrain(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
+    p = subprocess.run([sys.executable, "-m", "posttrain.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=900)
+    if check and p.returncode != 0:
+        raise AssertionError(f"posttrain {' '.join(args)} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def stage_runs(home: Path, parent: str) -> dict:
+    c = MlflowClient(tracking_uri=f"sqlite:///{home}/mlflow.db")
+    exp = c.get_experiment_by_name("posttrain")
+    runs = c.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent}'", max_results=100)
+    return {r.data.tags["posttrain.stage"]: r for r in runs}
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    posttrain(home, "run", "--profile", "smoke")
+    return home, json.loads((home / "latest" / "report.json").read_text())
+
+
+def test_report_has_every_checkpoint_and_suite(first):
+    home, report = first
+    assert set(CHECKPOINTS) == set(report["eval"])
+    for ck in CHECKPOINTS:
+        suites = report["eval"][ck]
+        assert {"reasoning", "agentic", "general", "long_context@64", "long_context@96", "long_context@128"} <= set(suites)
+        assert all(0.0 <= v <= 1.0 for v in suites.values())
+        assert set(report["tokens"][ck]) == set(suites)
+    assert (home / "runs" / report["run_id"] / "report.json").exists()
+    for s in ("curate", "base", "ramp", "sft", "rl-reasoning", "opd", "quantize", "evaluate"):
+        assert len(report["stages"][s]["sha256"]) == 64
+
+
+def test_mlflow_children_lineage_and_registry(first):
+    home, report = first
+    runs = stage_runs(home, report["mlflow_run_id"])
+    assert {"raw", "curate", "base", "ramp", "sft", "rl-reasoning", "rl-agentic", "rl-general", "opd",
+            "quantize", "evaluate"} <= set(runs)
+    sft = runs["sft"]
+    assert "curve/loss" in sft.data.metrics and sft.data.tags["config_digest"] and sft.data.tags["git_sha"]
+    assert sft.inputs.dataset_inputs  # upstream artifacts logged as input datasets
+    # the three specialists ran at the same time
+    spans = [(runs[s].info.start_time, runs[s].info.end_time) for s in ("rl-reasoning", "rl-agentic", "rl-general")]
+    assert max(s for s, _ in spans) < min(e for _, e in spans)
+    out = posttrain(home, "lineage", report["registered_model"]).stdout
+    assert "raw" in out and "lineage verified" in out
+
+
+def test_second_run_redoes_nothing_and_opd_change_redoes_only_downstream(first):
+    home, _ = first
+    posttrain(home, "run", "--profile", "smoke")
+    again = json.loads((home / "latest" / "report.json").read_text())
+    assert all(v["cached"] for v in again["stages"].values())
+    posttrain(home, "run", "--profile", "smoke", "--set", "opd.lr=1e-4")
+    changed = json.loads((home / "latest" / "report.json").read_text())
+    redone = {s for s, v in changed["stages"].items() if not v["cached"]}
+    assert redone == {"opd", "quantize", "evaluate"}
+
+
+def test_rerun_one_node_reuses_upstream_by_digest(first):
+    home, report = first
+    posttrain(home, "rerun", "opd", "--from", report["run_id"], "--set", "opd.steps=1")
+    new = json.loads((home / "latest" / "report.json").read_text())
+    assert new["run_id"] != report["run_id"]
+    assert new["stages"]["opd"]["sha256"] != report["stages"]["opd"]["sha256"]
+    for s in ("sft", "rl-agentic", "quantize"):  # upstream and (not asked) downstream are reused
+        assert new["stages"][s]["sha256"] == report["stages"][s]["sha256"]
+    runs = stage_runs(home, new["mlflow_run_id"])
+    assert set(runs) == {"opd"}
+
+
+def test_tampered_artifact_is_refused_and_lineage_fails(first):
+    home, report = first
+    sft_dir = Path(report["stages"]["sft"]["artifact"])
+    weights = sft_dir / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        weights.write_bytes(original[:-8] + b"tampered")
+        p = posttrain(home, "rerun", "opd", "--from", report["run_id"], check=False)
+        assert p.returncode != 0 and "model.safetensors" in p.stderr
+        p = posttrain(home, "lineage", report["registered_model"], check=False)
+        assert p.returncode == 1 and "FAILED" in p.stdout
+    finally:
+        weights.write_bytes(original)
+
+
+def test_bad_input_fails_before_any_work(tmp_path):
+    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", "rl.stepz=1", check=False)
+    assert p.returncode == 2 and "rl.stepz: unknown key" in p.stderr
+    assert not (tmp_path / "runs").exists()
