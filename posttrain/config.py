@@ -49,10 +49,10 @@ class TokenizerConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    hidden_size: int = 96
-    num_layers: int = 3
+    hidden_size: int = 128
+    num_layers: int = 4
     num_heads: int = 4
-    intermediate_size: int = 256
+    intermediate_size: int = 384
     rope_theta: float = 10000.0
     max_position_embeddings: int = 128
 
@@ -89,16 +89,19 @@ class RampConfig(_Strict):
 
 
 class SFTConfig(TrainConfig):
+    steps: int = 1500
+    seq_len: int = 512
+    lr: float = 2e-3
     nothink_share: float = 0.25
     preserve_thinking_share: float = 0.5
 
 
 class RLConfig(_Strict):
     algorithm: Literal["grpo"] = "grpo"
-    steps: int = 20
-    prompts_per_step: int = 8
+    steps: int = 100
+    prompts_per_step: int = 16
     group_size: int = 8
-    lr: float = 3e-4
+    lr: float = 3e-5
     temperature: float = 1.0
     max_new_tokens: int = 48
     clip_eps: float = 0.2
@@ -106,9 +109,9 @@ class RLConfig(_Strict):
 
 
 class OPDConfig(_Strict):
-    steps: int = 20
-    prompts_per_step: int = 16
-    lr: float = 3e-4
+    steps: int = 60
+    prompts_per_step: int = 24
+    lr: float = 5e-5
     temperature: float = 1.0
     max_new_tokens: int = 48
 
