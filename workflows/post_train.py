@@ -93,7 +93,7 @@ async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream
                            f"run {from_run} with --set {list(overrides)}")
     todo = set(downstream_of(stage)) if downstream else {stage}
     refs = {s: ref_from_dict({"stage": s, "path": v["artifact"], "sha256": v["sha256"],
-                              "mlflow_run_id": v["mlflow_run_id"]})
+                              "mlflow_run_id": v["mlflow_run_id"], "cached": True})
             for s, v in report["stages"].items() if s not in todo}
     ctx = pipeline.start(cfg, run_id=run_id, force=[stage],
                          tags={"posttrain.rerun_of": report["run_id"], "posttrain.rerun_stage": stage})
