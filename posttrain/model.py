@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-hf_logging.disable_progress_bar()  # per-load bars drown the stage progress
-
 from posttrain.config import ModelConfig
+
+hf_logging.disable_progress_bar()  # per-load bars drown the stage progress
 
 
 def seed_all(seed: int) -> None:
@@ -30,18 +30,10 @@ def build_model(cfg: ModelConfig, tok) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).float()
 
 
-def load_checkpoint(path: str | Path, **config_updates) -> tuple[LlamaForCausalLM, object]:
-    """Load model + tokenizer with plain Auto classes; `config_updates` (e.g. rope) apply before build."""
+def load_checkpoint(path: str | Path) -> tuple[LlamaForCausalLM, object]:
+    """Load model + tokenizer with the plain Auto classes, as any HF user would."""
     tok = AutoTokenizer.from_pretrained(path)
-    if config_updates:
-        from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(path)
-        for k, v in config_updates.items():
-            setattr(config, k, v)
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model, tok
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tok
 
 
 def save_checkpoint(model, tok, out: str | Path) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from environments import long_context
@@ -51,7 +50,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         longs = [[tok.bos_token_id, *d, eos] for d in _long_docs(tok, st.seq_len, 256, cfg.seed + k)]
         n_long = max(1, round(r.batch_size * st.long_share))
 
-        def next_batch(step: int, rows=rows, longs=longs, n_long=n_long):
+        def next_batch(step: int, k=k, st=st, rows=rows, longs=longs, n_long=n_long):
             rng = random.Random(cfg.seed * 7919 + k * 100_003 + step)
             short = [rows[rng.randrange(len(rows))].tolist() for _ in range(r.batch_size - n_long)]
             ex = [(x, [1] * len(x)) for x in short + [rng.choice(longs) for _ in range(n_long)]]

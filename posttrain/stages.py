@@ -71,9 +71,9 @@ class StageFailed(RuntimeError):
     pass
 
 
-def cache_key(stage: Stage, cfg: PipelineConfig, inputs: dict[str, ArtifactRef]) -> str:
-    return sha256_json({"stage": stage.name, "config": cfg.digest(*stage.sections),
-                        "code": code_digest(stage.fn.split(":")[0]), "params": list(stage.params),
+def cache_key(stage: Stage, cfg: PipelineConfig, code: str, inputs: dict[str, ArtifactRef]) -> str:
+    return sha256_json({"stage": stage.name, "config": cfg.digest(*stage.sections), "code": code,
+                        "params": list(stage.params),
                         "inputs": {k: v.sha256 for k, v in sorted(inputs.items())}})
 
 
@@ -96,7 +96,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
             verify_ref(ref)  # refuses a tampered or half-written upstream artifact
         except DigestMismatch as e:
             raise StageFailed(f"stage {name} refused its input {k}: {e}") from e
-    key = cache_key(stage, cfg, inputs)
+    key = cache_key(stage, cfg, code, inputs)
     target = Path(ctx.home) / "artifacts" / name / key[:16]
     tags = {"posttrain.stage": name, "posttrain.run_id": ctx.run_id, "git_sha": git_sha(),
             "config_digest": cfg.digest(), "cache_key": key, **ctx.tags}
@@ -128,7 +128,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
                                     config_digest=cfg.digest(*stage.sections), code_digest=code,
                                     mlflow_run_id=run_id, extra={"metrics": metrics})
             files = _small_files(tmp)
-            tracking.log_result(ctx.home, run_id, params={**{f"{s}": json.dumps(cfg.model_dump(mode="json")[s])
+            tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(cfg.model_dump(mode="json")[s])
                                                              for s in stage.sections}, **dict(stage.params)},
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
                                 tags={"artifact_uri": str(target), "artifact_sha256": digest})
