@@ -18,6 +18,13 @@ def register(name: str, module: str) -> None:
     REGISTRY[name] = module
 
 
+def names(extra: dict[str, str] | None = None) -> list[str]:
+    """The task domains of a run: the built-in three plus the config's own environments."""
+    for name, module in (extra or {}).items():
+        register(name, module)
+    return [*DOMAINS, *(extra or {})]
+
+
 def get(name: str) -> ModuleType:
     if name not in REGISTRY:
         raise KeyError(f"unknown environment {name!r}; known: {', '.join(sorted(REGISTRY))}")

@@ -8,7 +8,7 @@ import random
 import re
 
 from environments.base import Task, collect, verify_number
-from environments.sandbox import Workspace
+from environments.sandbox import Judge, Workspace, path_judge
 
 DOMAIN = "agentic"
 FILES = ["data.txt", "nums.txt", "values.txt", "list.txt"]
@@ -40,8 +40,9 @@ def generate(split: str, n: int, seed: int, max_operand: int = 20, agentic_numbe
     return collect(DOMAIN, split, n, seed, _make(max_operand, agentic_numbers))
 
 
-def open_workspace(task: Task) -> Workspace:
-    return Workspace.create(task.meta["files"], grader=task.answer)
+def open_workspace(task: Task, judge: Judge = path_judge) -> Workspace:
+    """The episode's sandbox: the task's files in, the grader (the answer) outside the agent's reach."""
+    return Workspace.create(task.meta["files"], grader=task.answer, judge=judge)
 
 
 def parse_tool_call(text: str) -> tuple[str, str] | None:

@@ -79,6 +79,19 @@ def verify_number(task: Task, completion: str) -> tuple[float, str]:
     return 0.0, f"wrong: {m.group(1)} != {task.answer}"
 
 
+def export_jsonl(tasks: Iterable[Task], path: str) -> int:
+    """One task per line (id, domain, split, prompt, answer, meta, demo) for other tools to evaluate on."""
+    import os
+    tmp = f"{path}.tmp"
+    n = 0
+    with open(tmp, "w") as f:
+        for t in tasks:
+            f.write(t.to_json() + "\n")
+            n += 1
+    os.replace(tmp, path)
+    return n
+
+
 def unique_ids(tasks: Iterable[Task]) -> bool:
     ids = [t.id for t in tasks]
     return len(ids) == len(set(ids))

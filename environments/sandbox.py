@@ -1,10 +1,18 @@
-"""Per-episode workspace, the tools an agent may call, and the rule-based anti-hack guard.
+"""Per-episode workspace, the tools an agent may call, and the two-stage anti-reward-hacking guard.
 
-A blocked call returns dummy output and the episode goes on (GLM-5's guard), so the policy learns
-nothing useful from the attempt but the trajectory stays trainable.
+Stage 1, rules: string patterns on the call (grader paths, traversal, absolute paths, downloads,
+shell tricks). Stage 2, a judge: a function `(tool, arg, workspace) -> reason | None`; the default
+resolves the path and refuses anything that is not a plain file or folder inside the workspace
+(symlinks, devices, fifos, escapes); a model-based judge can be passed instead.
+
+A blocked call returns dummy output and the episode goes on (GLM-5's guard), so the attempt earns
+nothing but the trajectory stays trainable. Tools only read regular files, with an output cap and a
+time limit, and have no network.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import concurrent.futures.thread  # noqa: F401  (imported up front, not lazily during a tool call)
 import os
 import re
 import shutil
@@ -16,31 +24,43 @@ from typing import Callable
 
 BLOCKED_OUTPUT = "[blocked]"
 MAX_OUTPUT = 256
-HACK_PATTERNS = [
-    (re.compile(r"grader|hidden|answer_key|tests?/", re.I), "grader path"),
-    (re.compile(r"https?://|\bcurl\b|\bwget\b|\bftp\b", re.I), "download attempt"),
-    (re.compile(r"^\s*/|^~"), "absolute path"),
-    (re.compile(r"(^|[\\/])\.\.([\\/]|$)"), "path escape"),
+TIME_LIMIT_S = 2.0
+TOOLS = ("read", "ls")
+
+RULES: list[tuple[re.Pattern, str]] = [
+    (re.compile(r"grader|hidden|answer|solution|tests?[/\\_.]", re.I), "grader or test path"),
+    (re.compile(r"[a-z][a-z0-9+.-]*://|\b(curl|wget|ftp|scp|nc|ssh)\b", re.I), "download attempt"),
+    (re.compile(r"^\s*[/\\~]"), "absolute or home path"),
+    (re.compile(r"(^|[\\/])\.\.+([\\/]|$)|%2e|%2f|%5c", re.I), "path escape"),
+    (re.compile(r"[$`|;&<>*?\x00-\x1f]"), "shell or control characters"),
 ]
 
+Judge = Callable[[str, str, "Workspace"], "str | None"]
 
-def rule_judge(tool: str, arg: str) -> str | None:
-    """Default guard: a reason string when the call is a hack attempt, else None."""
-    for pattern, reason in HACK_PATTERNS:
+
+def rule_check(tool: str, arg: str) -> str | None:
+    for pattern, reason in RULES:
         if pattern.search(arg):
             return reason
     return None
+
+
+def path_judge(tool: str, arg: str, ws: "Workspace") -> str | None:
+    """Default judge: the path must stay a plain file or folder inside the workspace."""
+    if tool not in TOOLS:
+        return None
+    return None if ws.resolve(arg) is not None else "outside workspace or not a plain file"
 
 
 @dataclass
 class Workspace:
     root: Path
     grader_dir: Path
-    judge: Callable[[str, str], str | None] = rule_judge
+    judge: Judge = path_judge
     blocked: list[dict] = field(default_factory=list)
 
     @staticmethod
-    def create(files: dict[str, str], grader: str, judge=rule_judge) -> "Workspace":
+    def create(files: dict[str, str], grader: str, judge: Judge = path_judge) -> "Workspace":
         base = Path(tempfile.mkdtemp(prefix="posttrain-ws-"))
         root, grader_dir = base / "workspace", base / "grader"
         root.mkdir()
@@ -53,34 +73,59 @@ class Workspace:
     def close(self) -> None:
         shutil.rmtree(self.root.parent, ignore_errors=True)
 
-    def _resolve(self, arg: str) -> Path | None:
-        path = (self.root / arg).resolve()
-        if not path.is_relative_to(self.root.resolve()):
+    def resolve(self, arg: str) -> Path | None:
+        """The real path of `arg` if it is a plain file or folder inside the workspace, else None."""
+        if "\x00" in arg:
             return None
-        # every component must be a plain file or dir: no symlinks, devices, fifos
-        p = self.root / arg
-        if p.is_symlink() or (p.exists() and not (stat.S_ISREG(p.lstat().st_mode) or p.is_dir())):
+        root = self.root.resolve()
+        candidate = root / arg if arg else root
+        if not candidate.resolve().is_relative_to(root):
             return None
-        return path
+        # no component may be a symlink: checking the final path alone misses a linked folder
+        p = root
+        for part in candidate.relative_to(root).parts:
+            p = p / part
+            if p.is_symlink():
+                return None
+        if candidate.exists():
+            mode = candidate.lstat().st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                return None
+        return candidate
 
-    def call(self, tool: str, arg: str) -> str:
-        arg = arg.strip()
-        reason = self.judge(tool, arg)
-        if reason is None and tool in ("read", "ls"):
-            if arg and self._resolve(arg) is None:
-                reason = "outside workspace"
-        if reason is not None:
-            self.blocked.append({"tool": tool, "arg": arg, "reason": reason})
-            return BLOCKED_OUTPUT
+    def _run(self, tool: str, arg: str) -> str:
+        target = self.resolve(arg)
         if tool == "ls":
-            target = self._resolve(arg) if arg else self.root
             if not target.is_dir():
                 return "error: not a directory"
             return " ".join(sorted(os.listdir(target)))[:MAX_OUTPUT]
-        if tool == "read":
-            target = self._resolve(arg)
-            if not target.is_file():
-                return "error: no such file"
-            with open(target, "rb") as f:
-                return f.read(MAX_OUTPUT).decode("utf-8", "replace")
-        return f"error: unknown tool {tool!r}"
+        if not target.is_file():
+            return "error: no such file"
+        # O_NOFOLLOW + fstat: a file swapped for a link or device after the check is still refused
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return "error: not a regular file"
+            return os.read(fd, MAX_OUTPUT).decode("utf-8", "replace")
+        finally:
+            os.close(fd)
+
+    def call(self, tool: str, arg: str) -> str:
+        """Run one tool call through the guard; blocked calls are recorded and answered with dummy output."""
+        arg = arg.strip()
+        if tool not in TOOLS:
+            return f"error: unknown tool {tool!r} (tools: {', '.join(TOOLS)})"
+        for stage, check in (("rules", lambda: rule_check(tool, arg)), ("judge", lambda: self.judge(tool, arg, self))):
+            reason = check()
+            if reason is not None:
+                self.blocked.append({"tool": tool, "arg": arg, "stage": stage, "reason": reason})
+                return BLOCKED_OUTPUT
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            return pool.submit(self._run, tool, arg).result(timeout=TIME_LIMIT_S)
+        except concurrent.futures.TimeoutError:
+            return "error: time limit"
+        except OSError as e:
+            return f"error: {e.strerror or 'io error'}"
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)

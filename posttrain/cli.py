@@ -17,6 +17,7 @@ EPILOG = """examples:
   posttrain rerun opd --from latest --set opd.steps=40 --downstream
   posttrain lineage posttrain-tiny@1             # chain back to the raw corpus, digests re-verified
   posttrain report                               # eval table of the latest run
+  posttrain export-env agentic --split test      # agentic-test.jsonl for other evaluators
   posttrain ui                                   # MLflow UI on http://127.0.0.1:5000
 """
 
@@ -101,6 +102,19 @@ def cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_env(a: argparse.Namespace) -> int:
+    import environments
+    from environments.base import export_jsonl
+    cfg = load_config(a.profile, a.set)
+    environments.names(cfg.world.environments)
+    w = cfg.world
+    n = a.n or {"train": w.n_train, "val": w.n_val, "test": w.n_test}[a.split]
+    out = a.out or f"{a.name}-{a.split}.jsonl"
+    count = export_jsonl(environments.get(a.name).generate(a.split, n, cfg.seed, **w.knobs()), out)
+    print(f"wrote {count} {a.name} {a.split} tasks to {out}")
+    return 0
+
+
 def cmd_ui(a: argparse.Namespace) -> int:
     from posttrain.pipeline import home_dir
     from posttrain.tracking import tracking_uri
@@ -137,6 +151,14 @@ def parser() -> argparse.ArgumentParser:
     rp.add_argument("run", nargs="?", default="latest")
     rp.add_argument("--json", action="store_true")
     rp.set_defaults(fn=cmd_report)
+    ex = sub.add_parser("export-env", help="write an environment's split as JSONL for other tools")
+    ex.add_argument("name", help="reasoning, agentic, general, long_context or one named in world.environments")
+    ex.add_argument("--split", choices=["train", "val", "test"], default="test")
+    ex.add_argument("--n", type=int, default=0, help="number of tasks (default: the profile's split size)")
+    ex.add_argument("--out", default="", help="output file (default: NAME-SPLIT.jsonl)")
+    ex.add_argument("--profile", default="tiny")
+    ex.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ex.set_defaults(fn=cmd_export_env)
     ui = sub.add_parser("ui", help="MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     ui.set_defaults(fn=cmd_ui)
@@ -148,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         return a.fn(a)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, KeyError) as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a failed stage: say which, not a bare traceback

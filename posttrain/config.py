@@ -29,6 +29,12 @@ class WorldConfig(_Strict):
     max_operand: int = 9
     n_ops: int = 2
     agentic_numbers: int = 3
+    # your own environments: name -> module with generate() and verify() (see README)
+    environments: dict[str, str] = Field(default_factory=dict)
+
+    def knobs(self) -> dict:
+        """The difficulty knobs every generator receives (each takes what it knows, ignores the rest)."""
+        return self.model_dump(exclude={"n_train", "n_val", "n_test", "environments"})
 
 
 class CurateConfig(_Strict):

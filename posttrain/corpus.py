@@ -34,13 +34,13 @@ def _pii(rng: random.Random) -> str:
     ])
 
 
-def generate_raw(path: Path, n_docs: int, seed: int, world: dict) -> dict:
+def generate_raw(path: Path, n_docs: int, seed: int, world) -> dict:
     """Write a JSONL.gz raw corpus; return the planted counts (ground truth)."""
     rng = random.Random(seed)
-    knobs = {k: v for k, v in world.items() if k not in ("n_train", "n_val", "n_test")}
+    knobs = world.knobs()
     pools = {d: environments.get(d).generate("train", n_docs // 4, seed + 1, **knobs) for d in environments.DOMAINS}
     tests = [t for d in environments.DOMAINS
-             for t in environments.get(d).generate("test", world["n_test"], seed, **knobs)]
+             for t in environments.get(d).generate("test", world.n_test, seed, **knobs)]
     docs: list[dict] = []
     planted = {k: 0 for k in PLANTS}
     clean_target = int(n_docs * (1 - sum(PLANTS.values())))

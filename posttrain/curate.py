@@ -47,7 +47,7 @@ def make_raw(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         for f in files:
             shutil.copy(f, out / Path(f).name)
         return {"metrics": {"files": len(files)}}
-    planted = generate_raw(out / "corpus.jsonl.gz", c.raw_docs, cfg.seed, cfg.world.model_dump())
+    planted = generate_raw(out / "corpus.jsonl.gz", c.raw_docs, cfg.seed, cfg.world)
     (out / "planted.json").write_text(json.dumps(planted, indent=1))
     return {"metrics": {f"planted_{k}": v for k, v in planted.items()}}
 
@@ -101,8 +101,9 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     c, w = cfg.curate, cfg.world
-    knobs = {k: v for k, v in w.model_dump().items() if k not in ("n_train", "n_val", "n_test")}
-    tests = {d: environments.get(d).generate("test", w.n_test, cfg.seed, **knobs) for d in environments.DOMAINS}
+    knobs = w.knobs()
+    domains = environments.names(w.environments)
+    tests = {d: environments.get(d).generate("test", w.n_test, cfg.seed, **knobs) for d in domains}
     # a test prompt quoted anywhere in a document contaminates it (prompts are short templated text,
     # so shared word n-grams would flag every document of the same template)
     test_prompts = {_norm(t.prompt) for ts in tests.values() for t in ts}
@@ -159,7 +160,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     pq.write_table(pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA), out / "quarantine.parquet",
                    compression="zstd")
     split_counts = {}
-    for d in environments.DOMAINS:
+    for d in domains:
         env = environments.get(d)
         train = env.generate("train", w.n_train, cfg.seed, **knobs)
         n_sft = int(len(train) * 0.75)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from environments import DOMAINS, long_context
+import environments
+from environments import long_context
 from posttrain.chat import render_ids
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
@@ -21,7 +22,7 @@ CHECKPOINTS = {"base": "base", "ramped": "ramp", "sft": "sft", "specialist/reaso
 def suites(cfg: PipelineConfig, curate_dir: str, tok) -> dict[str, tuple[list, bool]]:
     n = cfg.eval.n_per_suite
     out = {}
-    for d in DOMAINS:
+    for d in environments.names(cfg.world.environments):
         tasks = load_tasks(curate_dir, "test", d)[:n]
         out[d] = (tasks, True)
         out[f"{d}:nothink"] = (tasks, False)

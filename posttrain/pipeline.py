@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 from posttrain import tracking
-from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha
+from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest
 from posttrain.config import PipelineConfig
 from posttrain.stages import ORDER, RunContext
 
@@ -33,6 +33,24 @@ def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None 
                       tags={"posttrain.pipeline_run": parent}, force=list(force or []))
 
 
+def environment_counts(cfg: PipelineConfig, refs: dict[str, ArtifactRef]) -> dict[str, dict[str, int]]:
+    """Split sizes per environment (from the data card) and hack attempts its specialist's guard blocked."""
+    card = json.loads((Path(refs["curate"].path) / "data_card.json").read_text())["splits"]
+    envs: dict[str, dict[str, int]] = {}
+    for key, n in card.items():
+        split, env = key.split("_", 1)
+        entry = envs.setdefault(env, {"train": 0, "val": 0, "test": 0, "hack_attempts_blocked": 0})
+        entry["train" if split in ("sft", "rl") else split] += n
+    for env, entry in envs.items():
+        if f"rl-{env}" in refs:
+            entry["hack_attempts_blocked"] = int(read_manifest(refs[f"rl-{env}"].path)["metrics"]
+                                                 .get("hack_attempts_blocked", 0))
+    sft_metrics = read_manifest(refs["sft"].path)["metrics"] if "sft" in refs else {}
+    envs["long_context"] = {"train": int(sft_metrics.get("long_context_examples", 0)), "val": 0,
+                            "test": cfg.eval.n_per_suite * len(cfg.eval_lengths()), "hack_attempts_blocked": 0}
+    return envs
+
+
 def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, extra: dict | None = None) -> dict:
     """Write report.json (and the `latest` copy), register the final model, close the parent run."""
     cfg = ctx.cfg()
@@ -45,8 +63,10 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
               **(extra or {})}
     if "evaluate" in refs:
         report.update(json.loads((Path(refs["evaluate"].path) / "eval.json").read_text()))
+    if "curate" in refs:
+        report["environments"] = environment_counts(cfg, refs)
     if "quantize" in refs:
-        report["quantization"] = refs["quantize"].metrics
+        report["quantization"] = read_manifest(refs["quantize"].path).get("metrics", {})
         q = refs["quantize"]
         report["registered_model"] = f"{cfg.registered_model}@" + tracking.register_model(
             ctx.home, cfg.registered_model, q.path, q.mlflow_run_id,

@@ -5,6 +5,7 @@ importance ratio measures only the policy change, never a re-tokenisation drift.
 """
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str) -> 
     kw = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns)
     val_before = mean_score(model, tok, val, **kw)
     hist: dict[str, list[float]] = {k: [] for k in ("reward", "loss", "clip_frac", "ratio_mean", "gen_tokens", "blocked")}
+    attempts: list[dict] = []
     for step in range(r.steps):
         tasks = [t for t in rng.sample(pool, r.prompts_per_step) for _ in range(r.group_size)]
         model.eval()
@@ -61,6 +63,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str) -> 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        attempts += [{"step": step, "task": e.task.id, **b} for e in eps for b in e.blocked]
         for k, v in {"reward": rewards.mean().item(), "loss": loss.item(), **stats,
                      "gen_tokens": sum(e.n_generated for e in eps) / len(eps),
                      "blocked": float(sum(len(e.blocked) for e in eps))}.items():
@@ -69,6 +72,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str) -> 
     model.eval()
     val_after = mean_score(model, tok, val, **kw)
     save_checkpoint(model, tok, out)
+    # blocked hack attempts, with the call and the guard stage that caught it, for reviewers
+    (out / "hack_attempts.json").write_text(json.dumps(attempts[:500], indent=1))
     metrics = {"val_score_before": val_before, "val_score_after": val_after, **summarize(hist, "reward", 5),
                "hack_attempts_blocked": sum(hist["blocked"])}
     return {"metrics": metrics, "history": hist, "params": {"domain": domain}}

@@ -2,14 +2,12 @@
 logprobs produced (token in, token out), and multi-turn episodes against an environment's tools."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers import DynamicCache
 
-from environments.agentic import open_workspace, parse_tool_call
 from environments.base import Task
-from posttrain.chat import render_ids
+from environments.episode import Episode
+from environments.sandbox import path_judge
 
 
 @torch.no_grad()
@@ -49,69 +47,32 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature:
     return list(zip(out_ids, out_lp))
 
 
-@dataclass
-class Episode:
-    task: Task
-    prompt_ids: list[int]
-    ids: list[int] = field(default_factory=list)       # everything after the prompt
-    gen_mask: list[int] = field(default_factory=list)  # 1: the model produced this token
-    logprobs: list[float] = field(default_factory=list)
-    last_turn: str = ""
-    blocked: list[dict] = field(default_factory=list)
-    turns: int = 0
-
-    @property
-    def n_generated(self) -> int:
-        return sum(self.gen_mask)
-
-
 def run_episodes(model, tok, tasks: list[Task], *, enable_thinking: bool = True, max_new_tokens: int = 48,
                  temperature: float = 0.0, max_turns: int = 3, generator: torch.Generator | None = None,
-                 batch_size: int = 64) -> list[Episode]:
-    """Roll out each task; agentic tasks call tools in their own sandboxed workspace between turns."""
+                 batch_size: int = 64, judge=path_judge) -> list[Episode]:
+    """Roll out each task through the environments' step API, batching the model across episodes."""
     end_id = tok.convert_tokens_to_ids("<|end|>")
-    episodes = [Episode(t, render_ids(tok, t.messages(), add_generation_prompt=True, enable_thinking=enable_thinking))
-                for t in tasks]
-    workspaces = {i: open_workspace(e.task) for i, e in enumerate(episodes) if e.task.domain == "agentic"}
-    active = list(range(len(episodes)))
+    episodes = [Episode(t, tok, enable_thinking=enable_thinking, max_turns=max_turns, judge=judge) for t in tasks]
     try:
-        for turn in range(max_turns):
-            if not active:
-                break
+        for e in episodes:
+            e.reset()
+        active = list(range(len(episodes)))
+        while active:
             results = []
             for s in range(0, len(active), batch_size):
                 chunk = active[s:s + batch_size]
                 results += sample(model, [episodes[i].prompt_ids + episodes[i].ids for i in chunk],
                                   max_new_tokens=max_new_tokens, temperature=temperature, stop_ids={end_id},
                                   pad_id=tok.pad_token_id, generator=generator)
-            still = []
-            for i, (new, lp) in zip(active, results):
-                e = episodes[i]
-                e.ids += new
-                e.gen_mask += [1] * len(new)
-                e.logprobs += lp
-                e.turns += 1
-                e.last_turn = tok.decode(new, skip_special_tokens=False)
-                call = parse_tool_call(e.last_turn) if i in workspaces else None
-                if call and turn < max_turns - 1 and new and new[-1] == end_id:
-                    obs = workspaces[i].call(*call)
-                    suffix = "<|tool|>" + obs + "<|end|><|assistant|>" + ("" if enable_thinking else "<think></think>")
-                    obs_ids = tok(suffix, add_special_tokens=False)["input_ids"]
-                    e.ids += obs_ids
-                    e.gen_mask += [0] * len(obs_ids)
-                    e.logprobs += [0.0] * len(obs_ids)
-                    still.append(i)
-            active = still
+            active = [i for i, (new, lp) in zip(active, results) if not episodes[i].step(new, lp).done]
     finally:
-        for i, ws in workspaces.items():
-            episodes[i].blocked = list(ws.blocked)
-            ws.close()
+        for e in episodes:
+            e.close()
     return episodes
 
 
 def score(episodes: list[Episode]) -> list[float]:
-    import environments
-    return [environments.get(e.task.domain).verify(e.task, e.last_turn)[0] for e in episodes]
+    return [e.reward for e in episodes]
 
 
 def episode_batch(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from environments import DOMAINS, long_context
+import environments
+from environments import long_context
 from environments.base import Task
 from posttrain.chat import render_with_mask
 from posttrain.config import PipelineConfig
@@ -35,9 +36,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     seed_all(cfg.seed)
     s = cfg.sft
     model, tok = load_checkpoint(inputs["ramp"])
-    train_tasks = [t for d in DOMAINS for t in load_tasks(inputs["curate"], "sft", d)]
-    train_tasks += _long_tasks(tok, "train", len(train_tasks) // 6, cfg.seed, s.seq_len)
-    val_tasks = [t for d in DOMAINS for t in load_tasks(inputs["curate"], "val", d)]
+    domains = environments.names(cfg.world.environments)
+    train_tasks = [t for d in domains for t in load_tasks(inputs["curate"], "sft", d)]
+    long_tasks = _long_tasks(tok, "train", len(train_tasks) // 6, cfg.seed, s.seq_len)
+    train_tasks += long_tasks
+    val_tasks = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]
     examples = build_examples(cfg, tok, train_tasks, cfg.seed)
     val = build_examples(cfg, tok, val_tasks, cfg.seed + 1)
     val_batches = [pad_examples(val[i:i + s.batch_size], tok.pad_token_id, s.seq_len)
@@ -61,5 +64,6 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
                  eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, s.steps // 5))
     save_checkpoint(model, tok, out)
     n_tok = sum(sum(m) for _, m in examples)
-    return {"metrics": {"examples": len(examples), "assistant_tokens": n_tok, **summarize(hist),
+    return {"metrics": {"examples": len(examples), "long_context_examples": len(long_tasks),
+                        "assistant_tokens": n_tok, **summarize(hist),
                         **summarize(hist, "val_loss", 1)}, "history": hist}

@@ -2,7 +2,6 @@ import pytest
 
 import environments
 from environments import agentic, general, reasoning
-from environments.sandbox import BLOCKED_OUTPUT, Workspace
 
 
 @pytest.mark.parametrize("name", ["reasoning", "agentic", "general", "long_context"])
@@ -36,31 +35,3 @@ def test_general_verifier_gives_partial_credit_with_reasons():
     assert general.verify(task, task.answer) == (1.0, "all constraints met")
     score, reason = general.verify(task, task.answer.lower().swapcase())
     assert score < 1.0 and "case" in reason
-
-
-ATTACKS = ["../grader/grader.txt", "/etc/passwd", "grader.txt", "../../", "~/.ssh/id_rsa",
-           "http://evil/answers", "sub/../../grader/grader.txt", "tests/test_hidden.py"]
-
-
-@pytest.mark.parametrize("arg", ATTACKS)
-def test_sandbox_blocks_escapes_and_the_episode_goes_on(arg):
-    task = agentic.generate("test", 1, 0)[0]
-    ws = agentic.open_workspace(task)
-    try:
-        assert ws.call("read", arg) == BLOCKED_OUTPUT
-        assert ws.blocked and ws.blocked[-1]["arg"] == arg
-        fname = next(iter(task.meta["files"]))
-        assert ws.call("read", fname) == task.meta["files"][fname]  # still usable afterwards
-    finally:
-        ws.close()
-
-
-def test_symlink_out_of_workspace_is_blocked(tmp_path):
-    secret = tmp_path / "secret.txt"
-    secret.write_text("42")
-    ws = Workspace.create({"data.txt": "1 2"}, grader="3")
-    try:
-        (ws.root / "link.txt").symlink_to(secret)
-        assert ws.call("read", "link.txt") == BLOCKED_OUTPUT
-    finally:
-        ws.close()

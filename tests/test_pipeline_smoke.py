@@ -46,6 +46,10 @@ def test_report_has_every_checkpoint_and_suite(first):
         assert all(0.0 <= v <= 1.0 for v in suites.values())
         assert set(report["tokens"][ck]) == set(suites)
     assert (home / "runs" / report["run_id"] / "report.json").exists()
+    envs = report["environments"]
+    assert set(envs) == {"reasoning", "agentic", "general", "long_context"}
+    assert envs["agentic"]["test"] == 8 and envs["agentic"]["train"] == 64
+    assert all(e["hack_attempts_blocked"] >= 0 for e in envs.values())
     for s in ("curate", "base", "ramp", "sft", "rl-reasoning", "opd", "quantize", "evaluate"):
         assert len(report["stages"][s]["sha256"]) == 64
 

@@ -1,0 +1,82 @@
+"""The step API: token in, token out, consistent with the chat template token for token."""
+import json
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+import environments
+from environments.episode import Episode
+from posttrain.chat import render_ids, train_tokenizer
+from posttrain.config import load_config
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    texts = [t.prompt + " " + str(t.demo) for d in environments.DOMAINS
+             for t in environments.get(d).generate("train", 100, 0)]
+    path = tmp_path_factory.mktemp("tok")
+    train_tokenizer(texts, 400).save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_agentic_episode_matches_template_token_for_token(tok):
+    task = environments.get("agentic").generate("test", 1, 0)[0]
+    full = render_ids(tok, task.messages(with_demo=True))
+    ep = Episode(task, tok)
+    prompt = ep.reset()
+    assert full[: len(prompt)] == prompt
+    # the model "acts" with exactly the tokens the template gives its first assistant turn
+    end = tok.convert_tokens_to_ids("<|end|>")
+    first = full[len(prompt): full.index(end, len(prompt)) + 1]
+    step = ep.step(first)
+    assert not step.done and tok.decode(step.obs_ids).startswith("<|tool|>" + task.meta["files"][next(iter(task.meta["files"]))])
+    so_far = prompt + first + step.obs_ids
+    assert full[: len(so_far)] == so_far  # observations appended as ids: no re-tokenisation drift
+    final = ep.step(full[len(so_far):])
+    assert final.done and final.reward == 1.0
+    assert ep.gen_mask.count(0) == len(step.obs_ids)
+    assert prompt + ep.ids == full
+
+
+def test_single_turn_and_wrong_answer(tok):
+    task = environments.get("reasoning").generate("test", 1, 0)[0]
+    ep = Episode(task, tok)
+    ep.reset()
+    result = ep.step(tok("<think>x</think>" + str(int(task.answer) + 1) + "<|end|>", add_special_tokens=False)["input_ids"])
+    assert result.done and result.reward == 0.0 and "wrong" in result.reason
+    with pytest.raises(RuntimeError, match="is over"):
+        ep.step([1])
+
+
+def test_a_user_environment_named_in_the_config(tmp_path, monkeypatch):
+    (tmp_path / "parity_env.py").write_text(
+        "from environments.base import Task, collect, verify_number\n"
+        "def generate(split, n, seed, **_):\n"
+        "    def make(rng):\n"
+        "        x = rng.randint(0, 10**6)\n"
+        "        return str(x), Task(id='', domain='parity', split='', prompt=f'Parity of {x}?', answer=str(x % 2),\n"
+        "                            demo=[{'role': 'assistant', 'reasoning_content': '', 'content': str(x % 2)}])\n"
+        "    return collect('parity', split, n, seed, make)\n"
+        "verify = verify_number\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config("smoke", ["world.environments={parity: parity_env}"])
+    assert environments.names(cfg.world.environments)[-1] == "parity"
+    from posttrain import curate
+    raw, out = tmp_path / "raw", tmp_path / "curated"
+    raw.mkdir(), out.mkdir()
+    curate.make_raw(cfg, {}, raw)
+    curate.run(cfg, {"raw": str(raw)}, out)
+    tasks = curate.load_tasks(out, "test", "parity")  # curated sets (and so SFT and eval) include it
+    assert len(tasks) == cfg.world.n_test
+    assert environments.get("parity").verify(tasks[0], tasks[0].answer)[0] == 1.0
+    environments.REGISTRY.pop("parity")
+    sys.modules.pop("parity_env", None)
+
+
+def test_export_test_split_as_jsonl(tmp_path):
+    from posttrain.cli import main
+    out = tmp_path / "agentic-test.jsonl"
+    assert main(["export-env", "agentic", "--profile", "smoke", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == load_config("smoke").world.n_test and all(r["split"] == "test" for r in rows)
