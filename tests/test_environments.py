@@ -1,7 +1,7 @@
 import pytest
 
 import environments
-from environments import agentic, general, reasoning
+from environments import general, reasoning
 
 
 @pytest.mark.parametrize("name", ["reasoning", "agentic", "general", "long_context"])
