@@ -40,6 +40,8 @@ class WorldConfig(_Strict):
 class CurateConfig(_Strict):
     inputs: list[str] = Field(default_factory=list)  # JSONL(.gz) / Parquet files or globs; empty: generated
     text_field: str = "text"
+    id_field: str = "id"
+    source_field: str = "source"
     raw_docs: int = 6000
     shingle_size: int = 5
     near_dup_threshold: float = 0.8

@@ -16,11 +16,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 from datasketch import MinHash, MinHashLSH
 
 import environments
+from posttrain import curate_gates as gates
 from posttrain.config import PipelineConfig
 from posttrain.corpus import generate_raw
 
@@ -52,26 +54,45 @@ def make_raw(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     return {"metrics": {f"planted_{k}": v for k, v in planted.items()}}
 
 
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+
+
 def read_rows(folder: Path, text_field: str) -> Iterator[tuple[dict | None, str, str]]:
-    """Yield (row or None, where, problem) for every line of every JSONL(.gz) / Parquet file."""
-    for path in sorted(folder.iterdir()):
-        if path.name.endswith((".jsonl", ".jsonl.gz")):
+    """Yield (row or None, "file:line", problem) for every row of every JSONL(.gz) / Parquet file.
+
+    An empty file yields one (None, "file:0", "empty_file"); it holds no row, so it is not counted in.
+    """
+    for path in sorted(p for p in folder.iterdir() if p.name.endswith(DATA_SUFFIXES)):
+        n = 0
+        if path.suffix == ".parquet":
+            try:
+                rows = pq.read_table(path).to_pylist()
+            except (pa.ArrowInvalid, OSError) as e:
+                raise BadRow(f"{path.name}: not a readable Parquet file ({e})") from None
+            for n, row in enumerate(rows, 1):
+                ok = isinstance(row.get(text_field), str)
+                yield row, f"{path.name}:{n}", "" if ok else f"field {text_field!r} missing or not a string"
+        else:
             opener = gzip.open if path.name.endswith(".gz") else open
             with opener(path, "rb") as f:
-                for lineno, raw in enumerate(f, 1):
-                    where = f"{path.name}:{lineno}"
+                for n, raw in enumerate(f, 1):
+                    where = f"{path.name}:{n}"
                     try:
                         row = json.loads(raw.decode("utf-8"))
-                    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                        yield None, where, f"malformed line: {type(e).__name__}"
+                    except UnicodeDecodeError:
+                        yield None, where, "not UTF-8 (binary or another encoding)"
                         continue
-                    if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-                        yield None, where, f"field {text_field!r} missing or not a string"
+                    except json.JSONDecodeError as e:
+                        yield None, where, f"malformed JSON: {e.msg}"
                         continue
-                    yield row, where, ""
-        elif path.suffix == ".parquet":
-            for i, row in enumerate(pq.read_table(path).to_pylist()):
-                yield row, f"{path.name}:{i + 1}", ""
+                    if not isinstance(row, dict):
+                        yield None, where, f"a JSON {type(row).__name__}, not an object"
+                    elif not isinstance(row.get(text_field), str):
+                        yield row, where, f"field {text_field!r} missing or not a string"
+                    else:
+                        yield row, where, ""
+        if n == 0:
+            yield None, f"{path.name}:0", "empty_file"
 
 
 def _quality(text: str, c) -> str | None:
@@ -109,74 +130,88 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     test_prompts = {_norm(t.prompt) for ts in tests.values() for t in ts}
     lsh = MinHashLSH(threshold=c.near_dup_threshold, num_perm=c.num_perm)
     seen_exact: set[str] = set()
-    kept, quarantine = [], []
+    kept, quarantine, as_read = [], [], []
     reasons: Counter = Counter()
-    n_in = 0
+    n_in = empty_files = 0
     pii_hits: Counter = Counter()
     for row, where, problem in read_rows(Path(inputs["raw"]), c.text_field):
+        if problem == "empty_file":
+            if c.on_bad_row == "fail":
+                raise BadRow(f"{where.rsplit(':', 1)[0]}: the file is empty (set curate.on_bad_row=quarantine to skip it)")
+            empty_files += 1
+            quarantine.append({"id": where, "text": "", "reason": "empty_file", "detail": "no rows"})
+            continue
         n_in += 1
-        if row is None:
+        text = row.get(c.text_field) if row is not None and not problem else None
+        rid = str(row.get(c.id_field, where)) if row is not None else where
+        as_read.append({"id": rid, "text": text, "source": str((row or {}).get(c.source_field, "unknown"))})
+        if problem:
             if c.on_bad_row == "fail":
                 raise BadRow(f"{where}: {problem} (set curate.on_bad_row=quarantine to keep going)")
             reasons["bad_row"] += 1
             quarantine.append({"id": where, "text": "", "reason": "bad_row", "detail": problem})
             continue
-        text = unicodedata.normalize("NFC", row[c.text_field]).strip()
-        rid = str(row.get("id", where))
-        reason = None
+        text = unicodedata.normalize("NFC", text).strip()
         h = hashlib.sha256(text.encode()).hexdigest()
         if h in seen_exact:
             reason = "exact_dup"
         else:
             seen_exact.add(h)
             reason = _quality(text, c)
-        normed = _norm(text)
-        words = normed.split()
-        if reason is None and any(p in normed for p in test_prompts):
-            reason = "contamination"
-        if reason is None:
-            mh = MinHash(num_perm=c.num_perm, seed=cfg.seed)
-            mh.update_batch([s.encode() for s in _shingles(words, c.shingle_size)])
-            if lsh.query(mh):
-                reason = "near_dup"
+        if reason is None:  # normalise only what passed the cheap checks (a 50 MB line never gets here)
+            normed = _norm(text)
+            if any(p in normed for p in test_prompts):
+                reason = "contamination"
             else:
-                lsh.insert(rid, mh)
+                mh = MinHash(num_perm=c.num_perm, seed=cfg.seed)
+                mh.update_batch([s.encode() for s in _shingles(normed.split(), c.shingle_size)])
+                if lsh.query(mh):
+                    reason = "near_dup"
+                else:
+                    lsh.insert(rid, mh)
         if reason:
             reasons[reason] += 1
-            quarantine.append({"id": rid, "text": text, "reason": reason, "detail": ""})
+            quarantine.append({"id": rid, "text": text[:10_000], "reason": reason,
+                               "detail": f"text truncated from {len(text)} chars" if len(text) > 10_000 else ""})
             continue
         for pattern, placeholder in PII:
             text, n = pattern.subn(placeholder, text)
             pii_hits[placeholder] += n
-        kept.append({"id": rid, "text": text, "source": str(row.get("source", "unknown"))})
+        kept.append({"id": rid, "text": text, "source": as_read[-1]["source"]})
     if n_in != len(kept) + sum(reasons.values()):
         raise AssertionError("curate accounting broken: rows in != kept + rejected")
+    validation = [gates.validate("input", pd.DataFrame(as_read, columns=["id", "text", "source"]),
+                                 gates.input_expectations())]
+    del as_read
     if not kept:
         raise ValueError("curate kept no rows: every input row was rejected (see quarantine reasons)")
+    out_df = pd.DataFrame(kept)
+    out_df["contaminated"] = [any(p in _norm(t) for p in test_prompts) for t in out_df["text"]]
+    validation.append(gates.validate("output", out_df, gates.output_expectations(c.min_chars, c.max_chars)))
 
     n_shards = 2
     for i in range(n_shards):
         _write(out / f"pretrain-{i:05d}.parquet", kept[i::n_shards])
     pq.write_table(pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA), out / "quarantine.parquet",
                    compression="zstd")
-    split_counts = {}
+    split_counts, task_ids = {}, []
     for d in domains:
         env = environments.get(d)
         train = env.generate("train", w.n_train, cfg.seed, **knobs)
         n_sft = int(len(train) * 0.75)
         sets = {"sft": train[:n_sft], "rl": train[n_sft:], "val": env.generate("val", w.n_val, cfg.seed, **knobs),
                 "test": tests[d]}
-        ids = [t.id for s in sets.values() for t in s]
-        if len(ids) != len(set(ids)):
-            raise AssertionError(f"{d}: splits are not disjoint")
+        task_ids += [{"task_id": t.id, "set": f"{name}-{d}"} for name, ts in sets.items() for t in ts]
         for name, tasks in sets.items():
             _write(out / f"{name}-{d}.parquet", [{"id": t.id, "task": t.to_json()} for t in tasks])
             split_counts[f"{name}_{d}"] = len(tasks)
-    card = {"rows_in": n_in, "rows_kept": len(kept), "rejected": dict(reasons), "pii_scrubbed": dict(pii_hits),
+    validation.append(gates.validate("splits", pd.DataFrame(task_ids), gates.split_expectations()))
+    (out / "validation.json").write_text(json.dumps(validation, indent=1))
+    card = {"rows_in": n_in, "empty_files": empty_files, "rows_kept": len(kept), "rejected": dict(reasons), "pii_scrubbed": dict(pii_hits),
             "sources": dict(Counter(r["source"] for r in kept)), "splits": split_counts,
             "chars_kept": sum(len(r["text"]) for r in kept)}
     (out / "data_card.json").write_text(json.dumps(card, indent=1))
-    metrics = {"rows_in": n_in, "rows_kept": len(kept), **{f"rejected_{k}": v for k, v in reasons.items()},
+    metrics = {"rows_in": n_in, "rows_kept": len(kept), "empty_files": empty_files, **{f"rejected_{k}": v for k, v in reasons.items()},
                **{f"pii_{k.strip('<>').lower()}": v for k, v in pii_hits.items()}}
     return {"metrics": metrics, "datasets": [("raw", inputs["raw"])]}
 

@@ -133,10 +133,12 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
                                 tags={"artifact_uri": str(target), "artifact_sha256": digest})
     except BaseException as e:
+        shown = getattr(e, "cause", None) or e  # a RayTaskError carries the stage's own exception
+        detail = "".join(traceback.format_exception_only(type(shown), shown)).strip()
+        tracking.log_result(ctx.home, run_id, params={}, metrics={}, tags={"error": detail[:4000]})
         tracking.end_run(ctx.home, run_id, "FAILED")
         if isinstance(e, (KeyboardInterrupt, asyncio.CancelledError)):
             raise
-        detail = "".join(traceback.format_exception_only(type(e), e)).strip()
         raise StageFailed(f"stage {name} failed: {detail}") from e
     tracking.end_run(ctx.home, run_id)
     return ArtifactRef(name, str(target), digest, run_id, round(time.time() - t0, 2), False, metrics)

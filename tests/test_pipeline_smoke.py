@@ -111,3 +111,12 @@ def test_bad_input_fails_before_any_work(tmp_path):
     p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", "rl.stepz=1", check=False)
     assert p.returncode == 2 and "rl.stepz: unknown key" in p.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
+    raw = tmp_path / "mine.jsonl"
+    raw.write_text("".join('{"id": "%d", "body": "no text field here"}\n' % i for i in range(20)))
+    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"curate.inputs=['{raw}']", check=False)
+    assert p.returncode == 1
+    assert "stage curate failed" in p.stderr and "gate 'input' failed" in p.stderr
+    assert not list((tmp_path / "artifacts" / "curate").glob("[!.]*"))  # nothing published

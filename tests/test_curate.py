@@ -1,0 +1,105 @@
+"""curate on messy input: every bad-input kind ends in quarantine (with its reason) or a clear error
+naming file and line, per `on_bad_row`; accounting always adds up; a failed gate publishes nothing."""
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from posttrain import curate
+from posttrain.config import load_config
+from posttrain.curate_gates import GateFailed
+
+GOOD = [{"id": f"g{i}", "text": f"The old road ran past a quiet field number {i} where birds sang.", "source": "web"}
+        for i in range(40)]
+
+
+def _cfg(*overrides):
+    return load_config("smoke", list(overrides))
+
+
+def _write_jsonl(path, rows, extra_lines=()):
+    with open(path, "wb") as f:
+        for r in rows:
+            f.write((json.dumps(r) + "\n").encode())
+        for line in extra_lines:
+            f.write(line)
+
+
+def _run(cfg, raw, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    return curate.run(cfg, {"raw": str(raw)}, out), out
+
+
+BAD_LINES = {
+    "malformed_json": b'{"id": "x", "text": "unterminated\n',
+    "wrong_type": b'{"id": "y", "text": 42}\n',
+    "not_an_object": b'["a", "list"]\n',
+    "binary_garbage": bytes(b for b in range(256) if b != 10) + b"\n",
+    "latin1_line": '{"id": "z", "text": "caf\xe9 cr\xe8me"}\n'.encode("latin-1"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_LINES))
+def test_bad_row_is_quarantined_or_fails_naming_file_and_line(kind, tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    _write_jsonl(raw / "corpus.jsonl", GOOD[:5], [BAD_LINES[kind]])
+    res, out = _run(_cfg(), raw, tmp_path)
+    q = pq.read_table(out / "quarantine.parquet").to_pylist()
+    assert [r["id"] for r in q if r["reason"] == "bad_row"] == ["corpus.jsonl:6"]
+    m = res["metrics"]
+    assert m["rows_in"] == 6 == m["rows_kept"] + sum(v for k, v in m.items() if k.startswith("rejected_"))
+    with pytest.raises(curate.BadRow, match=r"corpus\.jsonl:6"):
+        _run(_cfg("curate.on_bad_row=fail"), raw, tmp_path / "f")
+
+
+def test_empty_file_and_huge_line(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "empty.jsonl").write_bytes(b"")
+    _write_jsonl(raw / "big.jsonl.gz".replace(".gz", ""), GOOD + [{"id": "huge", "text": "word " * 10_000_000}])
+    res, out = _run(_cfg(), raw, tmp_path)
+    q = {r["id"]: r["reason"] for r in pq.read_table(out / "quarantine.parquet").to_pylist()}
+    assert q["empty.jsonl:0"] == "empty_file" and q["huge"] == "too_long"
+    with pytest.raises(curate.BadRow, match=r"empty\.jsonl.*empty"):
+        _run(_cfg("curate.on_bad_row=fail"), raw, tmp_path / "f")
+
+
+def test_parquet_and_gzip_inputs_with_field_mapping(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rows = [{"doc_id": r["id"], "body": r["text"]} for r in GOOD]
+    pq.write_table(pa.Table.from_pylist(rows[:20]), raw / "a.parquet")
+    with gzip.open(raw / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows[20:])
+    res, _ = _run(_cfg("curate.text_field=body", "curate.id_field=doc_id"), raw, tmp_path)
+    assert res["metrics"]["rows_in"] == 40 and res["metrics"]["rows_kept"] >= 2
+
+
+def test_unmapped_text_field_fails_the_input_gate(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"body": r["text"]} for r in GOOD]), raw / "a.parquet")
+    with pytest.raises(curate.BadRow, match=r"a\.parquet.*'text'"):
+        _run(_cfg("curate.on_bad_row=fail"), raw, tmp_path)
+    with pytest.raises(GateFailed, match="(?s)gate .input.*column.: .text"):
+        _run(_cfg(), raw, tmp_path / "q")
+
+
+def test_generated_corpus_accounting_and_gates(tmp_path):
+    cfg = _cfg()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    planted = curate.make_raw(cfg, {}, raw)["metrics"]
+    res, out = _run(cfg, raw, tmp_path)
+    m = res["metrics"]
+    assert m["rows_in"] == planted["planted_docs"]
+    assert m["rows_in"] == m["rows_kept"] + sum(v for k, v in m.items() if k.startswith("rejected_"))
+    assert m["rejected_exact_dup"] >= planted["planted_exact_dup"] and m["rejected_contamination"] >= 1
+    validation = json.loads((out / "validation.json").read_text())
+    assert [v["suite"] for v in validation] == ["input", "output", "splits"] and all(v["success"] for v in validation)
+    kept = pq.read_table(out / "pretrain-00000.parquet").column("text").to_pylist()
+    assert not any("@example.com" in t for t in kept)  # PII scrubbed to placeholders
