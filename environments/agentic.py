@@ -12,7 +12,7 @@ from environments.sandbox import Judge, Workspace, path_judge
 
 DOMAIN = "agentic"
 FILES = ["data.txt", "nums.txt", "values.txt", "list.txt"]
-TOOL_CALL = re.compile(r"<tool_call>\s*(\w+)\s*(.*?)</tool_call>", re.S)
+TOOL_CALL = re.compile(r"<tool_call>\s*(\w+)[ \t]*([^<]*?)\s*</tool_call>")  # args never span tags
 
 
 def _make(max_operand: int, k: int):

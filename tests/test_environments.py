@@ -35,3 +35,11 @@ def test_general_verifier_gives_partial_credit_with_reasons():
     assert general.verify(task, task.answer) == (1.0, "all constraints met")
     score, reason = general.verify(task, task.answer.lower().swapcase())
     assert score < 1.0 and "case" in reason
+
+
+def test_tool_call_parsing_never_spans_tags():
+    from environments.agentic import parse_tool_call
+    assert parse_tool_call("<think>x</think><tool_call>read data.txt</tool_call><|end|>") == ("read", "data.txt")
+    # a garbled sample is not a hack attempt: the complete call inside it is the one that counts
+    assert parse_tool_call("<tool_call>read va.</think><tool_call>read values.txt</tool_call>") == ("read", "values.txt")
+    assert parse_tool_call("<tool_call>read data.txt") is None
