@@ -1,18 +1,7 @@
-import pytest
-from transformers import AutoTokenizer
 
 import environments
-from posttrain.chat import render_ids, render_with_mask, train_tokenizer
+from posttrain.chat import render_ids, render_with_mask
 from posttrain.sft import conversation
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    texts = [t.prompt + " " + str(t.demo) for d in environments.DOMAINS
-             for t in environments.get(d).generate("train", 100, 0)]
-    path = tmp_path_factory.mktemp("tok")
-    train_tokenizer(texts, 400).save_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)  # what a serving engine would load
 
 
 def test_loss_mask_covers_only_assistant_turns(tok):

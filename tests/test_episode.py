@@ -3,21 +3,11 @@ import json
 import sys
 
 import pytest
-from transformers import AutoTokenizer
 
 import environments
 from environments.episode import Episode
-from posttrain.chat import render_ids, train_tokenizer
+from posttrain.chat import render_ids
 from posttrain.config import load_config
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    texts = [t.prompt + " " + str(t.demo) for d in environments.DOMAINS
-             for t in environments.get(d).generate("train", 100, 0)]
-    path = tmp_path_factory.mktemp("tok")
-    train_tokenizer(texts, 400).save_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
 
 
 def test_agentic_episode_matches_template_token_for_token(tok):
