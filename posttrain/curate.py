@@ -36,7 +36,7 @@ QUARANTINE_SCHEMA = pa.schema([(k, pa.string()) for k in ("id", "text", "reason"
 
 
 class BadRow(ValueError):
-    pass
+    """A row or file that curate cannot read; the message names file and line."""
 
 
 def make_raw(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:

@@ -68,7 +68,7 @@ class RunContext:
 
 
 class StageFailed(RuntimeError):
-    pass
+    """A node failed or refused its input; the message names the stage and the cause."""
 
 
 def cache_key(stage: Stage, cfg: PipelineConfig, code: str, inputs: dict[str, ArtifactRef]) -> str:

@@ -37,9 +37,7 @@ def stage_env(name: str, *, img: flyte.Image = CPU, cpu: int = 2, memory: str = 
 
 async def run_stage(stage: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
     """Tag the node with its Flyte run and action, then execute it."""
-    try:
-        action = flyte.ctx().action
-        ctx.tags = {**ctx.tags, "flyte.run": str(action.run_name), "flyte.action": str(action.name)}
-    except Exception:  # called outside a Flyte task (library use, tests)
-        pass
+    fctx = flyte.ctx()  # falsy outside a Flyte task (library use, tests)
+    if fctx and fctx.action:
+        ctx.tags = {**ctx.tags, "flyte.run": str(fctx.action.run_name), "flyte.action": str(fctx.action.name)}
     return await execute(stage, ctx, inputs)

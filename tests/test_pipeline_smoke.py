@@ -61,6 +61,7 @@ def test_mlflow_children_lineage_and_registry(first):
             "quantize", "evaluate"} <= set(runs)
     sft = runs["sft"]
     assert "curve/loss" in sft.data.metrics and sft.data.tags["config_digest"] and sft.data.tags["git_sha"]
+    assert sft.data.tags["flyte.action"] and sft.data.tags["flyte.run"]
     assert sft.inputs.dataset_inputs  # upstream artifacts logged as input datasets
     # the three specialists ran at the same time
     spans = [(runs[s].info.start_time, runs[s].info.end_time) for s in ("rl-reasoning", "rl-agentic", "rl-general")]
