@@ -90,8 +90,3 @@ def export_jsonl(tasks: Iterable[Task], path: str) -> int:
             n += 1
     os.replace(tmp, path)
     return n
-
-
-def unique_ids(tasks: Iterable[Task]) -> bool:
-    ids = [t.id for t in tasks]
-    return len(ids) == len(set(ids))

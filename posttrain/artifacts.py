@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -36,9 +36,6 @@ class ArtifactRef:
     seconds: float = 0.0
     cached: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

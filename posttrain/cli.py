@@ -30,10 +30,14 @@ def _flyte_init(remote: bool) -> None:
         flyte.init()  # purely local: nothing is contacted
 
 
-def _run_flyte(task, remote: bool, **kwargs) -> dict | None:
+def _run_flyte(task, cfg, remote: bool, **kwargs) -> dict | None:
+    """Run a workflow task; locally the lean Ray instance is started first, with the run's resources."""
     import flyte
 
     from posttrain.artifacts import git_sha
+    if not remote:
+        from posttrain.raysupport import ensure_ray
+        ensure_ray(cfg.runtime)
     _flyte_init(remote)
     if remote:
         run = flyte.with_runcontext(mode="remote", version=git_sha()).run(task, **kwargs)
@@ -57,11 +61,8 @@ def print_report(report: dict) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
-    if not a.remote:
-        from posttrain.raysupport import ensure_ray
-        ensure_ray(cfg.runtime)
     from workflows.post_train import post_train
-    report = _run_flyte(post_train, a.remote, profile=a.profile, overrides=a.set, force=a.force)
+    report = _run_flyte(post_train, cfg, a.remote, profile=a.profile, overrides=a.set, force=a.force)
     if report:
         print_report(report)
     return 0
@@ -75,11 +76,8 @@ def cmd_rerun(a: argparse.Namespace) -> int:
         raise ConfigError(f"unknown stage {a.stage!r}; stages: {', '.join(STAGES)}")
     _, old = load_run(a.from_run)
     cfg = config_from_dict(apply_overrides(old.model_dump(mode="json"), a.set), f"--set {a.set}")
-    if not a.remote:
-        from posttrain.raysupport import ensure_ray
-        ensure_ray(cfg.runtime)
     from workflows.post_train import rerun
-    report = _run_flyte(rerun, a.remote, stage=a.stage, from_run=a.from_run, overrides=a.set,
+    report = _run_flyte(rerun, cfg, a.remote, stage=a.stage, from_run=a.from_run, overrides=a.set,
                         downstream=a.downstream)
     if report:
         print_report(report)

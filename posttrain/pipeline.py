@@ -13,6 +13,7 @@ from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_ma
 from posttrain.config import PipelineConfig
 from posttrain.stages import ORDER, RunContext
 
+
 def home_dir() -> Path:
     return Path(os.environ.get("POSTTRAIN_HOME", Path.cwd() / ".posttrain")).resolve()
 
