@@ -24,7 +24,11 @@ run: install
 test: install
 	$(BIN)/python -m pytest -x -q
 
-bench: install
+$(VENV)/.bench-installed: $(STAMP)
+	$(BIN)/pip install -q -e ".[test,bench]"
+	touch $@
+
+bench: $(VENV)/.bench-installed
 	$(BIN)/python -m bench $(B)
 
 clean:

@@ -28,6 +28,12 @@ class Task:
     def from_json(s: str) -> "Task":
         return Task(**json.loads(s))
 
+    def fingerprint(self) -> str:
+        """The text that identifies this item in a document (decontamination key): the prompt, plus the
+        workspace files where the prompt alone is shared by many items."""
+        files = self.meta.get("files") or {}
+        return " ".join([self.prompt, *(f"{name}: {body}" for name, body in sorted(files.items()))])
+
     def messages(self, with_demo: bool = False) -> list[dict]:
         msgs = [{"role": "user", "content": self.prompt}]
         return msgs + (list(self.demo) if with_demo else [])

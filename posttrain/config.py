@@ -43,12 +43,17 @@ class CurateConfig(_Strict):
     id_field: str = "id"
     source_field: str = "source"
     raw_docs: int = 6000
-    shingle_size: int = 5
-    near_dup_threshold: float = 0.8
-    num_perm: int = 64
+    shingle_size: int = 5                # word/punct tokens per MinHash shingle
+    near_dup_threshold: float = 0.6      # estimated Jaccard at or above which two documents are duplicates
+    num_perm: int = 128
     min_chars: int = 20
     max_chars: int = 20000
     min_alpha_ratio: float = 0.3
+    max_symbol_ratio: float = 0.1
+    repeat_ngram: int = 5                # Gopher-style: share of characters in repeated word n-grams
+    max_repeat_share: float = 0.5
+    max_boilerplate_share: float = 0.5   # share of sentences that are cookie banners, "click here", ...
+    mixture: dict[str, float] = Field(default_factory=dict)  # source -> pretrain weight (2: twice, 0.5: half)
     on_bad_row: Literal["fail", "quarantine"] = "quarantine"
 
 

@@ -1,42 +1,45 @@
-"""curate: normalise, dedup (exact + MinHash LSH), quality filters, PII scrub, decontaminate, split.
+"""curate: normalise, quality-filter, decontaminate, dedup (exact + MinHash LSH), scrub PII, split.
 
-Accounting is exact: rows in = rows kept + rows rejected by reason; rejected rows go to a
-quarantine Parquet with their reason.
+Three passes, memory bounded by the batch size, not the corpus:
+1. scan (one Ray task per input file): parse, normalise, quality rules, test-item matching; survivors go
+   to a candidates Parquet and their keys (exact hash, MinHash signature, LSH band keys) to flat files.
+2. dedup (driver): sort the key files to find exact and near duplicates across all files.
+3. write (one Ray task per file): kept rows to pretrain shards, duplicates to quarantine, output gate.
+Accounting is exact: rows in = rows kept + rows rejected by reason; every rejected row is in
+quarantine.parquet with its reason.
 """
 from __future__ import annotations
 
 import glob
-import gzip
-import hashlib
 import json
-import re
 import shutil
-import unicodedata
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-from datasketch import MinHash, MinHashLSH
 
 import environments
 from posttrain import curate_gates as gates
 from posttrain.config import PipelineConfig
 from posttrain.corpus import generate_raw
+from posttrain.curate_dedup import MinHasher, WordHashes, contains_windows, flat_ids, global_dedup, hash64, \
+    target_windows, tokenize, window_hashes
+from posttrain.curate_read import BadRow, data_files, read_rows
+from posttrain.curate_text import normalise, quality, scrub_pii
+from posttrain.raysupport import map_tasks
 
-PII = [
-    (re.compile(r"\b[\w.+-]+@[\w-]+\.[\w.]+\b"), "<EMAIL>"),
-    (re.compile(r"\+?\d{1,3}[-. ]\d{3}[-. ]\d{3}[-. ]\d{4}\b"), "<PHONE>"),
-    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}\b"), "<IP>"),
-    (re.compile(r"\b(?:sk|pk|api|key)[-_][A-Za-z0-9]{16,}\b"), "<KEY>"),
-]
-QUARANTINE_SCHEMA = pa.schema([(k, pa.string()) for k in ("id", "text", "reason", "detail")])
-
-
-class BadRow(ValueError):
-    """A row or file that curate cannot read; the message names file and line."""
+__all__ = ["BadRow", "make_raw", "run", "load_tasks", "load_pretrain_texts"]
+QUARANTINE_SCHEMA = pa.schema([(k, pa.string()) for k in ("id", "text", "reason", "detail", "source")])
+CANDIDATE_SCHEMA = pa.schema([("gidx", pa.uint64()), ("id", pa.string()), ("text", pa.string()),
+                              ("source", pa.string()), ("tokens", pa.int64()), ("pii", pa.string())])
+PRETRAIN_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
+                             ("weight", pa.float64())])
+BATCH = 2048
+GATE_CHUNK = 50_000
+ROW_BITS = 40  # gidx = file index << 40 | row number: one integer that sorts in input order
 
 
 def make_raw(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
@@ -49,171 +52,276 @@ def make_raw(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         for f in files:
             shutil.copy(f, out / Path(f).name)
         return {"metrics": {"files": len(files)}}
-    planted = generate_raw(out / "corpus.jsonl.gz", c.raw_docs, cfg.seed, cfg.world)
+    planted = generate_raw(out, c.raw_docs, cfg.seed, cfg.world)
     (out / "planted.json").write_text(json.dumps(planted, indent=1))
     return {"metrics": {f"planted_{k}": v for k, v in planted.items()}}
 
 
-DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+def _quarantine_row(rid: str, text: str, reason: str, detail: str, source: str) -> dict:
+    if len(text) > 10_000:
+        detail = f"{detail}; text truncated from {len(text)} chars".lstrip("; ")
+        text = text[:10_000]
+    return {"id": rid, "text": text, "reason": reason, "detail": detail, "source": source}
 
 
-def read_rows(folder: Path, text_field: str) -> Iterator[tuple[dict | None, str, str]]:
-    """Yield (row or None, "file:line", problem) for every row of every JSONL(.gz) / Parquet file.
-
-    An empty file yields one (None, "file:0", "empty_file"); it holds no row, so it is not counted in.
-    """
-    for path in sorted(p for p in folder.iterdir() if p.name.endswith(DATA_SUFFIXES)):
-        n = 0
-        if path.suffix == ".parquet":
-            try:
-                rows = pq.read_table(path).to_pylist()
-            except (pa.ArrowInvalid, OSError) as e:
-                raise BadRow(f"{path.name}: not a readable Parquet file ({e})") from None
-            for n, row in enumerate(rows, 1):
-                ok = isinstance(row.get(text_field), str)
-                yield row, f"{path.name}:{n}", "" if ok else f"field {text_field!r} missing or not a string"
-        else:
-            opener = gzip.open if path.name.endswith(".gz") else open
-            with opener(path, "rb") as f:
-                for n, raw in enumerate(f, 1):
-                    where = f"{path.name}:{n}"
-                    try:
-                        row = json.loads(raw.decode("utf-8"))
-                    except UnicodeDecodeError:
-                        yield None, where, "not UTF-8 (binary or another encoding)"
-                        continue
-                    except json.JSONDecodeError as e:
-                        yield None, where, f"malformed JSON: {e.msg}"
-                        continue
-                    if not isinstance(row, dict):
-                        yield None, where, f"a JSON {type(row).__name__}, not an object"
-                    elif not isinstance(row.get(text_field), str):
-                        yield row, where, f"field {text_field!r} missing or not a string"
-                    else:
-                        yield row, where, ""
-        if n == 0:
-            yield None, f"{path.name}:0", "empty_file"
+def _test_items(cfg: PipelineConfig) -> dict[str, list]:
+    w = cfg.world
+    return {d: environments.get(d).generate("test", w.n_test, cfg.seed, **w.knobs())
+            for d in environments.names(w.environments)}
 
 
-def _quality(text: str, c) -> str | None:
-    if len(text) < c.min_chars:
-        return "too_short"
-    if len(text) > c.max_chars:
-        return "too_long"
-    if sum(ch.isalpha() for ch in text) / len(text) < c.min_alpha_ratio:
-        return "low_alpha_ratio"
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    if len(lines) > 3 and len(set(lines)) / len(lines) < 0.5:
-        return "repeated_lines"
-    return None
+def scan_file(cfg: PipelineConfig, path: Path, index: int, work: Path, targets: dict) -> dict:
+    """Pass 1 over one input file (see the module docstring); returns its counts."""
+    c = cfg.curate
+    work.mkdir(parents=True)
+    hasher = MinHasher(c.num_perm, c.near_dup_threshold, cfg.seed)
+    words = WordHashes()
+    keys = {"gidx": open(work / "gidx.bin", "wb"), "exact": open(work / "exact.bin", "wb"),
+            "sigs": open(work / "sigs.bin", "wb"),
+            **{b: open(work / f"band{b:03d}.bin", "wb") for b in range(hasher.bands)}}
+    candidates = pq.ParquetWriter(work / "candidates.parquet", CANDIDATE_SCHEMA, compression="zstd")
+    quarantine = pq.ParquetWriter(work / "quarantine-scan.parquet", QUARANTINE_SCHEMA, compression="zstd")
+    stats = {"rows_in": 0, "empty_files": 0, "mojibake_repaired": 0, "candidates": 0,
+             "rejected": Counter(), "validation": []}
+    rejected_rows: list[dict] = []
+    batch: list[tuple] = []
+    gate_rows: list[tuple] = []
+
+    def reject(rid, text, reason, detail, source):
+        stats["rejected"][(reason, source)] += 1
+        rejected_rows.append(_quarantine_row(rid, text, reason, detail, source))
+        if len(rejected_rows) >= BATCH:
+            quarantine.write_table(pa.Table.from_pylist(rejected_rows, schema=QUARANTINE_SCHEMA))
+            rejected_rows.clear()
+
+    def flush():
+        if not batch:
+            return
+        flat, offsets = flat_ids([b[4] for b in batch], words)
+        dirty = contains_windows(flat, offsets, targets)
+        shingles, doc = window_hashes(flat, offsets, c.shingle_size, short=True)
+        sig = hasher.signatures(shingles, doc, len(batch))
+        keep = np.flatnonzero(~dirty)
+        for i in np.flatnonzero(dirty):
+            gidx, rid, text, source, _ = batch[i]
+            reject(rid, text, "contamination", "contains an evaluation test item", source)
+        rows = []
+        for i in keep:
+            gidx, rid, text, source, toks = batch[i]
+            text, hits = scrub_pii(text)
+            rows.append({"gidx": gidx, "id": rid, "text": text, "source": source, "tokens": len(toks),
+                         "pii": json.dumps(hits) if hits else ""})
+        candidates.write_table(pa.Table.from_pylist(rows, schema=CANDIDATE_SCHEMA))
+        np.array([batch[i][0] for i in keep], np.uint64).tofile(keys["gidx"])
+        np.array([hash64(batch[i][2]) for i in keep], np.uint64).tofile(keys["exact"])
+        sig[keep].tofile(keys["sigs"])
+        bands = hasher.band_keys(sig[keep])
+        for b in range(hasher.bands):
+            np.ascontiguousarray(bands[:, b]).tofile(keys[b])
+        stats["candidates"] += len(keep)
+        batch.clear()
+
+    def gate():
+        if gate_rows:
+            df = pd.DataFrame(gate_rows, columns=["id", "text", "source"])
+            stats["validation"].append(gates.validate(f"input {path.name}", df, gates.input_expectations()))
+            gate_rows.clear()
+
+    try:
+        for line, row, problem in read_rows(path, c.text_field):
+            where = f"{path.name}:{line}"
+            if problem == "empty_file":
+                if c.on_bad_row == "fail":
+                    raise BadRow(f"{path.name}: the file is empty (set curate.on_bad_row=quarantine to skip it)")
+                stats["empty_files"] += 1
+                rejected_rows.append(_quarantine_row(where, "", "empty_file", "no rows", "unknown"))
+                continue
+            stats["rows_in"] += 1
+            text = row.get(c.text_field) if row is not None and not problem else None
+            rid = str(row.get(c.id_field, where)) if row is not None else where
+            source = str((row or {}).get(c.source_field, "unknown"))
+            gate_rows.append((rid, text, source))
+            if len(gate_rows) >= GATE_CHUNK:
+                gate()
+            if problem:
+                if c.on_bad_row == "fail":
+                    raise BadRow(f"{where}: {problem} (set curate.on_bad_row=quarantine to keep going)")
+                reject(where, "", "bad_row", problem, source)
+                continue
+            if len(text) > c.max_chars:  # before any per-character work: a 50 MB line costs nothing more
+                reject(rid, text, "too_long", f"{len(text)} chars", source)
+                continue
+            text, repaired = normalise(text)
+            stats["mojibake_repaired"] += repaired
+            toks = tokenize(text)
+            reason = quality(text, toks, c)
+            if reason:
+                reject(rid, text, reason, "", source)
+                continue
+            batch.append(((index << ROW_BITS) | line, rid, text, source, toks))
+            if len(batch) >= BATCH:
+                flush()
+        flush()
+        gate()
+        if rejected_rows:
+            quarantine.write_table(pa.Table.from_pylist(rejected_rows, schema=QUARANTINE_SCHEMA))
+    finally:
+        candidates.close()
+        quarantine.close()
+        for f in keys.values():
+            f.close()
+    return stats
 
 
-def _norm(text: str) -> str:
-    return " ".join(text.lower().split())
+def write_file(cfg: PipelineConfig, index: int, work: Path, out: Path, removed: np.ndarray, reasons: list[str],
+               details: list[str], targets: dict) -> dict:
+    """Pass 3 over one file's candidates: kept rows to a pretrain shard, duplicates to quarantine."""
+    c = cfg.curate
+    words = WordHashes()
+    stats = {"kept": Counter(), "tokens": Counter(), "pii": Counter(), "rejected": Counter(), "validation": []}
+    pretrain = pq.ParquetWriter(out / f"pretrain-{index:05d}.parquet", PRETRAIN_SCHEMA, compression="zstd")
+    quarantine = pq.ParquetWriter(work / "quarantine-dedup.parquet", QUARANTINE_SCHEMA, compression="zstd")
+    ids = open(work / "idhash.bin", "wb")
+    gate_frames: list[pd.DataFrame] = []
+    try:
+        for batch in pq.ParquetFile(work / "candidates.parquet").iter_batches(batch_size=BATCH):
+            df = batch.to_pandas()
+            g = df["gidx"].to_numpy()
+            pos = np.searchsorted(removed, g)
+            is_dup = removed[np.minimum(pos, len(removed) - 1)] == g if len(removed) else np.zeros(len(g), bool)
+            dups = [_quarantine_row(r.id, r.text, reasons[p], details[p], r.source)
+                    for r, p in zip(df[is_dup].itertuples(), pos[is_dup])]
+            for d in dups:
+                stats["rejected"][(d["reason"], d["source"])] += 1
+            if dups:
+                quarantine.write_table(pa.Table.from_pylist(dups, schema=QUARANTINE_SCHEMA))
+            kept = df[~is_dup]
+            for source, toks in zip(kept["source"], kept["tokens"]):
+                stats["kept"][source] += 1
+                stats["tokens"][source] += int(toks)
+            for hits in kept["pii"]:
+                if hits:
+                    stats["pii"].update(json.loads(hits))
+            weights = [c.mixture.get(s, 1.0) for s in kept["source"]]
+            pretrain.write_table(pa.table({"id": kept["id"], "text": kept["text"], "source": kept["source"],
+                                           "weight": weights}, schema=PRETRAIN_SCHEMA))
+            np.array([hash64(i) for i in kept["id"]], np.uint64).tofile(ids)
+            texts = kept["text"].tolist()
+            flat, offsets = flat_ids([tokenize(t) for t in texts], words)
+            gate_frames.append(pd.DataFrame({"id": kept["id"], "text": texts,
+                                             "contaminated": contains_windows(flat, offsets, targets)}))
+            if sum(map(len, gate_frames)) >= GATE_CHUNK:
+                stats["validation"].append(_output_gate(gate_frames, c, work))
+        if gate_frames:
+            stats["validation"].append(_output_gate(gate_frames, c, work))
+    finally:
+        pretrain.close()
+        quarantine.close()
+        ids.close()
+    return stats
 
 
-def _shingles(words: list[str], n: int) -> set[str]:
-    return {" ".join(words[i:i + n]) for i in range(max(1, len(words) - n + 1))}
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    pq.write_table(pa.Table.from_pylist(rows), path, compression="zstd")
+def _output_gate(frames: list[pd.DataFrame], c, work: Path) -> dict:
+    df = pd.concat(frames, ignore_index=True)
+    frames.clear()
+    return gates.validate(f"output {work.name}", df, gates.output_expectations(c.min_chars, c.max_chars))
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     c, w = cfg.curate, cfg.world
-    knobs = w.knobs()
-    domains = environments.names(w.environments)
-    tests = {d: environments.get(d).generate("test", w.n_test, cfg.seed, **knobs) for d in domains}
-    # a test prompt quoted anywhere in a document contaminates it (prompts are short templated text,
-    # so shared word n-grams would flag every document of the same template)
-    test_prompts = {_norm(t.prompt) for ts in tests.values() for t in ts}
-    lsh = MinHashLSH(threshold=c.near_dup_threshold, num_perm=c.num_perm)
-    seen_exact: set[str] = set()
-    kept, quarantine, as_read = [], [], []
-    reasons: Counter = Counter()
-    n_in = empty_files = 0
-    pii_hits: Counter = Counter()
-    for row, where, problem in read_rows(Path(inputs["raw"]), c.text_field):
-        if problem == "empty_file":
-            if c.on_bad_row == "fail":
-                raise BadRow(f"{where.rsplit(':', 1)[0]}: the file is empty (set curate.on_bad_row=quarantine to skip it)")
-            empty_files += 1
-            quarantine.append({"id": where, "text": "", "reason": "empty_file", "detail": "no rows"})
-            continue
-        n_in += 1
-        text = row.get(c.text_field) if row is not None and not problem else None
-        rid = str(row.get(c.id_field, where)) if row is not None else where
-        as_read.append({"id": rid, "text": text, "source": str((row or {}).get(c.source_field, "unknown"))})
-        if problem:
-            if c.on_bad_row == "fail":
-                raise BadRow(f"{where}: {problem} (set curate.on_bad_row=quarantine to keep going)")
-            reasons["bad_row"] += 1
-            quarantine.append({"id": where, "text": "", "reason": "bad_row", "detail": problem})
-            continue
-        text = unicodedata.normalize("NFC", text).strip()
-        h = hashlib.sha256(text.encode()).hexdigest()
-        if h in seen_exact:
-            reason = "exact_dup"
-        else:
-            seen_exact.add(h)
-            reason = _quality(text, c)
-        if reason is None:  # normalise only what passed the cheap checks (a 50 MB line never gets here)
-            normed = _norm(text)
-            if any(p in normed for p in test_prompts):
-                reason = "contamination"
-            else:
-                mh = MinHash(num_perm=c.num_perm, seed=cfg.seed)
-                mh.update_batch([s.encode() for s in _shingles(normed.split(), c.shingle_size)])
-                if lsh.query(mh):
-                    reason = "near_dup"
-                else:
-                    lsh.insert(rid, mh)
-        if reason:
-            reasons[reason] += 1
-            quarantine.append({"id": rid, "text": text[:10_000], "reason": reason,
-                               "detail": f"text truncated from {len(text)} chars" if len(text) > 10_000 else ""})
-            continue
-        for pattern, placeholder in PII:
-            text, n = pattern.subn(placeholder, text)
-            pii_hits[placeholder] += n
-        kept.append({"id": rid, "text": text, "source": as_read[-1]["source"]})
-    if n_in != len(kept) + sum(reasons.values()):
-        raise AssertionError("curate accounting broken: rows in != kept + rejected")
-    validation = [gates.validate("input", pd.DataFrame(as_read, columns=["id", "text", "source"]),
-                                 gates.input_expectations())]
-    del as_read
+    files = data_files(Path(inputs["raw"]))
+    if not files:
+        raise BadRow(f"{inputs['raw']}: no .jsonl, .jsonl.gz or .parquet file to curate")
+    if len(files) >= 1 << (64 - ROW_BITS):
+        raise BadRow(f"{inputs['raw']}: {len(files)} files; merge them below {1 << (64 - ROW_BITS)}")
+    tests = _test_items(cfg)
+    targets = target_windows([t.fingerprint() for ts in tests.values() for t in ts])
+    work = out / ".work"
+    shards = [work / f"file-{i:05d}" for i in range(len(files))]
+    scans = map_tasks(scan_file, [(cfg, f, i, s, targets) for i, (f, s) in enumerate(zip(files, shards))], "curate scan")
+    bands = MinHasher(c.num_perm, c.near_dup_threshold, cfg.seed).bands
+    removed, reason, dup_of = global_dedup(shards, bands, c.num_perm, c.near_dup_threshold)
+    file_of = (removed >> np.uint64(ROW_BITS)).astype(np.int64)
+    calls = []
+    for i, s in enumerate(shards):
+        sel = file_of == i
+        details = [f"duplicate of {files[int(g) >> ROW_BITS].name}:{int(g) & ((1 << ROW_BITS) - 1)}"
+                   for g in dup_of[sel]]
+        calls.append((cfg, i, s, out, removed[sel], [("exact_dup", "near_dup")[r] for r in reason[sel]], details,
+                      targets))
+    writes = map_tasks(write_file, calls, "curate write")
+
+    rejected = sum((s["rejected"] for s in scans + writes), Counter())
+    kept = sum((s["kept"] for s in writes), Counter())
+    n_in = sum(s["rows_in"] for s in scans)
+    if n_in != sum(kept.values()) + sum(rejected.values()):
+        raise AssertionError(f"curate accounting broken: {n_in} rows in != {sum(kept.values())} kept + "
+                             f"{sum(rejected.values())} rejected")
     if not kept:
         raise ValueError("curate kept no rows: every input row was rejected (see quarantine reasons)")
-    out_df = pd.DataFrame(kept)
-    out_df["contaminated"] = [any(p in _norm(t) for p in test_prompts) for t in out_df["text"]]
-    validation.append(gates.validate("output", out_df, gates.output_expectations(c.min_chars, c.max_chars)))
+    id_hashes = np.concatenate([np.fromfile(s / "idhash.bin", np.uint64) for s in shards])
+    validation = [v for s in scans for v in s["validation"]] + [v for s in writes for v in s["validation"]]
+    validation.append(gates.validate("output ids", pd.DataFrame({"id_hash": id_hashes}),
+                                     gates.global_id_expectations()))
+    del id_hashes
+    _merge_parquet([p for s in shards for p in (s / "quarantine-scan.parquet", s / "quarantine-dedup.parquet")],
+                   out / "quarantine.parquet")
+    split_counts = _write_splits(cfg, tests, out, validation)
+    shutil.rmtree(work)
+    (out / "validation.json").write_text(json.dumps(validation, indent=1))
 
-    n_shards = 2
-    for i in range(n_shards):
-        _write(out / f"pretrain-{i:05d}.parquet", kept[i::n_shards])
-    pq.write_table(pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA), out / "quarantine.parquet",
-                   compression="zstd")
-    split_counts, task_ids = {}, []
-    for d in domains:
+    reasons = Counter()
+    for (r, _), n in rejected.items():
+        reasons[r] += n
+    pii = sum((s["pii"] for s in writes), Counter())
+    tokens = sum((s["tokens"] for s in writes), Counter())
+    by_source: dict[str, dict] = {}
+    for (r, src), n in rejected.items():
+        by_source.setdefault(src, {}).setdefault("rejected", {})[r] = n
+    for src in kept:
+        weight = c.mixture.get(src, 1.0)
+        by_source.setdefault(src, {}).update(kept=kept[src], tokens=tokens[src], mixture_weight=weight,
+                                             pretrain_tokens_weighted=round(tokens[src] * weight))
+    empty = sum(s["empty_files"] for s in scans)
+    card = {"rows_in": n_in, "rows_kept": sum(kept.values()), "empty_files": empty, "rejected": dict(reasons),
+            "sources": by_source, "tokens_kept": sum(tokens.values()), "token_unit": "regex word/punct tokens",
+            "mojibake_repaired": sum(s["mojibake_repaired"] for s in scans), "pii_scrubbed": dict(pii),
+            "splits": split_counts, "files": [f.name for f in files],
+            "near_dup": {"shingle_size": c.shingle_size, "threshold": c.near_dup_threshold, "num_perm": c.num_perm,
+                         "bands": bands}}
+    (out / "data_card.json").write_text(json.dumps(card, indent=1))
+    metrics = {"rows_in": n_in, "rows_kept": card["rows_kept"], "empty_files": empty, "tokens_kept": card["tokens_kept"],
+               "mojibake_repaired": card["mojibake_repaired"], **{f"rejected_{k}": v for k, v in reasons.items()},
+               **{f"pii_{k.strip('<>').lower()}": v for k, v in pii.items()}}
+    return {"metrics": metrics, "datasets": [("raw", inputs["raw"])]}
+
+
+def _merge_parquet(parts: list[Path], dest: Path) -> None:
+    """Concatenate Parquet files row group by row group (bounded memory)."""
+    with pq.ParquetWriter(dest, QUARANTINE_SCHEMA, compression="zstd") as writer:
+        for p in parts:
+            f = pq.ParquetFile(p)
+            for i in range(f.num_row_groups):
+                writer.write_table(f.read_row_group(i))
+
+
+def _write_splits(cfg: PipelineConfig, tests: dict[str, list], out: Path, validation: list) -> dict:
+    """SFT set, RL prompt pools, validation and test sets per domain, from the environments."""
+    w = cfg.world
+    counts, task_ids = {}, []
+    for d, test in tests.items():
         env = environments.get(d)
-        train = env.generate("train", w.n_train, cfg.seed, **knobs)
+        train = env.generate("train", w.n_train, cfg.seed, **w.knobs())
         n_sft = int(len(train) * 0.75)
-        sets = {"sft": train[:n_sft], "rl": train[n_sft:], "val": env.generate("val", w.n_val, cfg.seed, **knobs),
-                "test": tests[d]}
+        sets = {"sft": train[:n_sft], "rl": train[n_sft:], "val": env.generate("val", w.n_val, cfg.seed, **w.knobs()),
+                "test": test}
         task_ids += [{"task_id": t.id, "set": f"{name}-{d}"} for name, ts in sets.items() for t in ts]
         for name, tasks in sets.items():
-            _write(out / f"{name}-{d}.parquet", [{"id": t.id, "task": t.to_json()} for t in tasks])
-            split_counts[f"{name}_{d}"] = len(tasks)
+            pq.write_table(pa.Table.from_pylist([{"id": t.id, "task": t.to_json()} for t in tasks]),
+                           out / f"{name}-{d}.parquet", compression="zstd")
+            counts[f"{name}_{d}"] = len(tasks)
     validation.append(gates.validate("splits", pd.DataFrame(task_ids), gates.split_expectations()))
-    (out / "validation.json").write_text(json.dumps(validation, indent=1))
-    card = {"rows_in": n_in, "empty_files": empty_files, "rows_kept": len(kept), "rejected": dict(reasons), "pii_scrubbed": dict(pii_hits),
-            "sources": dict(Counter(r["source"] for r in kept)), "splits": split_counts,
-            "chars_kept": sum(len(r["text"]) for r in kept)}
-    (out / "data_card.json").write_text(json.dumps(card, indent=1))
-    metrics = {"rows_in": n_in, "rows_kept": len(kept), "empty_files": empty_files, **{f"rejected_{k}": v for k, v in reasons.items()},
-               **{f"pii_{k.strip('<>').lower()}": v for k, v in pii_hits.items()}}
-    return {"metrics": metrics, "datasets": [("raw", inputs["raw"])]}
+    return counts
 
 
 def load_tasks(folder: str | Path, name: str, domain: str) -> list:
@@ -223,4 +331,11 @@ def load_tasks(folder: str | Path, name: str, domain: str) -> list:
 
 
 def load_pretrain_texts(folder: str | Path) -> list[str]:
-    return [t for p in sorted(Path(folder).glob("pretrain-*.parquet")) for t in pq.read_table(p).column("text").to_pylist()]
+    """Pretrain texts with the per-source mixture applied: weight 2 repeats a text, 0.5 keeps every other."""
+    out = []
+    for p in sorted(Path(folder).glob("pretrain-*.parquet")):
+        t = pq.read_table(p, columns=["id", "text", "weight"])
+        for rid, text, weight in zip(*(t.column(k).to_pylist() for k in ("id", "text", "weight"))):
+            whole, frac = divmod(weight, 1.0)
+            out += [text] * (int(whole) + (hash64(rid) / 2**64 < frac))
+    return out

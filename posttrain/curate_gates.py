@@ -71,6 +71,12 @@ def output_expectations(min_chars: int, max_chars: int) -> list:
     ]
 
 
+def global_id_expectations() -> list:
+    """Ids unique across all files (each file's output gate checks its own rows)."""
+    import great_expectations as gx
+    return [gx.expectations.ExpectColumnValuesToBeUnique(column="id_hash")]
+
+
 def split_expectations() -> list:
     import great_expectations as gx
     return [gx.expectations.ExpectColumnValuesToBeUnique(column="task_id")]

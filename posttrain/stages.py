@@ -30,7 +30,8 @@ class Stage:
 DOMAIN_STAGES = tuple(f"rl-{d}" for d in ("reasoning", "agentic", "general"))
 STAGES: dict[str, Stage] = {s.name: s for s in [
     Stage("raw", "posttrain.curate:make_raw", (), ("seed", "world", "curate"), num_cpus=1, threads=1),
-    Stage("curate", "posttrain.curate:run", ("raw",), ("seed", "world", "curate"), threads=1),
+    # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
+    Stage("curate", "posttrain.curate:run", ("raw",), ("seed", "world", "curate"), num_cpus=0.1, threads=1),
     Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base")),
     Stage("ramp", "posttrain.ramp:run", ("base", "curate"), ("seed", "ramp")),
     Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft")),

@@ -89,8 +89,16 @@ def test_unmapped_text_field_fails_the_input_gate(tmp_path):
         _run(_cfg(), raw, tmp_path / "q")
 
 
-def test_generated_corpus_accounting_and_gates(tmp_path):
-    cfg = _cfg()
+def _planted(raw):
+    docs = {}
+    for f in sorted(raw.glob("*.jsonl.gz")):
+        with gzip.open(f, "rt") as fh:
+            docs.update((d["id"], d) for d in map(json.loads, fh))
+    return docs
+
+
+def test_generated_corpus_ground_truth_accounting_and_gates(tmp_path):
+    cfg = _cfg("curate.raw_docs=2000")
     raw = tmp_path / "raw"
     raw.mkdir()
     planted = curate.make_raw(cfg, {}, raw)["metrics"]
@@ -98,8 +106,39 @@ def test_generated_corpus_accounting_and_gates(tmp_path):
     m = res["metrics"]
     assert m["rows_in"] == planted["planted_docs"]
     assert m["rows_in"] == m["rows_kept"] + sum(v for k, v in m.items() if k.startswith("rejected_"))
-    assert m["rejected_exact_dup"] >= planted["planted_exact_dup"] and m["rejected_contamination"] >= 1
+    docs = _planted(raw)
+    reason = {r["id"]: r["reason"] for r in pq.read_table(out / "quarantine.parquet").to_pylist()}
+    assert len(reason) == m["rows_in"] - m["rows_kept"]  # every rejected row is in quarantine
+    by_kind = lambda k: [i for i, d in docs.items() if d["meta"]["planted"] == k]  # noqa: E731
+    assert all(reason.get(i) == "contamination" for i in by_kind("contamination"))
+    assert {reason.get(i) for i in by_kind("junk")} == {"low_alpha_ratio"}
+    assert {reason.get(i) for i in by_kind("repetitive")} == {"repeated_ngrams"}
+    assert {reason.get(i) for i in by_kind("boilerplate")} == {"boilerplate"}
+    # a near-duplicate pair is resolved when exactly one of the two is dropped
+    pairs = [(i, docs[i]["meta"]["dup_of"]) for i in by_kind("near_dup")]
+    assert sum((a in reason) != (b in reason) for a, b in pairs) >= 0.95 * len(pairs)
+    in_family = {i for a, b in pairs for i in (a, b)} | {i for i in by_kind("exact_dup")} | {
+        docs[i]["meta"]["dup_of"] for i in by_kind("exact_dup")}
+    assert not [i for i, r in reason.items() if r in ("near_dup", "exact_dup") and i not in in_family]
+    assert m["mojibake_repaired"] >= planted["planted_mojibake"]
     validation = json.loads((out / "validation.json").read_text())
-    assert [v["suite"] for v in validation] == ["input", "output", "splits"] and all(v["success"] for v in validation)
-    kept = pq.read_table(out / "pretrain-00000.parquet").column("text").to_pylist()
-    assert not any("@example.com" in t for t in kept)  # PII scrubbed to placeholders
+    suites = [v["suite"] for v in validation]
+    assert suites[:2] == ["input corpus-00000.jsonl.gz", "input corpus-00001.jsonl.gz"]
+    assert {"output ids", "splits"} <= set(suites) and all(v["success"] for v in validation)
+    kept = [t for p in sorted(out.glob("pretrain-*.parquet")) for t in pq.read_table(p).column("text").to_pylist()]
+    assert len(kept) == m["rows_kept"] and not any("@example.com" in t for t in kept)  # PII scrubbed
+    card = json.loads((out / "data_card.json").read_text())
+    assert card["rows_kept"] == m["rows_kept"] and card["sources"]["books"]["tokens"] > 0
+
+
+def test_mojibake_repaired_and_mixture_weights(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    garbled = "The caf\u00e9 served cr\u00e8me br\u00fbl\u00e9e to a na\u00efve guest.".encode().decode("cp1252")
+    rows = GOOD[:20] + [{"id": "moji", "text": garbled, "source": "books"}]
+    _write_jsonl(raw / "a.jsonl", rows)
+    res, out = _run(_cfg("curate.mixture={web: 2.0, books: 0.0}"), raw, tmp_path)
+    kept = {r["id"]: r["text"] for r in pq.read_table(out / "pretrain-00000.parquet").to_pylist()}
+    assert kept["moji"] == "The caf\u00e9 served cr\u00e8me br\u00fbl\u00e9e to a na\u00efve guest."
+    texts = curate.load_pretrain_texts(out)
+    assert len(texts) == 2 * (len(kept) - 1) and kept["moji"] not in texts

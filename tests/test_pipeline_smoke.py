@@ -119,5 +119,5 @@ def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
     raw.write_text("".join('{"id": "%d", "body": "no text field here"}\n' % i for i in range(20)))
     p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"curate.inputs=['{raw}']", check=False)
     assert p.returncode == 1
-    assert "stage curate failed" in p.stderr and "gate 'input' failed" in p.stderr
+    assert "stage curate failed" in p.stderr and "gate 'input mine.jsonl' failed" in p.stderr
     assert not list((tmp_path / "artifacts" / "curate").glob("[!.]*"))  # nothing published
