@@ -104,7 +104,7 @@ def generate_raw(folder: Path, n_docs: int, seed: int, world, docs_per_file: int
         if text not in seen:
             seen.add(text)
             i = len(docs)
-            docs.append({"id": f"doc-{i}", "text": text, "source": "web" if i % 10 else "books",
+            docs.append({"id": f"doc-{seed}-{i}", "text": text, "source": "web" if i % 10 else "books",
                          "meta": {"planted": "clean"}})
     n_near, n_exact = int(n_docs * PLANTS["near_dup"]), int(n_docs * PLANTS["exact_dup"])
     near_of = rng.sample([d for d in docs if len(d["text"].split()) > 30], n_near)
@@ -116,7 +116,7 @@ def generate_raw(folder: Path, n_docs: int, seed: int, world, docs_per_file: int
         for _ in range(int(n_docs * share)):
             original = next(originals[kind]) if kind in originals else None
             meta = {"planted": kind, **({"dup_of": original["id"]} if original else {})}
-            docs.append({"id": f"doc-{len(docs)}", "text": _planted(kind, rng, tests, original), "source": "web",
+            docs.append({"id": f"doc-{seed}-{len(docs)}", "text": _planted(kind, rng, tests, original), "source": "web",
                          "meta": meta})
             planted[kind] += 1
     rng.shuffle(docs)

@@ -259,11 +259,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
                              f"{sum(rejected.values())} rejected")
     if not kept:
         raise ValueError("curate kept no rows: every input row was rejected (see quarantine reasons)")
-    id_hashes = np.concatenate([np.fromfile(s / "idhash.bin", np.uint64) for s in shards])
     validation = [v for s in scans for v in s["validation"]] + [v for s in writes for v in s["validation"]]
-    validation.append(gates.validate("output ids", pd.DataFrame({"id_hash": id_hashes}),
-                                     gates.global_id_expectations()))
-    del id_hashes
+    validation.append(_global_id_gate(shards, out))
     _merge_parquet([p for s in shards for p in (s / "quarantine-scan.parquet", s / "quarantine-dedup.parquet")],
                    out / "quarantine.parquet")
     split_counts = _write_splits(cfg, tests, out, validation)
@@ -294,6 +291,20 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
                "mojibake_repaired": card["mojibake_repaired"], **{f"rejected_{k}": v for k, v in reasons.items()},
                **{f"pii_{k.strip('<>').lower()}": v for k, v in pii.items()}}
     return {"metrics": metrics, "datasets": [("raw", inputs["raw"])]}
+
+
+def _global_id_gate(shards: list[Path], out: Path) -> dict:
+    """Ids unique across files, checked on 8-byte hashes (bounded memory); a failure names the ids."""
+    id_hashes = np.concatenate([np.fromfile(s / "idhash.bin", np.uint64) for s in shards])
+    try:
+        return gates.validate("output ids", pd.DataFrame({"id_hash": id_hashes}), gates.global_id_expectations())
+    except gates.GateFailed:
+        uniq, counts = np.unique(id_hashes, return_counts=True)
+        dup = set(uniq[counts > 1].tolist())
+        names = sorted({i for p in sorted(out.glob("pretrain-*.parquet"))
+                        for i in pq.read_table(p, columns=["id"]).column("id").to_pylist() if hash64(i) in dup})
+        raise gates.GateFailed(f"curate gate 'output ids' failed: {len(dup)} ids occur in more than one row or "
+                               f"file, e.g. {names[:5]} (set curate.id_field to a unique field)") from None
 
 
 def _merge_parquet(parts: list[Path], dest: Path) -> None:
