@@ -228,7 +228,7 @@ def _output_gate(frames: list[pd.DataFrame], c, work: Path) -> dict:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
-    c, w = cfg.curate, cfg.world
+    c = cfg.curate
     files = data_files(Path(inputs["raw"]))
     if not files:
         raise BadRow(f"{inputs['raw']}: no .jsonl, .jsonl.gz or .parquet file to curate")

@@ -1,8 +1,16 @@
 """sft: chat-template demonstrations with thinking on or off per conversation; assistant-only loss."""
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 import environments
 from environments import long_context
@@ -13,6 +21,8 @@ from posttrain.curate import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.train import eval_loss, pad_examples, summarize, train
 
+STATE = "state.pt"
+
 
 def conversation(task: Task, thinking: bool) -> list[dict]:
     """The task's demonstration; with thinking off every assistant turn has an empty think block."""
@@ -21,8 +31,11 @@ def conversation(task: Task, thinking: bool) -> list[dict]:
 
 
 def build_examples(cfg: PipelineConfig, tok, tasks: list[Task], seed: int) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) per task, mixing the modes: thinking off for `nothink_share` of the conversations,
+    earlier turns' thinking kept in the history for `preserve_thinking_share`."""
     rng = random.Random(seed)
-    return [render_with_mask(tok, conversation(t, rng.random() >= cfg.sft.nothink_share)) for t in tasks]
+    return [render_with_mask(tok, conversation(t, rng.random() >= cfg.sft.nothink_share),
+                             preserve_thinking=rng.random() < cfg.sft.preserve_thinking_share) for t in tasks]
 
 
 def _long_tasks(tok, split: str, n: int, seed: int, max_len: int) -> list[Task]:
@@ -32,7 +45,72 @@ def _long_tasks(tok, split: str, n: int, seed: int, max_len: int) -> list[Task]:
     return [t for i, L in enumerate(lengths) for t in long_context.fit_to_length(split, n // 3, seed + i, L, count)]
 
 
-def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
+def _batches(cfg: PipelineConfig, tok, examples: list) -> Callable[[int], dict]:
+    """Micro-batch `i` of the global data order: a pure function of `i` (exact resume needs no cursor file).
+
+    Length buckets: a batch pads to its longest row, so one long-context example would make the whole
+    batch `seq_len` tokens wide.
+    """
+    s = cfg.sft
+    buckets: dict[int, list] = {}
+    for ex in examples:
+        buckets.setdefault(min(s.seq_len, 1 << max(6, (len(ex[0]) - 1).bit_length())), []).append(ex)
+    keys = sorted(buckets)
+
+    def next_batch(i: int) -> dict:
+        rng = random.Random(cfg.seed * 31 + i)
+        bucket = buckets[rng.choices(keys, weights=[len(buckets[k]) for k in keys])[0]]
+        return pad_examples([bucket[rng.randrange(len(bucket))] for _ in range(s.batch_size)],
+                            tok.pad_token_id, s.seq_len)
+    return next_batch
+
+
+def _worker(config: dict) -> None:
+    """One Ray Train worker: resume from the latest reported checkpoint if any, train, report checkpoints."""
+    import ray.train
+    import ray.train.torch
+    cfg: PipelineConfig = config["cfg"]
+    s = cfg.sft
+    torch.set_num_threads(config["threads"])
+    seed_all(cfg.seed)
+    model, tok = load_checkpoint(config["init"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    state = None
+    if (ckpt := ray.train.get_checkpoint()) is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(Path(d) / STATE, weights_only=False)
+        model.load_state_dict(state["model"])
+        print(f"[sft] resuming at step {state['step']} of {s.steps}", flush=True)
+    model = ray.train.torch.prepare_model(model)  # DDP when there is more than one worker
+    global_batch = _batches(cfg, tok, config["examples"])
+
+    def next_batch(i: int) -> dict:  # this worker's rows of the global batch
+        return {k: v[rank::world] for k, v in global_batch(i).items()}
+
+    val_batches = [pad_examples(config["val"][i:i + s.batch_size], tok.pad_token_id, s.seq_len)
+                   for i in range(0, len(config["val"]), s.batch_size)]
+
+    def checkpoint(st: dict) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0:
+                torch.save(st, Path(d) / STATE)
+            ray.train.report({"step": st["step"], "loss": st["hist"]["loss"][-1]},
+                             checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+        if os.environ.get("POSTTRAIN_SFT_KILL_AT_STEP") == str(st["step"]):  # fault injection for the resume test
+            time.sleep(3)  # die mid-way through the next step, once the controller has registered this checkpoint
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    train(model, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
+          weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="sft", grad_accum=s.grad_accum,
+          eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, s.steps // 5),
+          state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every)
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
+    """Build the SFT mixture, train it with Ray Train (resuming from `scratch` after a crash), save."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
     seed_all(cfg.seed)
     s = cfg.sft
     model, tok = load_checkpoint(inputs["ramp"])
@@ -43,26 +121,20 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     val_tasks = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]
     examples = build_examples(cfg, tok, train_tasks, cfg.seed)
     val = build_examples(cfg, tok, val_tasks, cfg.seed + 1)
-    val_batches = [pad_examples(val[i:i + s.batch_size], tok.pad_token_id, s.seq_len)
-                   for i in range(0, len(val), s.batch_size)]
-
-    # length buckets: a batch pads to its longest row, so one long-context example would make the
-    # whole batch 512 tokens wide
-    buckets: dict[int, list] = {}
-    for ex in examples:
-        buckets.setdefault(min(s.seq_len, 1 << max(6, (len(ex[0]) - 1).bit_length())), []).append(ex)
-    keys = sorted(buckets)
-
-    def next_batch(step: int):
-        rng = random.Random(cfg.seed * 31 + step)
-        bucket = buckets[rng.choices(keys, weights=[len(buckets[k]) for k in keys])[0]]
-        return pad_examples([bucket[rng.randrange(len(bucket))] for _ in range(s.batch_size)],
-                            tok.pad_token_id, s.seq_len)
-
-    hist = train(model, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
-                 weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="sft",
-                 eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, s.steps // 5))
+    storage = Path(scratch or tempfile.mkdtemp(prefix="sft-")).resolve()
+    trainer = TorchTrainer(
+        _worker, train_loop_config={"cfg": cfg, "init": inputs["ramp"], "examples": examples, "val": val,
+                                    "threads": max(1, cfg.runtime.torch_threads // s.workers)},
+        scaling_config=ScalingConfig(num_workers=s.workers, use_gpu=torch.cuda.is_available()),
+        run_config=RunConfig(name="sft", storage_path=str(storage), failure_config=FailureConfig(max_failures=0),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)))
+    result = trainer.fit()
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(Path(d) / STATE, weights_only=False)
+    model.load_state_dict(state["model"])
     save_checkpoint(model, tok, out)
+    hist = state["hist"]
+    (out / "history.json").write_text(json.dumps(hist))
     n_tok = sum(sum(m) for _, m in examples)
     return {"metrics": {"examples": len(examples), "long_context_examples": len(long_tasks),
                         "assistant_tokens": n_tok, **summarize(hist),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ class Stage:
     params: tuple[tuple[str, str], ...] = ()
     num_cpus: float = 1.0        # Ray CPUs reserved; the specialists take a share so all three run at once
     threads: int = 2
+    resumable: bool = False      # gets a `scratch` dir that survives a crash, for its training checkpoints
 
 
 DOMAIN_STAGES = tuple(f"rl-{d}" for d in ("reasoning", "agentic", "general"))
@@ -34,7 +36,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     Stage("curate", "posttrain.curate:run", ("raw",), ("seed", "world", "curate"), num_cpus=0.1, threads=1),
     Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base")),
     Stage("ramp", "posttrain.ramp:run", ("base", "curate"), ("seed", "ramp")),
-    Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft")),
+    # sft's own Ray task only waits on its Ray Train workers
+    Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), num_cpus=0.1, resumable=True),
     *[Stage(s, "posttrain.rl:run", ("sft", "curate"), ("seed", "rl"), (("domain", s[3:]),), num_cpus=0.6, threads=1)
       for s in DOMAIN_STAGES],
     Stage("opd", "posttrain.opd:run", ("sft", "curate", *DOMAIN_STAGES), ("seed", "opd", "rl")),
@@ -120,9 +123,11 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     run_id = tracking.start_run(ctx.home, name, tags, ctx.parent_run_id)
     try:
         ensure_ray(cfg.runtime)
+        scratch = Path(ctx.home) / "scratch" / name / key[:16]  # same key after a crash: resume from it
+        extra = {"scratch": str(scratch)} if stage.resumable else {}
         with atomic_dir(target) as tmp:
             ref = submit(stage.fn, stage.num_cpus, stage.threads, cfg, {k: v.path for k, v in inputs.items()}, tmp,
-                         **dict(stage.params))
+                         **dict(stage.params), **extra)
             result = await ref
             metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
             digest = write_manifest(tmp, stage=name, parents={k: v.sha256 for k, v in inputs.items()},
@@ -141,6 +146,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         if isinstance(e, (KeyboardInterrupt, asyncio.CancelledError)):
             raise
         raise StageFailed(f"stage {name} failed: {detail}") from e
+    shutil.rmtree(scratch, ignore_errors=True)  # published: the resume state is no longer needed
     tracking.end_run(ctx.home, run_id)
     return ArtifactRef(name, str(target), digest, run_id, round(time.time() - t0, 2), False, metrics)
 

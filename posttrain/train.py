@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-
 
 Batch = dict[str, torch.Tensor]
 
@@ -36,27 +35,47 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.0) -> torch.optim.O
 
 def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0.1,
           weight_decay: float = 0.0, grad_clip: float = 1.0, desc: str = "train",
-          eval_fn: Callable[[], float] | None = None, eval_every: int = 0) -> dict[str, list[float]]:
-    """Run `steps` optimizer steps; return the history (loss per step, eval loss when asked)."""
+          eval_fn: Callable[[], float] | None = None, eval_every: int = 0, grad_accum: int = 1,
+          state: dict | None = None, checkpoint: Callable[[dict], None] | None = None,
+          checkpoint_every: int = 0) -> dict[str, list[float]]:
+    """Run `steps` optimizer steps; return the history (loss per step, eval loss when asked).
+
+    Each step takes `grad_accum` micro-batches `next_batch(step * grad_accum + i)`: the data order is a
+    function of the step, so resuming from `state` (what `checkpoint` was given) continues exactly.
+    """
     opt = make_optimizer(model, lr, weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, steps, warmup, min_lr_ratio))
     hist: dict[str, list[float]] = {"loss": [], "lr": []}
+    start = 0
+    if state:
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        hist, start = state["hist"], state["step"]
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
     model.train()
-    bar = tqdm(range(steps), desc=desc, mininterval=5, leave=False)
+    bar = tqdm(range(start, steps), desc=desc, mininterval=5, leave=False, initial=start, total=steps)
     for step in bar:
-        loss = masked_lm_loss(model, next_batch(step))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        for micro in range(grad_accum):
+            loss = masked_lm_loss(model, next_batch(step * grad_accum + micro)) / grad_accum
+            loss.backward()
+            total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
         sched.step()
-        hist["loss"].append(loss.item())
+        hist["loss"].append(total)
         hist["lr"].append(sched.get_last_lr()[0])
-        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+        bar.set_postfix(loss=f"{total:.3f}", refresh=False)
         if eval_fn and eval_every and ((step + 1) % eval_every == 0 or step == steps - 1):
             model.eval()
             hist.setdefault("val_loss", []).append(eval_fn())
             model.train()
+        if checkpoint and ((checkpoint_every and (step + 1) % checkpoint_every == 0) or step == steps - 1):
+            checkpoint({"model": getattr(model, "module", model).state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "hist": hist, "step": step + 1,
+                        "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()})
     model.eval()
     return hist
 

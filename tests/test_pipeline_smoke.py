@@ -121,3 +121,26 @@ def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
     assert p.returncode == 1
     assert "stage curate failed" in p.stderr and "gate 'input mine.jsonl' failed" in p.stderr
     assert not list((tmp_path / "artifacts" / "curate").glob("[!.]*"))  # nothing published
+
+
+def _sft_history(home: Path) -> list[float]:
+    (folder,) = [p for p in (home / "artifacts" / "sft").iterdir() if not p.name.startswith(".")]
+    return json.loads((folder / "history.json").read_text())["loss"]
+
+
+def test_sft_resumes_exactly_after_sigkill(first, tmp_path):
+    """SIGKILL the Ray Train worker right after its step-2 checkpoint; the rerun continues from there and
+    its loss curve is the uninterrupted run's, step for step."""
+    home, _ = first
+    args = ("run", "--profile", "smoke", "--set", "sft.checkpoint_every=1")
+    os.environ["POSTTRAIN_SFT_KILL_AT_STEP"] = "2"
+    try:
+        p = posttrain(tmp_path, *args, check=False)
+    finally:
+        del os.environ["POSTTRAIN_SFT_KILL_AT_STEP"]
+    assert p.returncode == 1 and "stage sft failed" in p.stderr
+    assert not [q for q in (tmp_path / "artifacts" / "sft").iterdir() if not q.name.startswith(".")]
+    p = posttrain(tmp_path, *args)
+    assert "resuming at step 2 of 4" in p.stdout + p.stderr
+    assert _sft_history(tmp_path) == _sft_history(home)
+    assert not (tmp_path / "scratch" / "sft").exists() or not any((tmp_path / "scratch" / "sft").iterdir())
