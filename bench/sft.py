@@ -1,0 +1,155 @@
+"""bench/sft: our SFT loop against TRL's SFTTrainer: same tiny model and initial weights, same batches in
+the same order (TRL gets a sequential sampler over our batch order), same optimizer settings and schedule,
+assistant-only loss on both. Each side runs in its own process so peak RSS is its own.
+
+tokens/s counts the non-pad tokens of the batches over the training loop's wall time (model loading and
+data preparation excluded on both sides). mfu: achieved model FLOP/s (6 x params x tokens/s) over this
+machine's fp32 matmul peak, measured in the same run with a large torch.mm.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STEPS = int(os.environ.get("BENCH_SFT_STEPS", 60))
+OUT = Path(".posttrain/bench")
+WORK = OUT / "sft-work"
+
+
+def _cfg():
+    from posttrain.config import load_config
+    return load_config("tiny", [f"sft.steps={STEPS}", "sft.warmup=0"])  # HF warms up from lr 0, ours from lr/warmup
+
+
+def _prepare() -> None:
+    """The shared starting point: tokenizer, initial model and the batch order, on disk."""
+    import random
+
+    import torch
+
+    import environments
+    from posttrain.chat import train_tokenizer
+    from posttrain.model import build_model, save_checkpoint, seed_all
+    from posttrain.sft import build_examples
+    cfg = _cfg()
+    seed_all(cfg.seed)
+    tasks = [t for d in environments.DOMAINS
+             for t in environments.get(d).generate("train", 600, cfg.seed, **cfg.world.knobs())]
+    tok = train_tokenizer([t.prompt + " " + json.dumps(t.demo) for t in tasks], cfg.tokenizer.vocab_size)
+    model = build_model(cfg.model, tok)
+    save_checkpoint(model, tok, WORK / "init")
+    examples = build_examples(cfg, tok, tasks, cfg.seed)
+    rng = random.Random(cfg.seed)
+    order = [examples[rng.randrange(len(examples))] for _ in range(STEPS * cfg.sft.batch_size)]
+    torch.save(order, WORK / "order.pt")
+
+
+def _peak_matmul_flops() -> float:
+    import torch
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    torch.mm(a, b)
+    t = time.perf_counter()
+    for _ in range(5):
+        torch.mm(a, b)
+    return 5 * 2 * 2048**3 / (time.perf_counter() - t)
+
+
+def _tokens(order, pad_id: int) -> int:
+    return sum(len(ids) for ids, _ in order)
+
+
+def _ours() -> dict:
+    import torch
+
+    from posttrain.model import load_checkpoint
+    from posttrain.train import pad_examples, train
+    cfg, s = _cfg(), _cfg().sft
+    torch.set_num_threads(cfg.runtime.torch_threads)
+    torch.manual_seed(cfg.seed)
+    model, tok = load_checkpoint(WORK / "init")
+    order = torch.load(WORK / "order.pt")
+
+    def next_batch(i: int):
+        return pad_examples(order[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
+
+    t = time.perf_counter()
+    hist = train(model, next_batch, steps=STEPS, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
+                 weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="ours")
+    return {"seconds": time.perf_counter() - t, "loss": hist["loss"], "tokens": _tokens(order, tok.pad_token_id),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def _trl() -> dict:
+    import torch
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from trl import SFTConfig, SFTTrainer
+
+    from posttrain.model import load_checkpoint
+    cfg, s = _cfg(), _cfg().sft
+    torch.set_num_threads(cfg.runtime.torch_threads)
+    torch.manual_seed(cfg.seed)
+    model, tok = load_checkpoint(WORK / "init")
+    order = torch.load(WORK / "order.pt")
+    # pre-tokenized: TRL folds the assistant_masks column into the labels (assistant-only loss)
+    data = Dataset.from_dict({"input_ids": [ids[:s.seq_len] for ids, _ in order],
+                              "assistant_masks": [m[:s.seq_len] for _, m in order]})
+
+    class InOrder(SFTTrainer):  # our batch order, not a reshuffle
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    args = SFTConfig(output_dir=str(WORK / "trl"), max_steps=STEPS, per_device_train_batch_size=s.batch_size,
+                     learning_rate=s.lr, warmup_steps=s.warmup, lr_scheduler_type="cosine_with_min_lr",
+                     lr_scheduler_kwargs={"min_lr_rate": s.min_lr_ratio}, weight_decay=s.weight_decay,
+                     adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=s.grad_clip,
+                     max_length=s.seq_len, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                     dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True)
+    trainer = InOrder(model=model, args=args, train_dataset=data, processing_class=tok)
+    t = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t
+    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {"seconds": seconds, "loss": loss, "tokens": _tokens(order, tok.pad_token_id)}
+
+
+def _child(side: str) -> dict:
+    p = subprocess.run([sys.executable, "-m", "bench.sft", side], capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"bench.sft {side} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    WORK.mkdir(parents=True, exist_ok=True)
+    _prepare()
+    ours, trl = _child("_ours"), _child("_trl")
+    peak = _peak_matmul_flops()
+    k = 10
+    tps, tps_trl = ours["tokens"] / ours["seconds"], trl["tokens"] / trl["seconds"]
+    fig = {
+        "steps": STEPS, "tokens_per_s": round(tps, 1), "tokens_per_s_trl": round(tps_trl, 1),
+        "throughput_ratio_vs_trl": round(tps / tps_trl, 3),
+        "loss_after_n": round(sum(ours["loss"][-k:]) / k, 4), "loss_after_n_trl": round(sum(trl["loss"][-k:]) / k, 4),
+        "peak_rss_mb": ours["peak_rss_mb"], "peak_rss_mb_trl": trl["peak_rss_mb"],
+        "mfu": round(6 * ours["params"] * tps / peak, 4), "mfu_trl": round(6 * ours["params"] * tps_trl / peak, 4),
+        "peak_matmul_gflops": round(peak / 1e9, 1), "params": ours["params"],
+        "loss_first": round(ours["loss"][0], 4), "loss_first_trl": round(trl["loss"][0], 4),
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "sft.json").write_text(json.dumps(fig, indent=1))
+    print(json.dumps(fig, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("_ours", "_trl"):
+        res = {"_ours": _ours, "_trl": _trl}[sys.argv[1]]()
+        res["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        print(json.dumps(res))
+    else:
+        main()
