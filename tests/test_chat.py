@@ -1,4 +1,7 @@
 
+import pytest
+from transformers import AutoTokenizer
+
 import environments
 from posttrain.chat import render_ids, render_with_mask
 from posttrain.sft import conversation
@@ -27,3 +30,24 @@ def test_preserve_thinking_keeps_earlier_turns_thinking(tok):
     dropped = tok.decode(render_ids(tok, msgs, add_generation_prompt=True))
     kept = tok.decode(render_ids(tok, msgs, add_generation_prompt=True, preserve_thinking=True))
     assert "1+2=3." not in dropped and "1+2=3." in kept
+
+
+@pytest.mark.parametrize("thinking,preserve", [(True, False), (False, False), (True, True)])
+def test_one_rendering_path_in_every_mode(tok, tmp_path, thinking, preserve):
+    """Training ids == what AutoTokenizer.apply_chat_template gives from the saved files, and every point
+    where a rollout would start generating is a prefix of them: no re-tokenisation drift between the two."""
+    tok.save_pretrained(tmp_path)
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    for d in environments.DOMAINS:
+        for task in environments.get(d).generate("train", 20, 1):
+            conv = conversation(task, thinking)
+            ids, mask = render_with_mask(tok, conv, preserve_thinking=preserve)
+            assert ids == list(auto.apply_chat_template(conv, tokenize=True, return_dict=True,
+                                                        preserve_thinking=preserve)["input_ids"])
+            for k, m in enumerate(conv):
+                if m["role"] == "assistant":
+                    prompt = render_ids(auto, conv[:k], add_generation_prompt=True, enable_thinking=thinking,
+                                        preserve_thinking=preserve)
+                    assert ids[:len(prompt)] == prompt
+                    # thinking off: the empty think block is in the prompt and trained as the reply's start
+                    assert mask[len(prompt) - 1] == (0 if thinking else 1)
