@@ -118,7 +118,8 @@ def _datatrove(data: str, out: str) -> None:
 
     from posttrain.curate_dedup import MinHasher
     c = _cfg().curate
-    bands, rows = MinHasher(c.num_perm, c.near_dup_threshold, 0).bands, MinHasher(c.num_perm, c.near_dup_threshold, 0).rows
+    hasher = MinHasher(c.num_perm, c.near_dup_threshold, 0)
+    bands, rows = hasher.bands, hasher.rows
     shutil.rmtree(out, ignore_errors=True)
     files = len(list(Path(data).glob("*.jsonl.gz")))
     mc = MinhashConfig(n_grams=c.shingle_size, num_buckets=bands, hashes_per_bucket=rows,

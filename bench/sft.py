@@ -59,7 +59,7 @@ def _peak_matmul_flops() -> float:
     return 5 * 2 * 2048**3 / (time.perf_counter() - t)
 
 
-def _tokens(order, pad_id: int) -> int:
+def _tokens(order) -> int:
     return sum(len(ids) for ids, _ in order)
 
 
@@ -80,7 +80,7 @@ def _ours() -> dict:
     t = time.perf_counter()
     hist = train(model, next_batch, steps=STEPS, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
                  weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="ours")
-    return {"seconds": time.perf_counter() - t, "loss": hist["loss"], "tokens": _tokens(order, tok.pad_token_id),
+    return {"seconds": time.perf_counter() - t, "loss": hist["loss"], "tokens": _tokens(order),
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -115,7 +115,7 @@ def _trl() -> dict:
     trainer.train()
     seconds = time.perf_counter() - t
     loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"seconds": seconds, "loss": loss, "tokens": _tokens(order, tok.pad_token_id)}
+    return {"seconds": seconds, "loss": loss, "tokens": _tokens(order)}
 
 
 def _child(side: str) -> dict:
