@@ -67,7 +67,7 @@ def _tree_rss(pid: int) -> int:
         try:
             total += p.memory_info().rss
         except psutil.NoSuchProcess:
-            pass
+            continue  # exited between listing and reading: it holds no memory now
     return total
 
 

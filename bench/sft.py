@@ -63,16 +63,21 @@ def _tokens(order) -> int:
     return sum(len(ids) for ids, _ in order)
 
 
-def _ours() -> dict:
+def _start():
+    """Both sides start here: threads, seed, the shared initial model and batch order."""
     import torch
 
     from posttrain.model import load_checkpoint
-    from posttrain.train import pad_examples, train
-    cfg, s = _cfg(), _cfg().sft
+    cfg = _cfg()
     torch.set_num_threads(cfg.runtime.torch_threads)
     torch.manual_seed(cfg.seed)
     model, tok = load_checkpoint(WORK / "init")
-    order = torch.load(WORK / "order.pt")
+    return cfg.sft, model, tok, torch.load(WORK / "order.pt")
+
+
+def _ours() -> dict:
+    from posttrain.train import pad_examples, train
+    s, model, tok, order = _start()
 
     def next_batch(i: int):
         return pad_examples(order[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
@@ -85,17 +90,11 @@ def _ours() -> dict:
 
 
 def _trl() -> dict:
-    import torch
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
     from trl import SFTConfig, SFTTrainer
 
-    from posttrain.model import load_checkpoint
-    cfg, s = _cfg(), _cfg().sft
-    torch.set_num_threads(cfg.runtime.torch_threads)
-    torch.manual_seed(cfg.seed)
-    model, tok = load_checkpoint(WORK / "init")
-    order = torch.load(WORK / "order.pt")
+    s, model, tok, order = _start()
     # pre-tokenized: TRL folds the assistant_masks column into the labels (assistant-only loss)
     data = Dataset.from_dict({"input_ids": [ids[:s.seq_len] for ids, _ in order],
                               "assistant_masks": [m[:s.seq_len] for _, m in order]})
@@ -109,7 +108,7 @@ def _trl() -> dict:
                      lr_scheduler_kwargs={"min_lr_rate": s.min_lr_ratio}, weight_decay=s.weight_decay,
                      adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=s.grad_clip,
                      max_length=s.seq_len, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                     dataloader_num_workers=0, seed=cfg.seed, disable_tqdm=True)
+                     dataloader_num_workers=0, seed=_cfg().seed, disable_tqdm=True)
     trainer = InOrder(model=model, args=args, train_dataset=data, processing_class=tok)
     t = time.perf_counter()
     trainer.train()
