@@ -26,7 +26,7 @@ from posttrain import curate_gates as gates
 from posttrain.config import PipelineConfig
 from posttrain.corpus import generate_raw
 from posttrain.curate_dedup import MinHasher, WordHashes, contains_windows, flat_ids, global_dedup, hash64, \
-    target_windows, tokenize, window_hashes
+    sorted_member, target_windows, tokenize, window_hashes
 from posttrain.curate_read import BadRow, data_files, read_rows
 from posttrain.curate_text import normalise, quality, scrub_pii
 from posttrain.raysupport import map_tasks
@@ -81,8 +81,7 @@ def scan_file(cfg: PipelineConfig, path: Path, index: int, work: Path, targets: 
             **{b: open(work / f"band{b:03d}.bin", "wb") for b in range(hasher.bands)}}
     candidates = pq.ParquetWriter(work / "candidates.parquet", CANDIDATE_SCHEMA, compression="zstd")
     quarantine = pq.ParquetWriter(work / "quarantine-scan.parquet", QUARANTINE_SCHEMA, compression="zstd")
-    stats = {"rows_in": 0, "empty_files": 0, "mojibake_repaired": 0, "candidates": 0,
-             "rejected": Counter(), "validation": []}
+    stats = {"rows_in": 0, "empty_files": 0, "mojibake_repaired": 0, "rejected": Counter(), "validation": []}
     rejected_rows: list[dict] = []
     batch: list[tuple] = []
     gate_rows: list[tuple] = []
@@ -118,7 +117,6 @@ def scan_file(cfg: PipelineConfig, path: Path, index: int, work: Path, targets: 
         bands = hasher.band_keys(sig[keep])
         for b in range(hasher.bands):
             np.ascontiguousarray(bands[:, b]).tofile(keys[b])
-        stats["candidates"] += len(keep)
         batch.clear()
 
     def gate():
@@ -186,9 +184,7 @@ def write_file(cfg: PipelineConfig, index: int, work: Path, out: Path, removed: 
     try:
         for batch in pq.ParquetFile(work / "candidates.parquet").iter_batches(batch_size=BATCH):
             df = batch.to_pandas()
-            g = df["gidx"].to_numpy()
-            pos = np.searchsorted(removed, g)
-            is_dup = removed[np.minimum(pos, len(removed) - 1)] == g if len(removed) else np.zeros(len(g), bool)
+            is_dup, pos = sorted_member(removed, df["gidx"].to_numpy())
             dups = [_quarantine_row(r.id, r.text, reasons[p], details[p], r.source)
                     for r, p in zip(df[is_dup].itertuples(), pos[is_dup])]
             for d in dups:

@@ -16,7 +16,6 @@ import numpy as np
 from datasketch.lsh import _optimal_param
 
 TOKEN = re.compile(r"\w+|[^\w\s]")
-_M64 = (1 << 64) - 1
 _BASE = 0x9E3779B97F4A7C15  # odd, so it has an inverse mod 2^64
 _BASE_INV = pow(_BASE, -1, 1 << 64)
 
@@ -58,35 +57,50 @@ def _powers(base: int, n: int) -> np.ndarray:
     return np.cumprod(p, dtype=np.uint64)  # wraps mod 2^64 by design
 
 
-def window_hashes(flat: np.ndarray, offsets: np.ndarray, width: int, short: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Position-independent hashes of every `width`-token window of every document.
-
-    Returns (hashes, doc index of each). A document shorter than `width` gives one hash of all its
-    tokens when `short` (MinHash shingles) and nothing otherwise (test-item matching).
-    """
+def _prefix(flat: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Polynomial prefix hashes of the batch and the inverse powers that make windows position-independent."""
     with np.errstate(over="ignore"):
         prefix = np.zeros(len(flat) + 1, np.uint64)
         np.cumsum(flat * _powers(_BASE, len(flat)), out=prefix[1:])
-        inv = _powers(_BASE_INV, len(flat) + 1)
-        lens = np.diff(offsets)
-        counts = np.maximum(lens - width + 1, 0)
-        if short:
-            counts = np.maximum(counts, 1)
-        doc = np.repeat(np.arange(len(lens)), counts)
-        first = np.repeat(np.cumsum(counts) - counts, counts)
-        starts = offsets[:-1][doc] + (np.arange(len(doc)) - first)
-        ends = np.minimum(starts + width, offsets[1:][doc])
+    return prefix, _powers(_BASE_INV, len(flat) + 1)
+
+
+def window_hashes(flat: np.ndarray, offsets: np.ndarray, width: int, short: bool,
+                  pre: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Position-independent hashes of every `width`-token window of every document.
+
+    Returns (hashes, doc index of each). A document shorter than `width` gives one hash of all its
+    tokens when `short` (MinHash shingles) and nothing otherwise (test-item matching). `pre`: `_prefix(flat)`,
+    when the caller hashes several widths of the same batch.
+    """
+    prefix, inv = pre or _prefix(flat)
+    lens = np.diff(offsets)
+    counts = np.maximum(lens - width + 1, 0)
+    if short:
+        counts = np.maximum(counts, 1)
+    doc = np.repeat(np.arange(len(lens)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    starts = offsets[:-1][doc] + (np.arange(len(doc)) - first)
+    ends = np.minimum(starts + width, offsets[1:][doc])
+    with np.errstate(over="ignore"):
         return (prefix[ends] - prefix[starts]) * inv[starts], doc
+
+
+def sorted_member(sorted_values: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(is x[i] in sorted_values, its position there) for every element of x."""
+    pos = np.searchsorted(sorted_values, x)
+    if not len(sorted_values):
+        return np.zeros(len(x), bool), pos
+    return sorted_values[np.minimum(pos, len(sorted_values) - 1)] == x, pos
 
 
 def contains_windows(flat: np.ndarray, offsets: np.ndarray, targets: dict[int, np.ndarray]) -> np.ndarray:
     """Per document: does it contain any target token sequence? `targets`: width -> sorted window hashes."""
     hit = np.zeros(len(offsets) - 1, bool)
+    pre = _prefix(flat)
     for width, wanted in targets.items():
-        h, doc = window_hashes(flat, offsets, width, short=False)
-        pos = np.searchsorted(wanted, h)
-        found = wanted[np.minimum(pos, len(wanted) - 1)] == h
-        hit[doc[found]] = True
+        h, doc = window_hashes(flat, offsets, width, short=False, pre=pre)
+        hit[doc[sorted_member(wanted, h)[0]]] = True
     return hit
 
 
