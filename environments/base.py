@@ -34,6 +34,15 @@ class Task:
         files = self.meta.get("files") or {}
         return " ".join([self.prompt, *(f"{name}: {body}" for name, body in sorted(files.items()))])
 
+    def prose(self) -> str:
+        """The worked example as plain text: the form the pretraining corpus holds it in."""
+        think = " ".join(m.get("reasoning_content", "") for m in self.demo if m["role"] == "assistant")
+        return f"{self.prose_prompt()} {think} Answer: {self.answer}."
+
+    def prose_prompt(self, thinking: bool = True) -> str:
+        """The completion prompt a base model is evaluated with (thinking off: straight to the answer)."""
+        return f"Question: {self.prompt} " + ("Reasoning:" if thinking else "Answer:")
+
     def messages(self, with_demo: bool = False) -> list[dict]:
         msgs = [{"role": "user", "content": self.prompt}]
         return msgs + (list(self.demo) if with_demo else [])

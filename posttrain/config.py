@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = ROOT / "configs"
@@ -87,18 +87,41 @@ class BaseConfig(TrainConfig):
 
 class RampStage(_Strict):
     seq_len: int
-    steps: int
+    tokens: int                  # training-token budget; steps = tokens / (batch_size * grad_accum * seq_len)
     lr: float = 1e-3
-    rope_theta: float
-    long_share: float = 0.3
+    warmup: int = 10
+    min_lr_ratio: float = 0.1
+    rope_theta: float            # RoPE base for this stage (raised with the length: "ABF")
+    rope_scaling: dict[str, str | float] = Field(default_factory=dict)  # e.g. {rope_type: yarn, factor: 4.0}
+    long_share: float = Field(0.3, ge=0, le=1)  # share of rows holding long-context documents
 
 
 class RampConfig(_Strict):
-    batch_size: int = 8
-    warmup: int = 10
+    batch_size: int = 8          # rows of seq_len tokens per micro-batch
+    grad_accum: int = 1
+    weight_decay: float = 0.1
+    mask_documents: bool = True  # attention stays inside each packed document; positions restart
+    activation_checkpointing: bool = False
+    attention: str = "sdpa"      # a transformers attention implementation or one from posttrain.attention.register
+    long_docs: int = 2000        # distinct long-context documents per stage, lengths spread up to seq_len
+    long_loss_weight: float = 8.0  # weight of a long document's answer tokens against a pretraining token
     stages: list[RampStage] = Field(default_factory=lambda: [
-        RampStage(seq_len=256, steps=60, rope_theta=20000.0),
-        RampStage(seq_len=512, steps=60, rope_theta=40000.0, long_share=0.5)])
+        RampStage(seq_len=256, tokens=245_760, rope_theta=20000.0),
+        RampStage(seq_len=512, tokens=491_520, rope_theta=40000.0, long_share=0.5)])
+
+    @model_validator(mode="after")
+    def _ladder(self):
+        lens = [s.seq_len for s in self.stages]
+        if not lens or lens != sorted(set(lens)):
+            raise ValueError(f"stages must have strictly increasing seq_len (got {lens})")
+        for s in self.stages:
+            if s.tokens < self.batch_size * self.grad_accum * s.seq_len:
+                raise ValueError(f"stage {s.seq_len}: tokens {s.tokens} is less than one step "
+                                 f"({self.batch_size} x {self.grad_accum} x {s.seq_len})")
+        return self
+
+    def steps(self, stage: RampStage) -> int:
+        return stage.tokens // (self.batch_size * self.grad_accum * stage.seq_len)
 
 
 class SFTConfig(TrainConfig):

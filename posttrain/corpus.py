@@ -21,11 +21,6 @@ BOILER = ["Click here to subscribe.", "All rights reserved.", "We use cookies to
           "Read our privacy policy.", "Sign up for the newsletter.", "Terms of use apply."]
 
 
-def _prose(task) -> str:
-    think = " ".join(m.get("reasoning_content", "") for m in task.demo if m["role"] == "assistant")
-    return f"Question: {task.prompt} Reasoning: {think} Answer: {task.answer}."
-
-
 def _filler(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(FILLER) for _ in range(n)).capitalize() + "."
 
@@ -55,7 +50,7 @@ def _clean(rng: random.Random, pools: list[list]) -> str:
         # worked examples under a unique lead: bare templated Q/A pairs would be near duplicates of each other
         # and from different domains: a page of one template repeats itself (the repetition rule would drop it)
         picked = rng.sample(pools, rng.randint(1, len(pools)))
-        examples = [_prose(pool.pop()) for pool in picked]
+        examples = [pool.pop().prose() for pool in picked]
         pools[:] = [p for p in pools if p]
         return " ".join([_filler(rng, rng.randint(15, 40)), *examples])
     if kind < 0.8:

@@ -1,66 +1,174 @@
-"""ramp: mid-training at growing sequence lengths, RoPE base raised per stage, long-context data mixed in.
+"""ramp: mid-training in stages of growing sequence length (GLM-5: 4k -> 32k -> 128k -> 200k).
 
-Each stage's checkpoint is kept under `stages/<seq_len>/`; the artifact root holds the last one.
-The RoPE settings go into config.json so serving engines read them.
+Per stage: RoPE base (and optional scaling) raised and written into config.json, documents packed with
+their boundaries kept (positions restart, attention stays inside a document), a growing share of
+long-context rows, its own token budget and LR schedule, peak memory, then long-context accuracy at
+every ladder length up to the stage's. Each stage's checkpoint is kept under `stages/<seq_len>/` (and in
+the scratch dir, so a rerun after a crash starts at the first unfinished stage); the artifact root holds
+the last one.
 """
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from environments import long_context
-from posttrain.config import PipelineConfig
+from environments.base import Task
+from posttrain import attention
+from posttrain.completion_eval import completion_scores
+from posttrain.config import PipelineConfig, RampStage
 from posttrain.curate import load_pretrain_texts
+from posttrain.memory import peak_memory
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
-from posttrain.train import pack_stream, pad_examples, summarize, train
+from posttrain.packing import collate, pack, packing_efficiency
+from posttrain.train import eval_loss, summarize, train
 
 
-def _long_docs(tok, seq_len: int, n: int, seed: int) -> list[list[int]]:
-    """Long-context training documents: filler with a buried fact, then the question and answer."""
-    def count(t):
-        return len(tok(t.prompt + f" Answer: {t.answer}.", add_special_tokens=False)["input_ids"]) + 2
-    tasks = long_context.fit_to_length("train", n, seed, seq_len, count)
-    return [tok(t.prompt + f" Answer: {t.answer}.", add_special_tokens=False)["input_ids"] for t in tasks]
+def prose_len(tok, task: Task, extra: int = 0) -> int:
+    return len(tok(task.prose(), add_special_tokens=False)["input_ids"]) + 2 + extra
 
 
-def with_rope(model, rope_theta: float, max_positions: int):
-    """Rebuild the model with a new RoPE base (inv_freq is derived from config, not stored)."""
+def long_documents(tok, seq_len: int, n: int, seed: int, weight: float = 1.0) -> list[tuple[list[int], list[float]]]:
+    """Long-context training documents (a fact buried in filler, question, then reasoning and answer) with
+    lengths spread over (seq_len/8, seq_len]: the model must retrieve at every distance, not only the longest.
+
+    Loss only on the reasoning and answer, with `weight` per token: the filler is random words, and the
+    few tokens that need retrieval are a sliver of a batch's loss next to the pretraining rows (measured
+    on tiny: weight 8 forms the retrieval circuit in ~500 steps at 256 tokens, weight 1 not in 1000).
+    The prompt is tokenized on its own, exactly as the evaluation prompts it.
+    """
+    buckets = [seq_len // 8, seq_len // 4, seq_len // 2, 3 * seq_len // 4, seq_len]
+    tasks = [t for i, L in enumerate(buckets)
+             for t in long_context.fit_to_length("train", n // len(buckets), seed * 1000 + i, L,
+                                                 lambda t: prose_len(tok, t))]
+    eos = tok.convert_tokens_to_ids("<|eos|>")
+    out = []
+    for t in tasks:
+        prompt = [tok.bos_token_id, *tok(t.prose_prompt(), add_special_tokens=False)["input_ids"]]
+        answer = [*tok(t.prose()[len(t.prose_prompt()):], add_special_tokens=False)["input_ids"], eos]
+        out.append((prompt + answer, [0.0] * len(prompt) + [weight] * len(answer)))
+    return out
+
+
+def eval_sets(cfg: PipelineConfig, tok) -> dict[int, list[Task]]:
+    """long_context test tasks per ladder length, sized so prompt + answer fit the length."""
+    return {L: long_context.fit_to_length("test", cfg.eval.n_per_suite, cfg.seed, L,
+                                          lambda t: prose_len(tok, t, cfg.eval.max_new_tokens // 2))
+            for L in cfg.eval_lengths()}
+
+
+def long_context_accuracy(cfg: PipelineConfig, model, tok, sets: dict[int, list[Task]], up_to: int) -> dict[int, float]:
+    model.eval()
+    acc = {}
+    for L, tasks in sets.items():
+        if L <= up_to:
+            rewards, _ = completion_scores(model, tok, tasks, max_new_tokens=cfg.eval.max_new_tokens,
+                                           batch_size=max(1, cfg.eval.batch_size * 512 // L))
+            acc[L] = round(sum(rewards) / len(rewards), 4)
+    return acc
+
+
+def with_rope(model, stage: RampStage):
+    """Rebuild the model with this stage's RoPE settings (inv_freq derives from config, is not stored)."""
     config = AutoConfig.for_model(**model.config.to_dict())
-    config.rope_parameters = {**(config.rope_parameters or {}), "rope_theta": rope_theta}
-    config.max_position_embeddings = max_positions
+    config.rope_parameters = {"rope_type": "default", **dict(stage.rope_scaling), "rope_theta": stage.rope_theta}
+    config.max_position_embeddings = stage.seq_len
     new = AutoModelForCausalLM.from_config(config).float()
     new.load_state_dict(model.state_dict())
     return new
 
 
-def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
-    seed_all(cfg.seed)
-    model, tok = load_checkpoint(inputs["base"])
-    texts = load_pretrain_texts(inputs["curate"])
-    docs = tok(texts, add_special_tokens=False)["input_ids"]
-    eos = tok.convert_tokens_to_ids("<|eos|>")
+def _sampler(cfg: PipelineConfig, k: int, short_rows: list, long_rows: list, stage: RampStage, pad_id: int):
     r = cfg.ramp
-    hist_all: dict[str, list[float]] = {}
-    metrics: dict[str, float] = {}
+    n_long = round(r.batch_size * stage.long_share) if long_rows else 0
+
+    def next_batch(i: int) -> dict:  # a pure function of the micro-batch index
+        rng = random.Random(cfg.seed * 7919 + k * 100_003 + i)
+        rows = [rng.choice(short_rows) for _ in range(r.batch_size - n_long)] + \
+               [rng.choice(long_rows) for _ in range(n_long)]
+        return collate(rows, pad_id, mask_documents=r.mask_documents)
+    return next_batch
+
+
+def plot_accuracy(curves: dict[str, dict[int, float]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, acc in curves.items():
+        xs = sorted(acc)
+        ax.plot(xs, [acc[x] for x in xs], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("long_context accuracy (test)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("long-context accuracy after each ramp stage")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
+    seed_all(cfg.seed)
+    r = cfg.ramp
+    model, tok = load_checkpoint(inputs["base"])
+    eos = tok.convert_tokens_to_ids("<|eos|>")
+    docs = [[tok.bos_token_id, *d, eos]
+            for d in tok(load_pretrain_texts(inputs["curate"]), add_special_tokens=False)["input_ids"]]
+    n_val = max(1, len(docs) // 50)
+    val_docs, docs = docs[:n_val], docs[n_val:]
+    sets = eval_sets(cfg, tok)
+    curves = {"pre-ramp": long_context_accuracy(cfg, model, tok, sets, max(sets))}
+    short_val = collate(pack([(d, [1] * len(d)) for d in val_docs], cfg.model.max_position_embeddings)[:32],
+                        tok.pad_token_id)
+    metrics = {"pre_ramp.short_val_loss": round(eval_loss(model, [short_val]), 4),
+               **{f"pre_ramp.long_context@{L}": a for L, a in curves["pre-ramp"].items()}}
+    history, children = {}, []
+    done_dir = Path(scratch) / "stages" if scratch else None
     for k, st in enumerate(r.stages):
-        model = with_rope(model, st.rope_theta, st.seq_len)
-        rows = pack_stream(docs, st.seq_len, tok.bos_token_id, eos)
-        longs = [[tok.bos_token_id, *d, eos] for d in _long_docs(tok, st.seq_len, 256, cfg.seed + k)]
-        n_long = max(1, round(r.batch_size * st.long_share))
-
-        def next_batch(step: int, k=k, st=st, rows=rows, longs=longs, n_long=n_long):
-            rng = random.Random(cfg.seed * 7919 + k * 100_003 + step)
-            short = [rows[rng.randrange(len(rows))].tolist() for _ in range(r.batch_size - n_long)]
-            ex = [(x, [1] * len(x)) for x in short + [rng.choice(longs) for _ in range(n_long)]]
-            return pad_examples(ex, tok.pad_token_id, st.seq_len)
-
-        hist = train(model, next_batch, steps=st.steps, lr=st.lr, warmup=r.warmup, desc=f"ramp@{st.seq_len}")
-        for key, xs in hist.items():
-            hist_all[f"{key}@{st.seq_len}"] = xs
-        metrics.update({f"{k2}@{st.seq_len}": v for k2, v in summarize(hist).items()})
+        name, steps = f"ramp@{st.seq_len}", r.steps(st)
+        if done_dir and (done_dir / str(st.seq_len) / "stage.json").exists():  # finished before a crash
+            model, _ = load_checkpoint(done_dir / str(st.seq_len))
+            child = json.loads((done_dir / str(st.seq_len) / "stage.json").read_text())
+            print(f"[ramp] {name}: done before the crash, loaded from {done_dir / str(st.seq_len)}", flush=True)
+        else:
+            model = attention.use(with_rope(model, st), r.attention)
+            if r.activation_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            short_rows = pack([(d, [1] * len(d)) for d in docs], st.seq_len)
+            longs = long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight)
+            long_rows = pack(longs, st.seq_len)
+            with peak_memory() as peak:
+                hist = train(model, _sampler(cfg, k, short_rows, long_rows, st, tok.pad_token_id), steps=steps,
+                             lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
+                             weight_decay=r.weight_decay,
+                             desc=name)
+            if r.activation_checkpointing:
+                model.gradient_checkpointing_disable()
+            acc = long_context_accuracy(cfg, model, tok, sets, st.seq_len)
+            child = {"name": name, "path": f"stages/{st.seq_len}", "history": hist, "params": {**st.model_dump(mode="json"), "steps": steps},
+                     "long_context": acc, "metrics": {
+                         **summarize(hist), "steps": steps, "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
+                         "peak_memory_mb": peak["mb"], "short_val_loss": round(eval_loss(model, [short_val]), 4),
+                         "packing_efficiency": round(packing_efficiency(short_rows + long_rows, st.seq_len), 4),
+                         **{f"long_context@{L}": a for L, a in acc.items()}}}
+            if done_dir:
+                save_checkpoint(model, tok, done_dir / str(st.seq_len))
+                (done_dir / str(st.seq_len) / "stage.json").write_text(json.dumps(child))
         save_checkpoint(model, tok, out / "stages" / str(st.seq_len))
+        curves[name] = {int(L): a for L, a in child["long_context"].items()}
+        children.append(child)
+        history.update({f"{key}@{st.seq_len}": xs for key, xs in child["history"].items()})
+        metrics.update({f"{name}.{key}": v for key, v in child["metrics"].items()})
+        print(f"[ramp] {name}: {child['metrics']}", flush=True)
     save_checkpoint(model, tok, out)
-    metrics["final_seq_len"] = r.stages[-1].seq_len
-    return {"metrics": metrics, "history": hist_all}
+    (out / "long_context.json").write_text(json.dumps(curves, indent=1))
+    plot_accuracy(curves, out / "long_context.png")
+    return {"metrics": {**metrics, "final_seq_len": r.stages[-1].seq_len}, "history": history,
+            "children": children}

@@ -35,7 +35,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
     Stage("curate", "posttrain.curate:run", ("raw",), ("seed", "world", "curate"), num_cpus=0.1, threads=1),
     Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base")),
-    Stage("ramp", "posttrain.ramp:run", ("base", "curate"), ("seed", "ramp")),
+    Stage("ramp", "posttrain.ramp:run", ("base", "curate"), ("seed", "model", "ramp", "eval"), resumable=True),
     # sft's own Ray task only waits on its Ray Train workers
     Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), num_cpus=0.1, resumable=True),
     *[Stage(s, "posttrain.rl:run", ("sft", "curate"), ("seed", "rl"), (("domain", s[3:]),), num_cpus=0.6, threads=1)
@@ -138,6 +138,8 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
                                                              for s in stage.sections}, **dict(stage.params)},
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
                                 tags={"artifact_uri": str(target), "artifact_sha256": digest})
+            for child in result.get("children", []):
+                _log_child(ctx.home, run_id, tags, child, target)
     except BaseException as e:
         shown = getattr(e, "cause", None) or e  # a RayTaskError carries the stage's own exception
         detail = "".join(traceback.format_exception_only(type(shown), shown)).strip()
@@ -149,6 +151,15 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     shutil.rmtree(scratch, ignore_errors=True)  # published: the resume state is no longer needed
     tracking.end_run(ctx.home, run_id)
     return ArtifactRef(name, str(target), digest, run_id, round(time.time() - t0, 2), False, metrics)
+
+
+def _log_child(home: str, parent: str, tags: dict, child: dict, target: Path) -> None:
+    """A sub-step of a node (a ramp stage) as its own MLflow run under the node's run."""
+    run_id = tracking.start_run(home, child["name"], {**tags, "artifact_uri": str(target / child.get("path", ""))},
+                                parent)
+    tracking.log_result(home, run_id, params=child.get("params", {}), metrics=child.get("metrics", {}),
+                        history=child.get("history"))
+    tracking.end_run(home, run_id)
 
 
 def ref_from_dict(d: dict) -> ArtifactRef:

@@ -13,9 +13,11 @@ Batch = dict[str, torch.Tensor]
 
 
 def masked_lm_loss(model, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy where `loss_mask` of the target token is 1."""
+    """Next-token cross-entropy where `loss_mask` of the target token is 1.
+
+    No KV cache: with one, transformers would not read packed documents out of `position_ids`."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   position_ids=batch.get("position_ids")).logits[:, :-1]
+                   position_ids=batch.get("position_ids"), use_cache=False).logits[:, :-1]
     target = batch["input_ids"][:, 1:]
     mask = batch["loss_mask"][:, 1:].float()
     ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none")
