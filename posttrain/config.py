@@ -201,7 +201,8 @@ class PipelineConfig(_Strict):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def eval_lengths(self) -> list[int]:
-        return [self.model.max_position_embeddings] + [s.seq_len for s in self.ramp.stages]
+        """The base model's context length and every ramp stage's: long_context is scored at each."""
+        return sorted({self.model.max_position_embeddings, *(s.seq_len for s in self.ramp.stages)})
 
 
 def _parse_value(raw: str) -> Any:

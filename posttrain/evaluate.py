@@ -1,4 +1,8 @@
-"""evaluate: every checkpoint on every suite's test split, thinking on and off; a table and a plot."""
+"""evaluate: every checkpoint on every suite's test split, thinking on and off; a table and a plot.
+
+Checkpoints before sft have never seen the chat template: they are scored as plain-text completion, the
+form the pretraining corpus shows tasks in (posttrain/completion_eval.py); the rest through the chat
+template and the environments' episodes."""
 from __future__ import annotations
 
 import json
@@ -9,23 +13,29 @@ import torch
 import environments
 from environments import long_context
 from posttrain.chat import render_ids
+from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
 from posttrain.quantize import load_any
+from posttrain.ramp import eval_sets
 from posttrain.rollout import run_episodes, score
 
 CHECKPOINTS = {"base": "base", "ramped": "ramp", "sft": "sft", "specialist/reasoning": "rl-reasoning",
                "specialist/agentic": "rl-agentic", "specialist/general": "rl-general", "generalist": "opd",
                "quantized": "quantize"}
+BASE_MODELS = ("base", "ramped")  # scored as completion, not chat
 
 
-def suites(cfg: PipelineConfig, curate_dir: str, tok) -> dict[str, tuple[list, bool]]:
+def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) -> dict[str, tuple[list, bool]]:
+    """suite name -> (test tasks, thinking on); long-context tasks sized to fit each length in the format."""
     n = cfg.eval.n_per_suite
     out = {}
     for d in environments.names(cfg.world.environments):
         tasks = load_tasks(curate_dir, "test", d)[:n]
         out[d] = (tasks, True)
         out[f"{d}:nothink"] = (tasks, False)
+    if completion:
+        return out | {f"long_context@{L}": (tasks, True) for L, tasks in eval_sets(cfg, tok).items()}
     for L in cfg.eval_lengths():
         def count(t):
             return len(render_ids(tok, t.messages(), add_generation_prompt=True)) + cfg.eval.max_new_tokens // 2
@@ -33,17 +43,24 @@ def suites(cfg: PipelineConfig, curate_dir: str, tok) -> dict[str, tuple[list, b
     return out
 
 
-def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict) -> tuple[dict, dict]:
+def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, completion: bool = False
+                        ) -> tuple[dict, dict]:
     torch.manual_seed(cfg.seed)
     model, tok = load_any(path)
     model.eval()
     scores, tokens = {}, {}
     for name, (tasks, thinking) in suite_tasks.items():
-        eps = run_episodes(model, tok, tasks, enable_thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
-                           temperature=0.0, max_turns=cfg.rl.max_turns, batch_size=cfg.eval.batch_size)
-        s = score(eps)
+        # attention scores are batch x heads x length^2: fewer long prompts at once
+        bs = max(1, cfg.eval.batch_size * 512 // int(name.split("@")[1])) if "@" in name else cfg.eval.batch_size
+        if completion:
+            s, n_gen = completion_scores(model, tok, tasks, thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
+                                         batch_size=bs)
+        else:
+            eps = run_episodes(model, tok, tasks, enable_thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
+                               temperature=0.0, max_turns=cfg.rl.max_turns, batch_size=bs)
+            s, n_gen = score(eps), [e.n_generated for e in eps]
         scores[name] = round(sum(s) / len(s), 4)
-        tokens[name] = round(sum(e.n_generated for e in eps) / len(eps), 2)
+        tokens[name] = round(sum(n_gen) / len(n_gen), 2)
     return scores, tokens
 
 
@@ -76,10 +93,12 @@ def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(inputs["sft"])
-    suite_tasks = suites(cfg, inputs["curate"], tok)
+    chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
     all_scores, all_tokens = {}, {}
     for ck, stage in CHECKPOINTS.items():
-        all_scores[ck], all_tokens[ck] = evaluate_checkpoint(cfg, inputs[stage], suite_tasks)
+        completion = ck in BASE_MODELS
+        all_scores[ck], all_tokens[ck] = evaluate_checkpoint(
+            cfg, inputs[stage], completion_suites if completion else chat_suites, completion)
         print(f"[evaluate] {ck}: {all_scores[ck]}", flush=True)
     (out / "eval.json").write_text(json.dumps({"eval": all_scores, "tokens": all_tokens}, indent=1))
     (out / "eval.md").write_text(table(all_scores) + "\n")

@@ -13,7 +13,6 @@ import json
 import random
 from pathlib import Path
 
-import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from environments import long_context
@@ -62,6 +61,7 @@ def eval_sets(cfg: PipelineConfig, tok) -> dict[int, list[Task]]:
 
 
 def long_context_accuracy(cfg: PipelineConfig, model, tok, sets: dict[int, list[Task]], up_to: int) -> dict[int, float]:
+    """Completion-format accuracy at every length <= `up_to` (fewer prompts per batch as they grow)."""
     model.eval()
     acc = {}
     for L, tasks in sets.items():
@@ -114,6 +114,31 @@ def plot_accuracy(curves: dict[str, dict[int, float]], path: Path) -> None:
     plt.close(fig)
 
 
+def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: list[list[int]],
+                sets: dict[int, list[Task]], short_val: dict):
+    """One rung of the ladder: RoPE + attention set, packed mixture trained, then measured."""
+    r = cfg.ramp
+    model = attention.use(with_rope(model, st), r.attention)
+    if r.activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    short_rows = pack([(d, [1] * len(d)) for d in docs], st.seq_len)
+    long_rows = pack(long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight), st.seq_len)
+    name, steps = f"ramp@{st.seq_len}", r.steps(st)
+    with peak_memory() as peak:
+        hist = train(model, _sampler(cfg, k, short_rows, long_rows, st, tok.pad_token_id), steps=steps, lr=st.lr,
+                     warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
+                     weight_decay=r.weight_decay, desc=name)
+    if r.activation_checkpointing:
+        model.activation_checkpointing_disable()
+    acc = long_context_accuracy(cfg, model, tok, sets, st.seq_len)
+    metrics = {**summarize(hist), "steps": steps, "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
+               "peak_memory_mb": peak["mb"], "short_val_loss": round(eval_loss(model, [short_val]), 4),
+               "packing_efficiency": round(packing_efficiency(short_rows + long_rows, st.seq_len), 4),
+               **{f"long_context@{L}": a for L, a in acc.items()}}
+    return model, {"name": name, "path": f"stages/{st.seq_len}", "history": hist, "long_context": acc,
+                   "params": {**st.model_dump(mode="json"), "steps": steps}, "metrics": metrics}
+
+
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
     seed_all(cfg.seed)
     r = cfg.ramp
@@ -123,50 +148,30 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
             for d in tok(load_pretrain_texts(inputs["curate"]), add_special_tokens=False)["input_ids"]]
     n_val = max(1, len(docs) // 50)
     val_docs, docs = docs[:n_val], docs[n_val:]
-    sets = eval_sets(cfg, tok)
-    curves = {"pre-ramp": long_context_accuracy(cfg, model, tok, sets, max(sets))}
     short_val = collate(pack([(d, [1] * len(d)) for d in val_docs], cfg.model.max_position_embeddings)[:32],
                         tok.pad_token_id)
+    sets = eval_sets(cfg, tok)
+    curves = {"pre-ramp": long_context_accuracy(cfg, model, tok, sets, max(sets))}
     metrics = {"pre_ramp.short_val_loss": round(eval_loss(model, [short_val]), 4),
                **{f"pre_ramp.long_context@{L}": a for L, a in curves["pre-ramp"].items()}}
     history, children = {}, []
-    done_dir = Path(scratch) / "stages" if scratch else None
     for k, st in enumerate(r.stages):
-        name, steps = f"ramp@{st.seq_len}", r.steps(st)
-        if done_dir and (done_dir / str(st.seq_len) / "stage.json").exists():  # finished before a crash
-            model, _ = load_checkpoint(done_dir / str(st.seq_len))
-            child = json.loads((done_dir / str(st.seq_len) / "stage.json").read_text())
-            print(f"[ramp] {name}: done before the crash, loaded from {done_dir / str(st.seq_len)}", flush=True)
+        saved = Path(scratch) / "stages" / str(st.seq_len) if scratch else None
+        if saved and (saved / "stage.json").exists():  # finished before a crash
+            model, _ = load_checkpoint(saved)
+            child = json.loads((saved / "stage.json").read_text())
+            print(f"[ramp] ramp@{st.seq_len}: finished before the crash, loaded from {saved}", flush=True)
         else:
-            model = attention.use(with_rope(model, st), r.attention)
-            if r.activation_checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            short_rows = pack([(d, [1] * len(d)) for d in docs], st.seq_len)
-            longs = long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight)
-            long_rows = pack(longs, st.seq_len)
-            with peak_memory() as peak:
-                hist = train(model, _sampler(cfg, k, short_rows, long_rows, st, tok.pad_token_id), steps=steps,
-                             lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
-                             weight_decay=r.weight_decay,
-                             desc=name)
-            if r.activation_checkpointing:
-                model.gradient_checkpointing_disable()
-            acc = long_context_accuracy(cfg, model, tok, sets, st.seq_len)
-            child = {"name": name, "path": f"stages/{st.seq_len}", "history": hist, "params": {**st.model_dump(mode="json"), "steps": steps},
-                     "long_context": acc, "metrics": {
-                         **summarize(hist), "steps": steps, "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
-                         "peak_memory_mb": peak["mb"], "short_val_loss": round(eval_loss(model, [short_val]), 4),
-                         "packing_efficiency": round(packing_efficiency(short_rows + long_rows, st.seq_len), 4),
-                         **{f"long_context@{L}": a for L, a in acc.items()}}}
-            if done_dir:
-                save_checkpoint(model, tok, done_dir / str(st.seq_len))
-                (done_dir / str(st.seq_len) / "stage.json").write_text(json.dumps(child))
-        save_checkpoint(model, tok, out / "stages" / str(st.seq_len))
-        curves[name] = {int(L): a for L, a in child["long_context"].items()}
+            model, child = train_stage(cfg, k, st, model, tok, docs, sets, short_val)
+            if saved:
+                save_checkpoint(model, tok, saved)
+                (saved / "stage.json").write_text(json.dumps(child))
+        save_checkpoint(model, tok, out / child["path"])
+        curves[child["name"]] = {int(L): a for L, a in child["long_context"].items()}
         children.append(child)
         history.update({f"{key}@{st.seq_len}": xs for key, xs in child["history"].items()})
-        metrics.update({f"{name}.{key}": v for key, v in child["metrics"].items()})
-        print(f"[ramp] {name}: {child['metrics']}", flush=True)
+        metrics.update({f"{child['name']}.{key}": v for key, v in child["metrics"].items()})
+        print(f"[ramp] {child['name']}: {child['metrics']}", flush=True)
     save_checkpoint(model, tok, out)
     (out / "long_context.json").write_text(json.dumps(curves, indent=1))
     plot_accuracy(curves, out / "long_context.png")

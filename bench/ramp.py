@@ -1,0 +1,131 @@
+"""bench/ramp: training tokens/s and peak memory against sequence length, for the tiny model.
+
+Variants, each in its own process (peak RSS is per process): packed rows with document masks (what the
+ramp trains with), the same rows with one causal mask over the row (classic packing: cheaper, documents
+see each other), masks + activation checkpointing, and no packing at all (one document per row, padded
+to the longest in the batch): its tokens/s counts real tokens only. Every step holds the same number of
+tokens (rows = TOKENS_PER_STEP / seq_len), so the lengths compare at equal work.
+"""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+OUT = Path(".posttrain/bench")
+SEQ_LENS = [256, 512, 1024, 2048, 4096]
+TOKENS_PER_STEP = 8192
+STEPS, WARMUP = 6, 2
+VARIANTS = {"": dict(mask=True, ckpt=False, packed=True), "_nomask": dict(mask=False, ckpt=False, packed=True),
+            "_ckpt": dict(mask=True, ckpt=True, packed=True), "_padded": dict(mask=True, ckpt=False, packed=False)}
+
+
+def _docs(n_tokens: int, seq_len: int, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    """Pretraining-like lengths: mostly short documents, a long tail up to the row length."""
+    docs, total = [], 0
+    while total < n_tokens:
+        n = min(seq_len, int(rng.paretovariate(1.2) * 60))
+        docs.append(([rng.randrange(3, 512) for _ in range(n)], [1] * n))
+        total += n
+    return docs
+
+
+def _measure(seq_len: int, mask: bool, ckpt: bool, packed: bool) -> dict:
+    import torch
+
+    from posttrain.config import load_config
+    from posttrain.memory import peak_memory
+    from posttrain.packing import collate, pack
+    from posttrain.train import masked_lm_loss, pad_examples
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    m = load_config("tiny").model
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=512, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_heads, intermediate_size=m.intermediate_size, max_position_embeddings=seq_len,
+        tie_word_embeddings=True)).float().train()
+    if ckpt:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(0)
+    rows_per_step = max(1, TOKENS_PER_STEP // seq_len)
+    batches = []
+    for _ in range(STEPS + WARMUP):
+        docs = _docs(TOKENS_PER_STEP, seq_len, rng)
+        if packed:
+            batches.append(collate(pack(docs, seq_len)[:rows_per_step], 0, mask_documents=mask))
+        else:  # one document per row: as many rows as packing would fill, at their real lengths
+            rng.shuffle(docs)
+            take, n = [], 0
+            while n < rows_per_step * seq_len * 0.97 and docs:
+                take.append(docs.pop())
+                n += len(take[-1][0])
+            batches.append(pad_examples(take, 0, seq_len))
+    real = [int((b["attention_mask"] if "attention_mask" in b else torch.ones_like(b["input_ids"])).sum())
+            for b in batches]
+    with peak_memory() as peak:
+        for i, b in enumerate(batches):
+            if i == WARMUP:
+                t = time.perf_counter()
+            opt.zero_grad()
+            masked_lm_loss(model, b).backward()
+            opt.step()
+        seconds = time.perf_counter() - t
+    return {"tokens_per_s": round(sum(real[WARMUP:]) / seconds, 1), "peak_rss_mb": peak["mb"]}
+
+
+def main() -> None:
+    fig: dict = {"seq_lens": SEQ_LENS, "tokens_per_step": TOKENS_PER_STEP}
+    for suffix, v in VARIANTS.items():
+        for key in ("tokens_per_s", "peak_rss_mb"):
+            fig[key + suffix] = []
+        for L in SEQ_LENS:
+            p = subprocess.run([sys.executable, "-m", "bench.ramp", "_one", str(L), json.dumps(v)],
+                               capture_output=True, text=True)
+            if p.returncode:
+                raise RuntimeError(f"bench.ramp {L} {v} failed:\n{p.stderr[-3000:]}")
+            res = json.loads(p.stdout.strip().splitlines()[-1])
+            print(f"seq_len {L:5d} {suffix or '_masks':8s} {res}", flush=True)
+            for key in ("tokens_per_s", "peak_rss_mb"):
+                fig[key + suffix].append(res[key])
+    fig["mask_cost_at_max_len"] = round(fig["tokens_per_s"][-1] / fig["tokens_per_s_nomask"][-1], 3)
+    fig["ckpt_memory_ratio_at_max_len"] = round(fig["peak_rss_mb_ckpt"][-1] / fig["peak_rss_mb"][-1], 3)
+    fig["packing_speedup_at_max_len"] = round(fig["tokens_per_s"][-1] / fig["tokens_per_s_padded"][-1], 3)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "ramp.json").write_text(json.dumps(fig, indent=1))
+    _plot(fig, OUT / "ramp.png")
+    print(json.dumps(fig, indent=1))
+
+
+def _plot(fig: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = {"": "packed + document masks", "_nomask": "packed, one causal mask", "_ckpt": "masks + act. ckpt",
+             "_padded": "no packing (padded)"}
+    f, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for suffix, name in names.items():
+        a.plot(fig["seq_lens"], fig["tokens_per_s" + suffix], marker="o", label=name)
+        b.plot(fig["seq_lens"], fig["peak_rss_mb" + suffix], marker="o", label=name)
+    for ax, label in ((a, "training tokens/s (real tokens)"), (b, "peak RSS (MB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    a.legend()
+    f.suptitle(f"tiny model, {fig['tokens_per_step']} tokens per step, 2 CPU cores")
+    f.tight_layout()
+    f.savefig(path, dpi=100)
+    plt.close(f)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_one":
+        print(json.dumps(_measure(int(sys.argv[2]), **json.loads(sys.argv[3]))))
+    else:
+        main()

@@ -1,0 +1,118 @@
+"""ramp: packed documents stay independent, the attention seam, activation checkpointing, the ladder config."""
+import json
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from posttrain import attention
+from posttrain.config import ConfigError, load_config
+from posttrain.packing import collate, pack
+from posttrain.train import masked_lm_loss
+
+
+def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, intermediate_size=64, max_position_embeddings=128)
+    return attention.use(LlamaForCausalLM(cfg), attn)
+
+
+def doc(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
+    return [rng.randrange(1, 64) for _ in range(n)], [1] * n
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_attention_never_crosses_packed_documents(attn):
+    """A document's outputs are unchanged, to float precision, when the other documents in its row change
+    (content and length); without document masks they do change."""
+    model = tiny_llama(attn).eval()
+    rng = random.Random(0)
+    target = doc(rng, 17)
+
+    def target_logits(mask_documents: bool, before: int, after: int) -> torch.Tensor:
+        row = [doc(rng, before), target, doc(rng, after)]
+        b = collate([row], 0, mask_documents=mask_documents)
+        with torch.no_grad():
+            logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+        return logits[0, before:before + 17]
+
+    alone = model(input_ids=torch.tensor([target[0]])).logits[0].detach()
+    for before, after in [(5, 9), (30, 2), (1, 40)]:
+        torch.testing.assert_close(target_logits(True, before, after), alone, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(target_logits(False, 5, 9), target_logits(False, 30, 2), atol=1e-3)
+
+
+def test_pack_keeps_every_token_and_restarts_positions():
+    rng = random.Random(1)
+    docs = [doc(rng, n) for n in [3, 50, 64, 100, 7, 7, 30]]  # 100 > seq_len: cut into 64 + 36
+    rows = pack(docs, 64)
+    assert all(sum(len(x) for x, _ in row) <= 64 for row in rows)
+    assert sorted(t for row in rows for x, _ in row for t in x) == sorted(t for x, _ in docs for t in x)
+    assert len(rows) == 5  # best fit: 64 | 64 | 50+7+7 | 36+3 | 30 would need 5 rows of 64
+    b = collate(rows, 0)
+    for r, row in enumerate(rows):
+        at = 0
+        for x, _ in row:
+            assert b["position_ids"][r, at:at + len(x)].tolist() == list(range(len(x)))
+            assert b["loss_mask"][r, at] == 0  # no loss on predicting a document's first token from another
+            at += len(x)
+        assert b["loss_mask"][r, at:].sum() == 0  # padding
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    rng = random.Random(2)
+    batch = collate(pack([doc(rng, n) for n in [20, 33, 11, 60]], 64), 0)
+    grads = []
+    for ckpt in (False, True):
+        model = tiny_llama().train()
+        if ckpt:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        masked_lm_loss(model, batch).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
+def test_attention_implementation_is_chosen_by_config():
+    """The seam sparse attention plugs into: a registered implementation is what the model calls."""
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    attention.register("counting_sdpa", counting)
+    model = tiny_llama("counting_sdpa")
+    model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+    assert len(calls) == 2  # one per layer
+    with pytest.raises(ValueError, match="unknown attention implementation 'dsa'.*sdpa"):
+        attention.use(model, "dsa")
+
+
+def test_ladder_config():
+    real = load_config("real")
+    assert [s.seq_len for s in real.ramp.stages] == [4096, 32768, 131072, 200000]
+    assert all(a.rope_theta < b.rope_theta for a, b in zip(real.ramp.stages, real.ramp.stages[1:]))
+    tiny = load_config("tiny")
+    assert tiny.eval_lengths() == [128, 256, 512, 1024]
+    assert all(a.long_share <= b.long_share for a, b in zip(tiny.ramp.stages, tiny.ramp.stages[1:]))
+    with pytest.raises(ConfigError, match="strictly increasing seq_len"):
+        load_config("tiny", ["ramp.stages=[{seq_len: 512, tokens: 100000, rope_theta: 1.0e4}, "
+                             "{seq_len: 256, tokens: 100000, rope_theta: 2.0e4}]"])
+    with pytest.raises(ConfigError, match="less than one step"):
+        load_config("tiny", ["ramp.stages=[{seq_len: 512, tokens: 100, rope_theta: 1.0e4}]"])
+
+
+def test_stage_checkpoints_carry_their_rope_settings(tmp_path):
+    """What serving engines read: each stage's config.json has its RoPE base/scaling and length."""
+    from posttrain.config import RampStage
+    from posttrain.ramp import with_rope
+    stage = RampStage(seq_len=256, tokens=10**6, rope_theta=40000.0,
+                      rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128})
+    with_rope(tiny_llama(), stage).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["max_position_embeddings"] == 256
+    rope = saved.get("rope_parameters") or saved.get("rope_scaling")
+    assert rope["rope_theta"] == 40000.0 and rope["rope_type"] == "yarn" and rope["factor"] == 2.0
