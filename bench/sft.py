@@ -2,6 +2,9 @@
 the same order (TRL gets a sequential sampler over our batch order), same optimizer settings and schedule,
 assistant-only loss on both. Each side runs in its own process so peak RSS is its own.
 
+Packed variant: the same conversations packed into rows of seq_len, ours best-fit decreasing with
+document masks, TRL's `packing=True` (best-fit decreasing, padding-free); `PACKED_ROWS` rows per step.
+
 tokens/s counts the non-pad tokens of the batches over the training loop's wall time (model loading and
 data preparation excluded on both sides). mfu: achieved model FLOP/s (6 x params x tokens/s) over this
 machine's fp32 matmul peak, measured in the same run with a large torch.mm.
@@ -17,6 +20,7 @@ import time
 from pathlib import Path
 
 STEPS = int(os.environ.get("BENCH_SFT_STEPS", 60))
+PACKED_ROWS = 4  # rows of seq_len per step when packed (about as many tokens as 16 bucketed conversations)
 OUT = Path(".posttrain/bench")
 WORK = OUT / "sft-work"
 
@@ -75,21 +79,26 @@ def _start():
     return cfg.sft, model, tok, torch.load(WORK / "order.pt")
 
 
-def _ours() -> dict:
+def _ours(packed: bool = False) -> dict:
+    from posttrain.packing import collate, pack
     from posttrain.train import pad_examples, train
     s, model, tok, order = _start()
+    rows = pack(order, s.seq_len)[:STEPS * PACKED_ROWS]
 
     def next_batch(i: int):
+        if packed:
+            return collate(rows[i * PACKED_ROWS:(i + 1) * PACKED_ROWS], tok.pad_token_id)
         return pad_examples(order[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
 
     t = time.perf_counter()
     hist = train(model, next_batch, steps=STEPS, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
                  weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="ours")
-    return {"seconds": time.perf_counter() - t, "loss": hist["loss"], "tokens": _tokens(order),
+    tokens = sum(len(x) for row in rows for x, _ in row) if packed else _tokens(order)
+    return {"seconds": time.perf_counter() - t, "loss": hist["loss"], "tokens": tokens,
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def _trl() -> dict:
+def _trl(packed: bool = False) -> dict:
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
     from trl import SFTConfig, SFTTrainer
@@ -103,7 +112,9 @@ def _trl() -> dict:
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
 
-    args = SFTConfig(output_dir=str(WORK / "trl"), max_steps=STEPS, per_device_train_batch_size=s.batch_size,
+    # packed: TRL's best-fit-decreasing packing, padding-free (one flat row per batch, positions restart)
+    args = SFTConfig(output_dir=str(WORK / "trl"), max_steps=STEPS,
+                     per_device_train_batch_size=PACKED_ROWS if packed else s.batch_size, packing=packed,
                      learning_rate=s.lr, warmup_steps=s.warmup, lr_scheduler_type="cosine_with_min_lr",
                      lr_scheduler_kwargs={"min_lr_rate": s.min_lr_ratio}, weight_decay=s.weight_decay,
                      adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=s.grad_clip,
@@ -114,11 +125,13 @@ def _trl() -> dict:
     trainer.train()
     seconds = time.perf_counter() - t
     loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"seconds": seconds, "loss": loss, "tokens": _tokens(order)}
+    tokens = sum(len(x) for x in trainer.train_dataset[:STEPS * PACKED_ROWS]["input_ids"]) if packed \
+        else _tokens(order)
+    return {"seconds": seconds, "loss": loss, "tokens": tokens}
 
 
 def _child(side: str) -> dict:
-    p = subprocess.run([sys.executable, "-m", "bench.sft", side], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "bench.sft", *side.split()], capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"bench.sft {side} failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -128,6 +141,7 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     _prepare()
     ours, trl = _child("_ours"), _child("_trl")
+    ours_p, trl_p = _child("_ours packed"), _child("_trl packed")
     peak = _peak_matmul_flops()
     k = 10
     tps, tps_trl = ours["tokens"] / ours["seconds"], trl["tokens"] / trl["seconds"]
@@ -140,6 +154,12 @@ def main() -> None:
         "peak_matmul_gflops": round(peak / 1e9, 1), "params": ours["params"],
         "loss_first": round(ours["loss"][0], 4), "loss_first_trl": round(trl["loss"][0], 4),
     }
+    tps_p, tps_trl_p = ours_p["tokens"] / ours_p["seconds"], trl_p["tokens"] / trl_p["seconds"]
+    fig |= {"tokens_per_s_packed": round(tps_p, 1), "tokens_per_s_trl_packed": round(tps_trl_p, 1),
+            "throughput_ratio_vs_trl_packed": round(tps_p / tps_trl_p, 3),
+            "loss_after_n_packed": round(sum(ours_p["loss"][-k:]) / k, 4),
+            "loss_after_n_trl_packed": round(sum(trl_p["loss"][-k:]) / k, 4),
+            "peak_rss_mb_packed": ours_p["peak_rss_mb"], "peak_rss_mb_trl_packed": trl_p["peak_rss_mb"]}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "sft.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
@@ -147,7 +167,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in ("_ours", "_trl"):
-        res = {"_ours": _ours, "_trl": _trl}[sys.argv[1]]()
+        res = {"_ours": _ours, "_trl": _trl}[sys.argv[1]](packed=sys.argv[2:] == ["packed"])
         res["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         print(json.dumps(res))
     else:

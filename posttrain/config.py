@@ -133,6 +133,8 @@ class SFTConfig(TrainConfig):
     grad_accum: int = 1           # micro-batches per optimizer step (each batch_size rows)
     workers: int = 1              # Ray Train data-parallel workers (each takes rows rank::workers)
     checkpoint_every: int = 100   # steps between resumable checkpoints (weights, optimizer, RNG, step)
+    packing: bool = False         # rows of seq_len packed with whole conversations (batch_size = rows per step);
+                                  # off: batches of batch_size conversations, bucketed by length
 
 
 class RLConfig(_Strict):

@@ -19,6 +19,7 @@ from posttrain.chat import render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
+from posttrain.packing import collate, pack
 from posttrain.train import eval_loss, pad_examples, summarize, train
 
 STATE = "state.pt"
@@ -48,10 +49,18 @@ def _long_tasks(tok, split: str, n: int, seed: int, max_len: int) -> list[Task]:
 def _batches(cfg: PipelineConfig, tok, examples: list) -> Callable[[int], dict]:
     """Micro-batch `i` of the global data order: a pure function of `i` (exact resume needs no cursor file).
 
-    Length buckets: a batch pads to its longest row, so one long-context example would make the whole
-    batch `seq_len` tokens wide.
+    `sft.packing`: `batch_size` rows of `seq_len` tokens, conversations packed best-fit with their
+    boundaries kept (positions restart, attention stays inside each). Otherwise length buckets: a batch
+    pads to its longest row, so one long-context example would make the whole batch `seq_len` wide.
     """
     s = cfg.sft
+    if s.packing:
+        rows = pack(examples, s.seq_len)
+
+        def next_packed(i: int) -> dict:
+            rng = random.Random(cfg.seed * 31 + i)
+            return collate([rows[rng.randrange(len(rows))] for _ in range(s.batch_size)], tok.pad_token_id)
+        return next_packed
     buckets: dict[int, list] = {}
     for ex in examples:
         buckets.setdefault(min(s.seq_len, 1 << max(6, (len(ex[0]) - 1).bit_length())), []).append(ex)
