@@ -3,7 +3,8 @@ the same order (TRL gets a sequential sampler over our batch order), same optimi
 assistant-only loss on both. Each side runs in its own process so peak RSS is its own.
 
 Packed variant: the same conversations packed into rows of seq_len, ours best-fit decreasing with
-document masks, TRL's `packing=True` (best-fit decreasing, padding-free); `PACKED_ROWS` rows per step.
+document masks, TRL's `packing=True` (best-fit decreasing, padding-free); the conversations of the
+unpacked run spread over the same number of steps.
 
 tokens/s counts the non-pad tokens of the batches over the training loop's wall time (model loading and
 data preparation excluded on both sides). mfu: achieved model FLOP/s (6 x params x tokens/s) over this
@@ -20,7 +21,6 @@ import time
 from pathlib import Path
 
 STEPS = int(os.environ.get("BENCH_SFT_STEPS", 60))
-PACKED_ROWS = 4  # rows of seq_len per step when packed (about as many tokens as 16 bucketed conversations)
 OUT = Path(".posttrain/bench")
 WORK = OUT / "sft-work"
 
@@ -63,6 +63,12 @@ def _peak_matmul_flops() -> float:
     return 5 * 2 * 2048**3 / (time.perf_counter() - t)
 
 
+def _packed_rows(order, seq_len: int) -> int:
+    """Rows per step when packed: the batch order's conversations spread over STEPS steps."""
+    from posttrain.packing import pack
+    return max(1, len(pack(order, seq_len)) // STEPS)
+
+
 def _tokens(order) -> int:
     return sum(len(ids) for ids, _ in order)
 
@@ -83,11 +89,12 @@ def _ours(packed: bool = False) -> dict:
     from posttrain.packing import collate, pack
     from posttrain.train import pad_examples, train
     s, model, tok, order = _start()
-    rows = pack(order, s.seq_len)[:STEPS * PACKED_ROWS]
+    n = _packed_rows(order, s.seq_len)
+    rows = pack(order, s.seq_len)[:STEPS * n]
 
     def next_batch(i: int):
         if packed:
-            return collate(rows[i * PACKED_ROWS:(i + 1) * PACKED_ROWS], tok.pad_token_id)
+            return collate(rows[i * n:(i + 1) * n], tok.pad_token_id)
         return pad_examples(order[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
 
     t = time.perf_counter()
@@ -114,7 +121,8 @@ def _trl(packed: bool = False) -> dict:
 
     # packed: TRL's best-fit-decreasing packing, padding-free (one flat row per batch, positions restart)
     args = SFTConfig(output_dir=str(WORK / "trl"), max_steps=STEPS,
-                     per_device_train_batch_size=PACKED_ROWS if packed else s.batch_size, packing=packed,
+                     per_device_train_batch_size=_packed_rows(order, s.seq_len) if packed else s.batch_size,
+                     packing=packed,
                      learning_rate=s.lr, warmup_steps=s.warmup, lr_scheduler_type="cosine_with_min_lr",
                      lr_scheduler_kwargs={"min_lr_rate": s.min_lr_ratio}, weight_decay=s.weight_decay,
                      adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=s.grad_clip,
@@ -125,8 +133,8 @@ def _trl(packed: bool = False) -> dict:
     trainer.train()
     seconds = time.perf_counter() - t
     loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    tokens = sum(len(x) for x in trainer.train_dataset[:STEPS * PACKED_ROWS]["input_ids"]) if packed \
-        else _tokens(order)
+    n_rows = STEPS * _packed_rows(order, s.seq_len)
+    tokens = sum(len(x) for x in trainer.train_dataset[:n_rows]["input_ids"]) if packed else _tokens(order)
     return {"seconds": seconds, "loss": loss, "tokens": tokens}
 
 

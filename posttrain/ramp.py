@@ -3,7 +3,7 @@
 Per stage: RoPE base (and optional scaling) raised and written into config.json, documents packed with
 their boundaries kept (positions restart, attention stays inside a document), a growing share of
 long-context rows, its own token budget and LR schedule, peak memory, then long-context accuracy at
-every ladder length up to the stage's. Each stage's checkpoint is kept under `stages/<seq_len>/` (and in
+every ladder length (up to the stage's, and beyond it for contrast). Each stage's checkpoint is kept under `stages/<seq_len>/` (and in
 the scratch dir, so a rerun after a crash starts at the first unfinished stage); the artifact root holds
 the last one.
 """
@@ -94,19 +94,25 @@ def _sampler(cfg: PipelineConfig, k: int, short_rows: list, long_rows: list, sta
     return next_batch
 
 
-def plot_accuracy(curves: dict[str, dict[int, float]], path: Path) -> None:
+def plot_accuracy(curves: dict[str, dict[int, float]], trained: dict[str, int], path: Path) -> None:
+    """Accuracy against length per stage: solid up to the length the stage trained at, dashed beyond."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, acc in curves.items():
+    for i, (name, acc) in enumerate(curves.items()):
         xs = sorted(acc)
-        ax.plot(xs, [acc[x] for x in xs], marker="o", label=name)
+        inside = [x for x in xs if x <= trained[name]]
+        line, = ax.plot(inside, [acc[x] for x in inside], marker="o", label=name, zorder=3 + i)
+        if len(inside) < len(xs):
+            out = xs[len(inside) - 1:] if inside else xs
+            ax.plot(out, [acc[x] for x in out], marker="o", ls="--", color=line.get_color(), zorder=3 + i)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("long_context accuracy (test)")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title("long-context accuracy after each ramp stage")
+    ax.set_title("long-context accuracy after each ramp stage\n(dashed: longer than the stage trained on)",
+                 fontsize=10)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -130,7 +136,7 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
                      weight_decay=r.weight_decay, desc=name)
     if r.activation_checkpointing:
         model.activation_checkpointing_disable()
-    acc = long_context_accuracy(cfg, model, tok, sets, st.seq_len)
+    acc = long_context_accuracy(cfg, model, tok, sets, max(sets))  # beyond the stage's length too: the contrast
     metrics = {**summarize(hist), "steps": steps, "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
                "peak_memory_mb": peak["mb"], "short_val_loss": round(eval_loss(model, [short_val]), 4),
                "packing_efficiency": round(packing_efficiency(short_rows + long_rows, st.seq_len), 4),
@@ -174,6 +180,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
         print(f"[ramp] {child['name']}: {child['metrics']}", flush=True)
     save_checkpoint(model, tok, out)
     (out / "long_context.json").write_text(json.dumps(curves, indent=1))
-    plot_accuracy(curves, out / "long_context.png")
+    plot_accuracy(curves, {"pre-ramp": cfg.model.max_position_embeddings,
+                           **{f"ramp@{st.seq_len}": st.seq_len for st in r.stages}}, out / "long_context.png")
     return {"metrics": {**metrics, "final_seq_len": r.stages[-1].seq_len}, "history": history,
             "children": children}
