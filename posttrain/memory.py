@@ -29,8 +29,10 @@ def peak_memory(interval_s: float = 0.005):
     out = {"mb": 0.0, "device": "cuda" if torch.cuda.is_available() else "cpu-rss"}
     if out["device"] == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        yield out
-        out["mb"] = torch.cuda.max_memory_allocated() / 2**20
+        try:
+            yield out
+        finally:
+            out["mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         return
     stop = threading.Event()
 

@@ -13,7 +13,7 @@ Batch = dict[str, torch.Tensor]
 
 
 def masked_lm_loss(model, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy where `loss_mask` of the target token is 1.
+    """Next-token cross-entropy, the mean weighted by `loss_mask` of the target token (0: no loss).
 
     No KV cache: with one, transformers would not read packed documents out of `position_ids`."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
