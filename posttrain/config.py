@@ -169,6 +169,11 @@ class EvalConfig(_Strict):
     max_new_tokens: int = 48
     batch_size: int = 64
 
+    def batch_size_at(self, length: int) -> int:
+        """Prompts per batch at a context length: attention scores are batch x heads x length^2, so
+        `batch_size` holds up to 512 tokens and shrinks beyond."""
+        return max(1, min(self.batch_size, self.batch_size * 512 // length))
+
 
 class RuntimeConfig(_Strict):
     ray_num_cpus: int = 2

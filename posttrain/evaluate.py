@@ -50,8 +50,7 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
     model.eval()
     scores, tokens = {}, {}
     for name, (tasks, thinking) in suite_tasks.items():
-        # attention scores are batch x heads x length^2: fewer long prompts at once
-        bs = max(1, cfg.eval.batch_size * 512 // int(name.split("@")[1])) if "@" in name else cfg.eval.batch_size
+        bs = cfg.eval.batch_size_at(int(name.split("@")[1])) if "@" in name else cfg.eval.batch_size
         if completion:
             s, n_gen = completion_scores(model, tok, tasks, thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
                                          batch_size=bs)

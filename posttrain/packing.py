@@ -12,7 +12,7 @@ import bisect
 
 import torch
 
-Example = tuple[list[int], list[int]]  # (token ids, loss mask)
+Example = tuple[list[int], list[float]]  # (token ids, loss weight per token: 0 none, 1 normal)
 
 
 def pack(examples: list[Example], seq_len: int) -> list[list[Example]]:

@@ -3,9 +3,9 @@
 Per stage: RoPE base (and optional scaling) raised and written into config.json, documents packed with
 their boundaries kept (positions restart, attention stays inside a document), a growing share of
 long-context rows, its own token budget and LR schedule, peak memory, then long-context accuracy at
-every ladder length (up to the stage's, and beyond it for contrast). Each stage's checkpoint is kept under `stages/<seq_len>/` (and in
-the scratch dir, so a rerun after a crash starts at the first unfinished stage); the artifact root holds
-the last one.
+every ladder length (up to the stage's, and beyond it for contrast). Each stage's checkpoint is kept
+under `stages/<seq_len>/` (and in the scratch dir, so a rerun after a crash starts at the first
+unfinished stage); the artifact root holds the last one.
 """
 from __future__ import annotations
 
@@ -60,15 +60,14 @@ def eval_sets(cfg: PipelineConfig, tok) -> dict[int, list[Task]]:
             for L in cfg.eval_lengths()}
 
 
-def long_context_accuracy(cfg: PipelineConfig, model, tok, sets: dict[int, list[Task]], up_to: int) -> dict[int, float]:
-    """Completion-format accuracy at every length <= `up_to` (fewer prompts per batch as they grow)."""
+def long_context_accuracy(cfg: PipelineConfig, model, tok, sets: dict[int, list[Task]]) -> dict[int, float]:
+    """Completion-format accuracy at every ladder length (fewer prompts per batch as they grow)."""
     model.eval()
     acc = {}
     for L, tasks in sets.items():
-        if L <= up_to:
-            rewards, _ = completion_scores(model, tok, tasks, max_new_tokens=cfg.eval.max_new_tokens,
-                                           batch_size=max(1, cfg.eval.batch_size * 512 // L))
-            acc[L] = round(sum(rewards) / len(rewards), 4)
+        rewards, _ = completion_scores(model, tok, tasks, max_new_tokens=cfg.eval.max_new_tokens,
+                                       batch_size=cfg.eval.batch_size_at(L))
+        acc[L] = round(sum(rewards) / len(rewards), 4)
     return acc
 
 
@@ -136,7 +135,7 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
                      weight_decay=r.weight_decay, desc=name)
     if r.activation_checkpointing:
         model.activation_checkpointing_disable()
-    acc = long_context_accuracy(cfg, model, tok, sets, max(sets))  # beyond the stage's length too: the contrast
+    acc = long_context_accuracy(cfg, model, tok, sets)  # beyond the stage's length too: the contrast
     metrics = {**summarize(hist), "steps": steps, "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
                "peak_memory_mb": peak["mb"], "short_val_loss": round(eval_loss(model, [short_val]), 4),
                "packing_efficiency": round(packing_efficiency(short_rows + long_rows, st.seq_len), 4),
@@ -157,7 +156,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     short_val = collate(pack([(d, [1] * len(d)) for d in val_docs], cfg.model.max_position_embeddings)[:32],
                         tok.pad_token_id)
     sets = eval_sets(cfg, tok)
-    curves = {"pre-ramp": long_context_accuracy(cfg, model, tok, sets, max(sets))}
+    curves = {"pre-ramp": long_context_accuracy(cfg, model, tok, sets)}
     metrics = {"pre_ramp.short_val_loss": round(eval_loss(model, [short_val]), 4),
                **{f"pre_ramp.long_context@{L}": a for L, a in curves["pre-ramp"].items()}}
     history, children = {}, []
