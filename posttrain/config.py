@@ -138,15 +138,53 @@ class SFTConfig(TrainConfig):
 
 
 class RLConfig(_Strict):
-    algorithm: Literal["grpo"] = "grpo"
+    """One specialist's RL. `per_domain` overrides any field for one specialist (e.g. agentic: ppo)."""
+    algorithm: Literal["grpo", "ppo"] = "grpo"
     steps: int = 100
     prompts_per_step: int = 16
-    group_size: int = 8
+    group_size: int = 8                  # samples per prompt; GRPO normalises rewards within a group
     lr: float = 3e-5
     temperature: float = 1.0
     max_new_tokens: int = 48
-    clip_eps: float = 0.2
     max_turns: int = 3
+    clip_eps: float = 0.2                # PPO ratio clip (ratio = current / behaviour policy)
+    is_lower: float = 0.5                # double-sided importance sampling: a token whose ratio leaves
+    is_upper: float = 2.0                # [is_lower, is_upper] is masked from the loss
+    loss_agg: Literal["token", "sequence"] = "token"
+    kl_coef: float = 0.0                 # KL to the reference (the sft checkpoint); 0: no reference model
+    entropy_coef: float = 0.0
+    max_staleness: int = 1               # k: samples more than k policy versions old are dropped; 0 = synchronous
+    rollout_workers: int = 1
+    worker_cpus: float = 0.25            # Ray CPUs each rollout worker reserves
+    critic_lr: float = 3e-4              # ppo: the value model (the policy's backbone with a scalar head)
+    gae_gamma: float = 1.0
+    gae_lambda: float = 0.95
+    value_clip: float = 0.2
+    ppo_epochs: int = 1                  # passes over each rollout batch
+    val_every: int = 10                  # greedy validation accuracy every n steps (0: only before and after)
+    checkpoint_every: int = 10
+    per_domain: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RLConfig":
+        if not self.is_lower < 1 < self.is_upper:
+            raise ValueError(f"rl.is_lower < 1 < rl.is_upper must hold (got {self.is_lower}, {self.is_upper})")
+        if self.algorithm == "grpo" and self.group_size < 2:
+            raise ValueError("rl.group_size must be at least 2 for grpo (its baseline is the group mean)")
+        if self.max_staleness < 0 or self.rollout_workers < 1:
+            raise ValueError("rl.max_staleness must be >= 0 and rl.rollout_workers >= 1")
+        for domain in self.per_domain:
+            self.for_domain(domain)  # an override naming an unknown key or a bad value fails here, with its name
+        return self
+
+    def for_domain(self, domain: str) -> "RLConfig":
+        base = self.model_dump(exclude={"per_domain"})
+        try:
+            return RLConfig.model_validate({**base, **self.per_domain.get(domain, {})})
+        except ValidationError as e:
+            raise ValueError("; ".join(
+                f"rl.per_domain.{domain}.{'.'.join(map(str, x['loc']))}: "
+                + ("unknown key" if x["type"] == "extra_forbidden" else x["msg"]) for x in e.errors())) from None
 
 
 class OPDConfig(_Strict):

@@ -1,79 +1,241 @@
-"""rl: one specialist per domain, GRPO with the domain's verifier as reward.
+"""rl: one specialist per domain. Rollout workers generate while the trainer trains (asynchronous, with a
+staleness bound k; k = 0 is synchronous on-policy), GRPO or critic PPO, the domain's verifier as reward.
 
-The trainer consumes the exact token ids and logprobs the rollout produced (TITO), so the
-importance ratio measures only the policy change, never a re-tokenisation drift.
+Token in, token out: the trainer consumes the exact token ids and behaviour logprobs the workers
+produced; nothing is decoded and re-encoded on the way, so the importance ratio measures only the
+policy change. Every `checkpoint_every` steps the full state (weights, optimizers, RNG, request cursor,
+rollout buffer, curves) goes to the scratch dir; a rerun after a crash continues from it exactly.
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
+import signal
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from posttrain.config import PipelineConfig
+from environments.base import Task
+from posttrain.config import PipelineConfig, RLConfig
+from posttrain.critic import ValueModel
 from posttrain.curate import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
-from posttrain.rollout import episode_batch, mean_score, run_episodes, score, token_logits
+from posttrain.rl_loss import entropy, gae, group_advantages, kl_to_reference, policy_loss, value_loss, whiten
+from posttrain.rollout import episode_batch, mean_score, token_logits
+from posttrain.rollout_workers import RolloutBuffer, Sample, WorkerPool
 from posttrain.train import make_optimizer, summarize
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """GRPO: reward minus its group mean, over the group std (zero for groups with one outcome)."""
-    g = rewards.view(-1, group_size)
-    return ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-4)).flatten()
+@dataclass
+class State:
+    """Everything a resumed run needs besides the weights and optimizers."""
+    step: int = 0
+    next_request: int = 0
+    groups: list[list[Sample]] = field(default_factory=list)  # the rollout buffer
+    dropped: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)
+    history: dict[str, list] = field(default_factory=dict)
+    attempts: list[dict] = field(default_factory=list)
+    wall_s: float = 0.0
 
 
-def clipped_pg_loss(logits: torch.Tensor, batch: dict, adv: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, dict]:
-    target = batch["input_ids"][:, 1:]
-    logp = torch.log_softmax(logits, -1).gather(-1, target[..., None]).squeeze(-1)
+def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, critic=None, copt=None,
+               ref=None) -> dict[str, float]:
+    """One update from a batch of samples (whole groups, in order); returns the step's statistics."""
+    batch = episode_batch(samples, pad_id)
     mask = batch["mask"]
-    ratio = torch.exp(logp - batch["old_logprobs"]) * mask + (1 - mask)
-    a = adv[:, None]
-    pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
-    loss = (pg * mask).sum() / mask.sum().clamp(min=1)
-    with torch.no_grad():
-        clipped = ((ratio - 1).abs() > clip_eps).float().mul(mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"clip_frac": clipped.item(), "ratio_mean": ((ratio * mask).sum() / mask.sum()).item()}
-
-
-def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str) -> dict:
-    seed_all(cfg.seed)
-    r = cfg.rl
-    model, tok = load_checkpoint(inputs["sft"])
-    pool = load_tasks(inputs["curate"], "rl", domain)
-    val = load_tasks(inputs["curate"], "val", domain)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    opt = make_optimizer(model, r.lr)
-    kw = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns)
-    val_before = mean_score(model, tok, val, **kw)
-    hist: dict[str, list[float]] = {k: [] for k in ("reward", "loss", "clip_frac", "ratio_mean", "gen_tokens", "blocked")}
-    attempts: list[dict] = []
-    for step in range(r.steps):
-        tasks = [t for t in rng.sample(pool, r.prompts_per_step) for _ in range(r.group_size)]
-        model.eval()
-        eps = run_episodes(model, tok, tasks, temperature=r.temperature, generator=gen, **kw)
-        rewards = torch.tensor(score(eps))
+    rewards = torch.tensor([s.reward for s in samples])
+    stats: dict[str, float] = {}
+    if critic is None:
         adv = group_advantages(rewards, r.group_size)
-        model.train()
-        batch = episode_batch(eps, tok.pad_token_id)
-        loss, stats = clipped_pg_loss(token_logits(model, batch), batch, adv, r.clip_eps)
+    else:
+        with torch.no_grad():
+            old_v = critic(batch)
+        adv, returns = gae(old_v, rewards, mask, r.gae_gamma, r.gae_lambda)
+        adv = whiten(adv, mask)
+    target = batch["input_ids"][:, 1:]
+    for _ in range(r.ppo_epochs):
+        logp_all = torch.log_softmax(token_logits(policy, batch, r.temperature), -1)
+        logp = logp_all.gather(-1, target[..., None]).squeeze(-1)
+        loss, stats = policy_loss(logp, batch["old_logprobs"], adv, mask, clip_eps=r.clip_eps,
+                                  is_lower=r.is_lower, is_upper=r.is_upper, agg=r.loss_agg)
+        ent = entropy(logp_all if r.entropy_coef else logp_all.detach(), mask)
+        loss = loss - r.entropy_coef * ent
+        if ref is not None:
+            with torch.no_grad():
+                ref_logp = torch.log_softmax(token_logits(ref, batch, r.temperature), -1).gather(
+                    -1, target[..., None]).squeeze(-1)
+            kl = kl_to_reference(logp, ref_logp, mask)
+            loss = loss + r.kl_coef * kl
+            stats["kl_ref"] = kl.item()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
-        attempts += [{"step": step, "task": e.task.id, **b} for e in eps for b in e.blocked]
-        for k, v in {"reward": rewards.mean().item(), "loss": loss.item(), **stats,
-                     "gen_tokens": sum(e.n_generated for e in eps) / len(eps),
-                     "blocked": float(sum(len(e.blocked) for e in eps))}.items():
-            hist[k].append(v)
-        print(f"[rl-{domain}] step {step + 1}/{r.steps} reward {rewards.mean():.3f} loss {loss.item():.4f}", flush=True)
-    model.eval()
-    val_after = mean_score(model, tok, val, **kw)
-    save_checkpoint(model, tok, out)
+        stats.update(loss=loss.item(), entropy=ent.item())
+        if critic is not None:
+            vl = value_loss(critic(batch), old_v, returns, mask, r.value_clip)
+            copt.zero_grad(set_to_none=True)
+            vl.backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+            copt.step()
+            stats["value_loss"] = vl.item()
+    return stats
+
+
+def _save(path: Path, policy, opt, critic, copt, st: State) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"policy": policy.state_dict(), "opt": opt.state_dict(),
+                "critic": critic.state_dict() if critic else None, "copt": copt.state_dict() if copt else None,
+                "rng": torch.get_rng_state(), "state": st}, tmp)
+    os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint intact
+
+
+def _load(path: Path, policy, opt, critic, copt) -> State:
+    ck = torch.load(path, weights_only=False)  # our own scratch file, written by _save
+    policy.load_state_dict(ck["policy"])
+    opt.load_state_dict(ck["opt"])
+    if critic is not None:
+        critic.load_state_dict(ck["critic"])
+        copt.load_state_dict(ck["copt"])
+    torch.set_rng_state(ck["rng"])
+    return ck["state"]
+
+
+def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
+               scratch: Path | None = None, kill_at: int = -1) -> tuple[torch.nn.Module, object, State]:
+    """Train one specialist from the `sft` checkpoint on `pool`; returns policy, tokenizer, final state."""
+    seed_all(seed)
+    policy, tok = load_checkpoint(sft)
+    critic = ValueModel(sft) if r.algorithm == "ppo" else None
+    ref = load_checkpoint(sft)[0].eval() if r.kl_coef > 0 else None
+    opt = make_optimizer(policy, r.lr)
+    copt = make_optimizer(critic, r.critic_lr) if critic is not None else None
+    ckpt = scratch / "rl_state.pt" if scratch else None
+    st = State()
+    if ckpt and ckpt.exists():
+        st = _load(ckpt, policy, opt, critic, copt)
+        print(f"[{label}] resuming at step {st.step} of {r.steps}", flush=True)
+    kw = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns)
+    hist = st.history or {"val_score": [(0, mean_score(policy, tok, val, **kw))], "val_wall_s": [(0, 0.0)]}
+    buffer = RolloutBuffer(r.max_staleness, st.groups)
+    buffer.dropped, buffer.staleness = st.dropped, buffer.staleness.__class__(st.staleness)
+    per_request = math.ceil(r.prompts_per_step / r.rollout_workers)
+    workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus)
+    inflight: deque[Future] = deque()
+
+    def submit() -> None:
+        rng = random.Random(seed * 1_000_003 + st.next_request)  # a request's prompts and sampling: pure functions
+        tasks = rng.sample(pool, per_request)                       # of its index, so a resumed run redraws none
+        inflight.append(workers.submit(st.next_request % len(workers), tasks, r.group_size, rng.getrandbits(31),
+                                       temperature=r.temperature, **kw))
+        st.next_request += 1
+
+    def top_up() -> None:
+        # k + 1 steps' worth outstanding: with k = 0 nothing is generated before the weights it must use
+        while len(buffer) + len(inflight) * per_request < (r.max_staleness + 1) * r.prompts_per_step:
+            submit()
+
+    try:
+        workers.push(policy.state_dict(), st.step)
+        t0 = time.perf_counter() - st.wall_s
+        for step in range(st.step, r.steps):
+            top_up()
+            gen_s = gen_tok = 0.0
+            while True:
+                buffer.drop_stale(step)
+                if len(buffer) >= r.prompts_per_step:
+                    break
+                samples, info = inflight.popleft().result()
+                buffer.add(samples)
+                gen_s, gen_tok = gen_s + info["seconds"], gen_tok + info["tokens"]
+                top_up()
+            batch = buffer.take(r.prompts_per_step, step)
+            policy.train()
+            t_train = time.perf_counter()
+            stats = train_step(r, policy, opt, batch, tok.pad_token_id, critic, copt, ref)
+            train_s = time.perf_counter() - t_train
+            policy.eval()
+            workers.push(policy.state_dict(), step + 1)
+            rewards = torch.tensor([s.reward for s in batch])
+            st.attempts += [{"step": step, "task": s.task_id, **b} for s in batch for b in s.blocked]
+            row = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(), **stats,
+                   "staleness_mean": sum(step - s.version for s in batch) / len(batch),
+                   "stale_dropped": float(buffer.dropped), "blocked": float(sum(len(s.blocked) for s in batch)),
+                   "gen_tokens": sum(s.n_generated for s in batch) / len(batch),
+                   "gen_tokens_per_s": gen_tok / gen_s if gen_s else float("nan"),
+                   "train_tokens_per_s": float(batch_tokens(batch)) / train_s}
+            for k, v in row.items():
+                hist.setdefault(k, []).append(v)
+            done = step + 1
+            if r.val_every and done % r.val_every == 0 or done == r.steps:
+                hist["val_score"].append((done, mean_score(policy, tok, val, **kw)))
+                hist["val_wall_s"].append((done, time.perf_counter() - t0))
+            print(f"[{label}] step {done}/{r.steps} reward {row['reward']:.3f} masked {stats['masked_fraction']:.3f}"
+                  f" val {hist['val_score'][-1][1]:.3f}", flush=True)
+            if ckpt and r.checkpoint_every and done % r.checkpoint_every == 0 and done < r.steps:
+                while inflight:  # the buffer is saved whole: in-flight rollouts are part of the state
+                    buffer.add(inflight.popleft().result()[0])
+                st = State(done, st.next_request, buffer.groups, buffer.dropped, dict(buffer.staleness), hist,
+                           st.attempts, time.perf_counter() - t0)
+                _save(ckpt, policy, opt, critic, copt, st)
+                if kill_at == done:  # fault injection for the resume test
+                    os.kill(os.getpid(), signal.SIGKILL)
+        st = State(r.steps, st.next_request, [], buffer.dropped, dict(buffer.staleness), hist, st.attempts,
+                   time.perf_counter() - t0)
+    finally:
+        for f in inflight:
+            f.cancel()
+        workers.close()
+    return policy, tok, st
+
+
+def batch_tokens(samples: list[Sample]) -> int:
+    return sum(len(s.prompt_ids) + len(s.ids) for s in samples)
+
+
+def plot_curves(hist: dict, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(hist["reward"]) + 1), hist["reward"], label="reward (train batch)", alpha=0.6)
+    ax.plot(*zip(*hist["val_score"]), "o-", label="validation accuracy (greedy)")
+    ax.set(xlabel="step", ylabel="score", title=title, ylim=(0, 1.02))
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scratch: str = "") -> dict:
+    r = cfg.rl.for_domain(domain)
+    pool = load_tasks(inputs["curate"], "rl", domain)
+    val = load_tasks(inputs["curate"], "val", domain)
+    kill = os.environ.get("POSTTRAIN_RL_KILL_AT", "")  # "<domain>:<step>", for the resume test
+    kill_at = int(kill.split(":")[1]) if kill.startswith(domain + ":") else -1
+    scratch_dir = Path(scratch) if scratch else None
+    if scratch_dir:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+    policy, tok, st = specialist(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}",
+                                 scratch=scratch_dir, kill_at=kill_at)
+    save_checkpoint(policy, tok, out)
+    hist = st.history
     # blocked hack attempts, with the call and the guard stage that caught it, for reviewers
-    (out / "hack_attempts.json").write_text(json.dumps(attempts[:500], indent=1))
-    metrics = {"val_score_before": val_before, "val_score_after": val_after, **summarize(hist, "reward", 5),
-               "hack_attempts_blocked": sum(hist["blocked"])}
-    return {"metrics": metrics, "history": hist, "params": {"domain": domain}}
+    (out / "hack_attempts.json").write_text(json.dumps(st.attempts[:500], indent=1))
+    (out / "history.json").write_text(json.dumps(hist))
+    plot_curves(hist, out / "rl_curves.png", f"rl {domain} ({r.algorithm}, k={r.max_staleness})")
+    total = sum(st.staleness.values())
+    metrics = {"val_score_before": hist["val_score"][0][1], "val_score_after": hist["val_score"][-1][1],
+               **summarize(hist, "reward", 5), "hack_attempts_blocked": sum(hist["blocked"]),
+               "masked_token_fraction": sum(hist["masked_fraction"]) / len(hist["masked_fraction"]),
+               "stale_dropped": st.dropped, "wall_s": st.wall_s, "steps_per_s": r.steps / st.wall_s,
+               **{f"staleness_{k}_share": v / total for k, v in sorted(st.staleness.items())}}
+    return {"metrics": metrics, "history": hist,
+            "params": {"domain": domain, "algorithm": r.algorithm, "max_staleness": r.max_staleness}}

@@ -50,7 +50,11 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature:
 def run_episodes(model, tok, tasks: list[Task], *, enable_thinking: bool = True, max_new_tokens: int = 48,
                  temperature: float = 0.0, max_turns: int = 3, generator: torch.Generator | None = None,
                  batch_size: int = 64, judge=path_judge) -> list[Episode]:
-    """Roll out each task through the environments' step API, batching the model across episodes."""
+    """Roll out each task through the environments' step API, batching the model across episodes.
+
+    `model` is a torch model or an engine with `generate(prompts, **sampling)` (posttrain.rollout_workers)."""
+    generate = (lambda prompts, **kw: sample(model, prompts, **kw)) if isinstance(model, torch.nn.Module) \
+        else model.generate
     end_id = tok.convert_tokens_to_ids("<|end|>")
     episodes = [Episode(t, tok, enable_thinking=enable_thinking, max_turns=max_turns, judge=judge) for t in tasks]
     try:
@@ -61,7 +65,7 @@ def run_episodes(model, tok, tasks: list[Task], *, enable_thinking: bool = True,
             results = []
             for s in range(0, len(active), batch_size):
                 chunk = active[s:s + batch_size]
-                results += sample(model, [episodes[i].prompt_ids + episodes[i].ids for i in chunk],
+                results += generate([episodes[i].prompt_ids + episodes[i].ids for i in chunk],
                                   max_new_tokens=max_new_tokens, temperature=temperature, stop_ids={end_id},
                                   pad_id=tok.pad_token_id, generator=generator)
             active = [i for i, (new, lp) in zip(active, results) if not episodes[i].step(new, lp).done]
@@ -75,7 +79,7 @@ def score(episodes: list[Episode]) -> list[float]:
     return [e.reward for e in episodes]
 
 
-def episode_batch(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
+def episode_batch(episodes: list, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion ids, with the mask and rollout logprobs aligned to targets.
 
     Position j of `mask`/`old_logprobs` refers to the token predicted by logits[:, j] (= ids[:, j+1]).
@@ -95,8 +99,10 @@ def episode_batch(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tenso
     return {"input_ids": ids, "attention_mask": attn, "mask": mask, "old_logprobs": old}
 
 
-def token_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+def token_logits(model, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+    """Logits for every target position, at the sampling temperature so logprobs match the rollout's."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    return logits / temperature if temperature > 0 and temperature != 1.0 else logits
 
 
 def mean_score(model, tok, tasks: list[Task], **kw) -> float:

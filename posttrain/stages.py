@@ -38,8 +38,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     Stage("ramp", "posttrain.ramp:run", ("base", "curate"), ("seed", "model", "ramp", "eval"), resumable=True),
     # sft's own Ray task only waits on its Ray Train workers
     Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), num_cpus=0.1, resumable=True),
-    *[Stage(s, "posttrain.rl:run", ("sft", "curate"), ("seed", "rl"), (("domain", s[3:]),), num_cpus=0.6, threads=1)
-      for s in DOMAIN_STAGES],
+    # 3 x (0.4 + one 0.25-CPU rollout worker) fits the 2 CPUs, so the three specialists run at once
+    *[Stage(s, "posttrain.rl:run", ("sft", "curate"), ("seed", "rl"), (("domain", s[3:]),), num_cpus=0.4, threads=1,
+            resumable=True) for s in DOMAIN_STAGES],
     Stage("opd", "posttrain.opd:run", ("sft", "curate", *DOMAIN_STAGES), ("seed", "opd", "rl")),
     Stage("quantize", "posttrain.quantize:run", ("opd",), ("seed", "quantize")),
     Stage("evaluate", "posttrain.evaluate:run", ("base", "ramp", "sft", *DOMAIN_STAGES, "opd", "quantize", "curate"),

@@ -58,7 +58,9 @@ def log_result(home: str, run_id: str, *, params: dict, metrics: dict[str, float
     now = int(time.time() * 1000)
     ms = [Metric(metric_name(k), float(v), now, 0) for k, v in metrics.items() if isinstance(v, (int, float))]
     for key, xs in (history or {}).items():
-        ms += [Metric(metric_name(f"curve/{key}"), float(x), now, i) for i, x in enumerate(xs)]
+        # a curve is a value per step, or (step, value) pairs where it is sampled every few steps
+        pts = [x if isinstance(x, (list, tuple)) else (i, x) for i, x in enumerate(xs)]
+        ms += [Metric(metric_name(f"curve/{key}"), float(v), now, int(i)) for i, v in pts]
     ps = [Param(k[:250], str(v)[:6000]) for k, v in params.items()]
     ts = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
     for i in range(0, max(len(ms), 1), 900):  # the store caps a batch at 1000 metrics

@@ -144,3 +144,25 @@ def test_sft_resumes_exactly_after_sigkill(first, tmp_path):
     assert "resuming at step 2 of 4" in p.stdout + p.stderr
     assert _sft_history(tmp_path) == _sft_history(home)
     assert not (tmp_path / "scratch" / "sft").exists() or not any((tmp_path / "scratch" / "sft").iterdir())
+
+
+def test_rl_specialist_resumes_exactly_after_sigkill(first):
+    """SIGKILL a specialist right after its step-1 checkpoint (weights, optimizer, RNG, request cursor,
+    rollout buffer); the rerun continues at step 1, and every step's reward and loss is the
+    uninterrupted run's: none lost, none repeated."""
+    home, report = first
+    args = ("rerun", "rl-general", "--from", report["run_id"], "--set", "rl.checkpoint_every=1")
+    os.environ["POSTTRAIN_RL_KILL_AT"] = "general:1"
+    try:
+        p = posttrain(home, *args, check=False)
+    finally:
+        del os.environ["POSTTRAIN_RL_KILL_AT"]
+    assert p.returncode == 1 and "stage rl-general failed" in p.stderr
+    p = posttrain(home, *args)
+    assert "resuming at step 1 of 2" in p.stdout + p.stderr
+    resumed = json.loads((home / "latest" / "report.json").read_text())["stages"]["rl-general"]["artifact"]
+    before = json.loads((Path(report["stages"]["rl-general"]["artifact"]) / "history.json").read_text())
+    after = json.loads((Path(resumed) / "history.json").read_text())
+    for key in ("reward", "loss", "masked_fraction", "kl_behaviour", "staleness_mean", "val_score"):
+        assert after[key] == before[key], key
+    assert len(after["reward"]) == 2 and any(after["reward"]) and any(after["loss"])  # it learned something

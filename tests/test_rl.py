@@ -1,7 +1,23 @@
+import pytest
 import torch
 
+import environments
+from posttrain.config import ModelConfig, RLConfig
+from posttrain.model import build_model, save_checkpoint
 from posttrain.opd import reverse_kl
-from posttrain.rl import clipped_pg_loss, group_advantages
+from posttrain.rl import specialist, train_step
+from posttrain.rl_loss import gae, group_advantages, policy_loss
+from posttrain.rollout import episode_batch
+from posttrain.rollout_workers import RolloutBuffer, RolloutWorker, Sample
+
+
+@pytest.fixture(scope="module")
+def ckpt(tok, tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
+    path = tmp_path_factory.mktemp("policy")
+    save_checkpoint(build_model(cfg, tok), tok, path)
+    return str(path)
 
 
 def test_group_advantages_are_normalised_within_groups():
@@ -10,13 +26,98 @@ def test_group_advantages_are_normalised_within_groups():
     assert torch.all(adv[4:] == 0)  # a group with one outcome carries no signal
 
 
-def test_policy_gradient_raises_logprob_of_rewarded_tokens():
-    logits = torch.zeros(1, 3, 5, requires_grad=True)
-    batch = {"input_ids": torch.tensor([[0, 2, 3, 1]]), "mask": torch.ones(1, 3),
-             "old_logprobs": torch.full((1, 3), -torch.log(torch.tensor(5.0)))}
-    loss, stats = clipped_pg_loss(logits, batch, torch.tensor([1.0]), 0.2)
+def _pg(ratios: list[float], adv: float = 1.0, **kw):
+    behaviour = torch.full((1, len(ratios)), -1.0)
+    logp = (behaviour + torch.tensor(ratios).log()).requires_grad_()
+    loss, stats = policy_loss(logp, behaviour, torch.tensor([adv]), torch.ones(1, len(ratios)), **kw)
     loss.backward()
-    assert logits.grad[0, 0, 2] < 0 and abs(stats["ratio_mean"] - 1) < 1e-5  # descent raises token 2
+    return logp.grad[0], stats
+
+
+def test_policy_gradient_raises_logprob_of_rewarded_tokens():
+    grad, stats = _pg([1.0, 1.0], clip_eps=0.2, is_lower=0.5, is_upper=2.0)
+    assert torch.all(grad < 0) and abs(stats["ratio_mean"] - 1) < 1e-6  # descent raises both tokens
+
+
+def test_double_sided_importance_sampling_masks_tokens_outside_the_bounds():
+    grad, stats = _pg([1.0, 3.0, 0.3], clip_eps=0.2, is_lower=0.5, is_upper=2.0)
+    assert grad[0] != 0 and grad[1] == 0 and grad[2] == 0
+    assert stats["masked_fraction"] == pytest.approx(2 / 3)
+    # PPO clipping alone would still push the low-ratio token (min picks its unclipped side)
+    grad, stats = _pg([1.0, 3.0, 0.3], clip_eps=0.2, is_lower=1e-9, is_upper=1e9)
+    assert grad[2] != 0 and stats["masked_fraction"] == 0
+
+
+def test_gae_spreads_the_final_reward_over_generated_tokens_only():
+    values = torch.tensor([[0.0, 0.2, 0.9, 0.5, 0.4]])
+    mask = torch.tensor([[0.0, 1.0, 0.0, 1.0, 1.0]])  # position 2 is a tool output, position 0 the prompt
+    adv, ret = gae(values, torch.tensor([1.0]), mask, gamma=1.0, lam=1.0)
+    assert torch.allclose(adv[0, [1, 3, 4]], torch.tensor([0.8, 0.5, 0.6]))  # Monte Carlo: R - V
+    assert adv[0, 0] == 0 and adv[0, 2] == 0
+    adv, _ = gae(values, torch.tensor([1.0]), mask, gamma=1.0, lam=0.0)
+    assert torch.allclose(adv[0, [1, 3, 4]], torch.tensor([0.3, -0.1, 0.6]))  # one-step TD errors
+
+
+def _group(version: int, group: int, n: int = 2) -> list[Sample]:
+    return [Sample("t", group, [1], [2], [1], [-1.0], 1.0, version) for _ in range(n)]
+
+
+def test_rollout_buffer_drops_samples_older_than_k_versions_and_counts_them():
+    buf = RolloutBuffer(max_staleness=1)
+    for v in (0, 1, 2):
+        buf.add(_group(v, 0))
+    batch = buf.take(1, version=3)
+    assert [s.version for s in batch] == [2, 2] and buf.dropped == 4 and len(buf) == 0
+    assert buf.staleness == {1: 2}
+
+
+def test_training_uses_the_rollout_token_ids_even_where_retokenising_would_change_them(ckpt, tok):
+    """Token in, token out: find a sampled completion that decode-then-encode changes, then show the
+    trainer scored exactly the generated ids (ratio 1 against the behaviour logprobs, nothing masked)."""
+    worker = RolloutWorker(ckpt)
+    tasks = environments.get("reasoning").generate("train", 8, 0)
+    samples, _ = worker.rollout(tasks, 2, seed=0, temperature=1.0, max_new_tokens=16, max_turns=1)
+    drift = [s for s in samples if tok(tok.decode(s.ids), add_special_tokens=False)["input_ids"] != s.ids]
+    assert drift, "no sample changed under re-tokenisation"
+    s = drift[0]
+    batch = episode_batch([s, s], tok.pad_token_id)
+    assert batch["input_ids"][0, :len(s.prompt_ids) + len(s.ids)].tolist() == s.prompt_ids + s.ids
+    r = RLConfig(lr=0.0, group_size=2)
+    policy = worker.engine.model
+    stats = train_step(r, policy.train(), torch.optim.SGD(policy.parameters(), lr=0.0), [s, s], tok.pad_token_id)
+    assert abs(stats["ratio_mean"] - 1) < 1e-4 and stats["masked_fraction"] == 0 and stats["kl_behaviour"] < 1e-6
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_staleness_bound_k_is_what_the_trainer_sees(ckpt, k):
+    tasks = environments.get("reasoning").generate("train", 32, 0)
+    r = RLConfig(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=8, max_staleness=k, val_every=0,
+                 lr=1e-3)
+    _, _, st = specialist(r, ckpt, tasks, tasks[:4], seed=0)
+    assert sum(st.staleness.values()) == 3 * 2 * 2 and st.dropped == 0
+    assert set(st.staleness) == ({0} if k == 0 else {0, 1})  # k=1: generation ran one version ahead
+    h = st.history
+    assert len(h["reward"]) == 3 and len(h["val_score"]) == 2  # before, and after the last step
+    for key in ("reward_std", "masked_fraction", "kl_behaviour", "entropy", "gen_tokens_per_s", "train_tokens_per_s",
+                "staleness_mean", "stale_dropped"):
+        assert len(h[key]) == 3, key
+
+
+def test_ppo_trains_a_critic_on_single_rollouts(ckpt):
+    tasks = environments.get("agentic").generate("train", 16, 0)
+    r = RLConfig(algorithm="ppo", group_size=1, steps=2, prompts_per_step=4, max_new_tokens=8, max_turns=2,
+                 val_every=0, kl_coef=0.1)
+    _, _, st = specialist(r, ckpt, tasks, tasks[:2], seed=0)
+    assert len(st.history["value_loss"]) == 2 and len(st.history["kl_ref"]) == 2
+
+
+def test_per_specialist_overrides_are_validated_with_their_key():
+    r = RLConfig(per_domain={"agentic": {"algorithm": "ppo", "group_size": 1}})
+    assert r.for_domain("agentic").algorithm == "ppo" and r.for_domain("general").algorithm == "grpo"
+    with pytest.raises(ValueError, match="rl.per_domain.agentic.algo: unknown key"):
+        RLConfig(per_domain={"agentic": {"algo": "ppo"}})
+    with pytest.raises(ValueError, match="group_size must be at least 2"):
+        RLConfig(group_size=1)
 
 
 def test_reverse_kl_is_zero_for_identical_and_positive_otherwise():

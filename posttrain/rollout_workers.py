@@ -1,0 +1,165 @@
+"""Rollout workers for RL: each holds a copy of the policy behind an engine and turns tasks into
+samples tagged with the policy version that produced them; the trainer pushes weights after each update.
+
+Workers are Ray actors when Ray is up (the pipeline), else in-process threads (library use, tests):
+both hand back `concurrent.futures.Future`s, so the trainer's loop is the same either way.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from environments.base import Task
+from posttrain.model import load_checkpoint
+from posttrain.rollout import run_episodes, sample
+
+
+@dataclass
+class Sample:
+    """One finished episode exactly as generated: token ids and behaviour logprobs, never re-tokenised."""
+    task_id: str
+    group: int                 # samples of the same prompt in the same request share a group
+    prompt_ids: list[int]
+    ids: list[int]             # everything after the prompt (generated tokens and tool outputs)
+    gen_mask: list[int]        # 1 where the policy generated the token
+    logprobs: list[float]      # behaviour logprobs (0 on tool tokens)
+    reward: float
+    version: int               # policy version (number of updates) that generated it
+    blocked: list[dict] = field(default_factory=list)  # hack attempts the sandbox's guard stopped
+
+    @property
+    def n_generated(self) -> int:
+        return sum(self.gen_mask)
+
+
+class Engine(Protocol):
+    """What a rollout worker needs from an inference engine (local torch now; SGLang on GPU)."""
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+
+    def generate(self, prompts: list[list[int]], **sampling) -> list[tuple[list[int], list[float]]]: ...
+
+
+class LocalEngine:
+    """The in-process torch engine: batched sampling with a KV cache (posttrain.rollout.sample)."""
+
+    def __init__(self, model):
+        self.model = model.eval()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict)
+
+    def generate(self, prompts: list[list[int]], **sampling) -> list[tuple[list[int], list[float]]]:
+        return sample(self.model, prompts, **sampling)
+
+
+class RolloutWorker:
+    def __init__(self, checkpoint: str, threads: int = 1, engine: str = "local"):
+        if engine != "local":
+            raise ValueError(f"unknown rollout engine {engine!r} (known: local)")
+        torch.set_num_threads(threads)
+        model, self.tok = load_checkpoint(checkpoint)
+        self.engine: Engine = LocalEngine(model)
+        self.version = 0
+
+    def ready(self) -> bool:
+        return True
+
+    def set_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.load_weights(state_dict)
+        self.version = version
+
+    def rollout(self, tasks: list[Task], group_size: int, seed: int, **kw) -> tuple[list[Sample], dict]:
+        """`group_size` samples of each task; the sampling stream is a pure function of `seed`."""
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(seed)
+        eps = run_episodes(self.engine, self.tok, [t for t in tasks for _ in range(group_size)], generator=gen, **kw)
+        out = [Sample(e.task.id, i // group_size, e.prompt_ids, e.ids, e.gen_mask, e.logprobs, e.reward,
+                      self.version, e.blocked) for i, e in enumerate(eps)]
+        return out, {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out)}
+
+
+class WorkerPool:
+    """n rollout workers; calls on one worker run in submission order (weights, then rollouts)."""
+
+    def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, use_ray: bool | None = None):
+        import ray
+        self.use_ray = ray.is_initialized() if use_ray is None else use_ray
+        if self.use_ray:
+            cls = ray.remote(RolloutWorker).options(num_cpus=num_cpus, max_restarts=0)
+            self.workers = [cls.remote(checkpoint, threads) for _ in range(n)]
+            try:
+                ray.get([w.ready.remote() for w in self.workers], timeout=180)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"{n} rollout worker(s) of {num_cpus} CPU could not be scheduled in 180 s: raise "
+                                   "runtime.ray_num_cpus or lower rl.worker_cpus / rl.rollout_workers") from None
+        else:
+            self.workers = [RolloutWorker(checkpoint, threads) for _ in range(n)]
+            self.pools = [ThreadPoolExecutor(1) for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def push(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """New weights to every worker; rollouts submitted after this call use them."""
+        sd = {k: v.detach().clone() for k, v in state_dict.items()}
+        if self.use_ray:
+            import ray
+            ref = ray.put(sd)
+            for w in self.workers:
+                w.set_weights.remote(ref, version)
+        else:
+            for w, p in zip(self.workers, self.pools):
+                p.submit(w.set_weights, sd, version)
+
+    def submit(self, i: int, *args, **kw) -> Future:
+        if self.use_ray:
+            return self.workers[i].rollout.remote(*args, **kw).future()
+        return self.pools[i].submit(self.workers[i].rollout, *args, **kw)
+
+    def close(self) -> None:
+        if self.use_ray:
+            import ray
+            for w in self.workers:
+                ray.kill(w)
+        else:
+            for p in self.pools:
+                p.shutdown(wait=True)
+
+
+class RolloutBuffer:
+    """Finished groups waiting for the trainer, oldest first; too-stale groups are dropped and counted."""
+
+    def __init__(self, max_staleness: int, groups: list[list[Sample]] | None = None):
+        self.k = max_staleness
+        self.groups: list[list[Sample]] = list(groups or [])
+        self.dropped = 0            # samples dropped for staleness, over the run
+        self.staleness = Counter()  # staleness of every sample trained on, over the run
+
+    def add(self, samples: list[Sample]) -> None:
+        by_group: dict[int, list[Sample]] = {}
+        for s in samples:
+            by_group.setdefault(s.group, []).append(s)
+        self.groups += by_group.values()
+
+    def drop_stale(self, version: int) -> int:
+        keep = [g for g in self.groups if version - g[0].version <= self.k]
+        n = sum(len(g) for g in self.groups) - sum(len(g) for g in keep)
+        self.groups, self.dropped = keep, self.dropped + n
+        return n
+
+    def take(self, n_groups: int, version: int) -> list[Sample]:
+        """The `n_groups` oldest fresh groups, flattened; their staleness is recorded."""
+        self.drop_stale(version)
+        batch, self.groups = self.groups[:n_groups], self.groups[n_groups:]
+        out = [s for g in batch for s in g]
+        self.staleness.update(version - s.version for s in out)
+        return out
+
+    def __len__(self) -> int:
+        return len(self.groups)
