@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModel
 
+from posttrain.rl_batch import prefix_forward
+
 
 class ValueModel(torch.nn.Module):
     def __init__(self, checkpoint: str):
@@ -13,7 +15,6 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)  # starts predicting 0 everywhere: no made-up baseline
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """V(state before target j) for every target position j, aligned with `token_logits`."""
-        h = self.backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        return self.head(h[:, :-1]).squeeze(-1)
+    def forward(self, samples: list, pad_id: int) -> torch.Tensor:
+        """V(state before completion token j) for every j, in posttrain.rl_batch's completion layout."""
+        return self.head(prefix_forward(self.backbone, samples, pad_id, "last_hidden_state")).squeeze(-1)

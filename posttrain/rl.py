@@ -27,7 +27,8 @@ from posttrain.critic import ValueModel
 from posttrain.curate import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.rl_loss import entropy, gae, group_advantages, kl_to_reference, policy_loss, value_loss, whiten
-from posttrain.rollout import episode_batch, mean_score, token_logits
+from posttrain.rl_batch import completion_batch, prefix_forward
+from posttrain.rollout import mean_score
 from posttrain.rollout_workers import RolloutBuffer, Sample, WorkerPool
 from posttrain.train import make_optimizer, summarize
 
@@ -48,20 +49,23 @@ class State:
 def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, critic=None, copt=None,
                ref=None) -> dict[str, float]:
     """One update from a batch of samples (whole groups, in order); returns the step's statistics."""
-    batch = episode_batch(samples, pad_id)
-    mask = batch["mask"]
+    batch = completion_batch(samples)
+    mask, target = batch["mask"], batch["ids"]
     rewards = torch.tensor([s.reward for s in samples])
     stats: dict[str, float] = {}
     if critic is None:
         adv = group_advantages(rewards, r.group_size)
     else:
         with torch.no_grad():
-            old_v = critic(batch)
+            old_v = critic(samples, pad_id)
         adv, returns = gae(old_v, rewards, mask, r.gae_gamma, r.gae_lambda)
         adv = whiten(adv, mask)
-    target = batch["input_ids"][:, 1:]
+
+    def logprobs(model) -> torch.Tensor:  # at the sampling temperature, as the behaviour logprobs were
+        return torch.log_softmax(prefix_forward(model, samples, pad_id) / r.temperature, -1)
+
     for _ in range(r.ppo_epochs):
-        logp_all = torch.log_softmax(token_logits(policy, batch, r.temperature), -1)
+        logp_all = logprobs(policy)
         logp = logp_all.gather(-1, target[..., None]).squeeze(-1)
         loss, stats = policy_loss(logp, batch["old_logprobs"], adv, mask, clip_eps=r.clip_eps,
                                   is_lower=r.is_lower, is_upper=r.is_upper, agg=r.loss_agg)
@@ -69,8 +73,7 @@ def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, cri
         loss = loss - r.entropy_coef * ent
         if ref is not None:
             with torch.no_grad():
-                ref_logp = torch.log_softmax(token_logits(ref, batch, r.temperature), -1).gather(
-                    -1, target[..., None]).squeeze(-1)
+                ref_logp = logprobs(ref).gather(-1, target[..., None]).squeeze(-1)
             kl = kl_to_reference(logp, ref_logp, mask)
             loss = loss + r.kl_coef * kl
             stats["kl_ref"] = kl.item()
@@ -80,7 +83,7 @@ def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, cri
         opt.step()
         stats.update(loss=loss.item(), entropy=ent.item())
         if critic is not None:
-            vl = value_loss(critic(batch), old_v, returns, mask, r.value_clip)
+            vl = value_loss(critic(samples, pad_id), old_v, returns, mask, r.value_clip)
             copt.zero_grad(set_to_none=True)
             vl.backward()
             torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)

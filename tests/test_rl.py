@@ -7,7 +7,8 @@ from posttrain.model import build_model, save_checkpoint
 from posttrain.opd import reverse_kl
 from posttrain.rl import specialist, train_step
 from posttrain.rl_loss import gae, group_advantages, policy_loss
-from posttrain.rollout import episode_batch
+from posttrain.rl_batch import completion_batch, prefix_forward
+from posttrain.rollout import episode_batch, token_logits
 from posttrain.rollout_workers import RolloutBuffer, RolloutWorker, Sample
 
 
@@ -80,12 +81,28 @@ def test_training_uses_the_rollout_token_ids_even_where_retokenising_would_chang
     drift = [s for s in samples if tok(tok.decode(s.ids), add_special_tokens=False)["input_ids"] != s.ids]
     assert drift, "no sample changed under re-tokenisation"
     s = drift[0]
-    batch = episode_batch([s, s], tok.pad_token_id)
-    assert batch["input_ids"][0, :len(s.prompt_ids) + len(s.ids)].tolist() == s.prompt_ids + s.ids
+    assert completion_batch([s, s])["ids"][0, :len(s.ids)].tolist() == s.ids
     r = RLConfig(lr=0.0, group_size=2)
     policy = worker.engine.model
     stats = train_step(r, policy.train(), torch.optim.SGD(policy.parameters(), lr=0.0), [s, s], tok.pad_token_id)
     assert abs(stats["ratio_mean"] - 1) < 1e-4 and stats["masked_fraction"] == 0 and stats["kl_behaviour"] < 1e-6
+
+
+def test_prefix_shared_forward_equals_the_full_sequence_forward(ckpt, tok):
+    """Each prompt runs once for its whole group; the logprobs of every completion token are unchanged."""
+    worker = RolloutWorker(ckpt)
+    tasks = environments.get("agentic").generate("train", 4, 0)  # multi-turn: tool output inside the completion
+    samples, _ = worker.rollout(tasks, 3, seed=1, temperature=1.0, max_new_tokens=12, max_turns=2)
+    model = worker.engine.model
+    full = episode_batch(samples, tok.pad_token_id)
+    lp_full = torch.log_softmax(token_logits(model, full), -1).gather(-1, full["input_ids"][:, 1:, None])[..., 0]
+    cb = completion_batch(samples)
+    lp = torch.log_softmax(prefix_forward(model, samples, tok.pad_token_id), -1).gather(-1, cb["ids"][..., None])[..., 0]
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids) - 1
+        assert torch.allclose(lp[i, :len(s.ids)], lp_full[i, p:p + len(s.ids)], atol=1e-4)
+        assert torch.allclose(lp[i, :len(s.ids)][cb["mask"][i, :len(s.ids)] > 0],
+                              torch.tensor([x for x, g in zip(s.logprobs, s.gen_mask) if g]), atol=1e-4)
 
 
 @pytest.mark.parametrize("k", [0, 1])
