@@ -51,3 +51,8 @@ def parse_tool_call(text: str) -> tuple[str, str] | None:
 
 
 verify = verify_number
+
+
+def shortcut(task: Task) -> list[dict]:
+    """A lazy teacher's demonstration: reads the file, then states the sum with no worked steps."""
+    return [*task.demo[:-1], {**task.demo[-1], "reasoning_content": ""}]

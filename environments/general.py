@@ -45,3 +45,11 @@ def verify(task: Task, completion: str) -> tuple[float, str]:
     }
     failed = [k for k, ok in checks.items() if not ok]
     return sum(checks.values()) / len(checks), "all constraints met" if not failed else "missed " + ",".join(failed)
+
+
+def shortcut(task: Task) -> list[dict]:
+    """A careless teacher's demonstration: it forgets the required ending (when there is one)."""
+    m = task.meta
+    content = task.answer[:-len(m["ending"])] if m["ending"] else task.answer
+    think = task.demo[0]["reasoning_content"].split(" end=")[0]
+    return [{"role": "assistant", "reasoning_content": think, "content": content}]

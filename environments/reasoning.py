@@ -29,3 +29,8 @@ def generate(split: str, n: int, seed: int, max_operand: int = 20, n_ops: int = 
 
 
 verify = verify_number
+
+
+def shortcut(task: Task) -> list[dict]:
+    """A lazy teacher's demonstration: the right answer with no worked steps (a tiny student cannot copy it)."""
+    return [{"role": "assistant", "reasoning_content": "", "content": task.answer}]

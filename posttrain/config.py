@@ -130,6 +130,9 @@ class SFTConfig(TrainConfig):
     lr: float = 2e-3
     nothink_share: float = 0.25
     preserve_thinking_share: float = 0.5
+    # share of demonstrations from a lazy teacher (each environment's `shortcut`: no worked steps, a
+    # forgotten constraint): imperfect SFT data, as real data is, which RL against the verifier repairs
+    shortcut_share: float = 0.0
     grad_accum: int = 1           # micro-batches per optimizer step (each batch_size rows)
     workers: int = 1              # Ray Train data-parallel workers (each takes rows rank::workers)
     checkpoint_every: int = 100   # steps between resumable checkpoints (weights, optimizer, RNG, step)

@@ -25,18 +25,23 @@ from posttrain.train import eval_loss, pad_examples, summarize, train
 STATE = "state.pt"
 
 
-def conversation(task: Task, thinking: bool) -> list[dict]:
-    """The task's demonstration; with thinking off every assistant turn has an empty think block."""
-    demo = [m if thinking or m["role"] != "assistant" else {**m, "reasoning_content": ""} for m in task.demo]
+def conversation(task: Task, thinking: bool, shortcut: bool = False) -> list[dict]:
+    """The task's demonstration (or its environment's lazy-teacher `shortcut`); with thinking off every
+    assistant turn has an empty think block."""
+    lazy = getattr(environments.get(task.domain), "shortcut", None) if shortcut else None
+    demo = lazy(task) if lazy else task.demo
+    demo = [m if thinking or m["role"] != "assistant" else {**m, "reasoning_content": ""} for m in demo]
     return task.messages() + demo
 
 
 def build_examples(cfg: PipelineConfig, tok, tasks: list[Task], seed: int) -> list[tuple[list[int], list[int]]]:
     """(ids, loss mask) per task, mixing the modes: thinking off for `nothink_share` of the conversations,
-    earlier turns' thinking kept in the history for `preserve_thinking_share`."""
-    rng = random.Random(seed)
-    return [render_with_mask(tok, conversation(t, rng.random() >= cfg.sft.nothink_share),
-                             preserve_thinking=rng.random() < cfg.sft.preserve_thinking_share) for t in tasks]
+    earlier turns' thinking kept in the history for `preserve_thinking_share`, a lazy teacher's
+    demonstration for `shortcut_share`."""
+    rng, lazy = random.Random(seed), random.Random(seed + 1)  # own stream: the mode mix stays as it was
+    s = cfg.sft
+    return [render_with_mask(tok, conversation(t, rng.random() >= s.nothink_share, lazy.random() < s.shortcut_share),
+                             preserve_thinking=rng.random() < s.preserve_thinking_share) for t in tasks]
 
 
 def _long_tasks(tok, split: str, n: int, seed: int, max_len: int) -> list[Task]:
