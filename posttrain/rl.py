@@ -53,8 +53,18 @@ def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, cri
     mask, target = batch["mask"], batch["ids"]
     rewards = torch.tensor([s.reward for s in samples])
     stats: dict[str, float] = {}
+    norm = {}
     if critic is None:
         adv = group_advantages(rewards, r.group_size)
+        if not (r.kl_coef or r.entropy_coef):
+            # a group whose samples all scored the same has zero advantage: no gradient, so it skips the
+            # forward pass; the denominators stay the full batch's, so the update is exactly the same
+            live = adv != 0
+            live[0] = True  # keep one row: an all-zero batch still takes its (zero-gradient) optimizer step
+            norm = {"n_tokens": mask.sum().item(), "n_rows": float((mask.sum(1) > 0).sum())}
+            samples, adv = [s for s, k in zip(samples, live.tolist()) if k], adv[live]
+            batch = completion_batch(samples)
+            mask, target = batch["mask"], batch["ids"]
     else:
         with torch.no_grad():
             old_v = critic(samples, pad_id)
@@ -68,7 +78,7 @@ def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, cri
         logp_all = logprobs(policy)
         logp = logp_all.gather(-1, target[..., None]).squeeze(-1)
         loss, stats = policy_loss(logp, batch["old_logprobs"], adv, mask, clip_eps=r.clip_eps,
-                                  is_lower=r.is_lower, is_upper=r.is_upper, agg=r.loss_agg)
+                                  is_lower=r.is_lower, is_upper=r.is_upper, agg=r.loss_agg, **norm)
         ent = entropy(logp_all if r.entropy_coef else logp_all.detach(), mask)
         loss = loss - r.entropy_coef * ent
         if ref is not None:

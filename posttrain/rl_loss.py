@@ -43,19 +43,21 @@ def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x - mean) / (var.sqrt() + 1e-6) * mask
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, n_tokens: float | None = None,
+              n_rows: float | None = None) -> torch.Tensor:
     """`token`: mean over all generated tokens of the batch (long answers weigh more, as in DAPO);
-    `sequence`: mean within each sample, then over samples (GRPO's original form)."""
+    `sequence`: mean within each sample, then over samples (GRPO's original form). `n_tokens` / `n_rows`
+    override the denominators when rows that carry no gradient were left out of the batch."""
     if how == "token":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+        return (per_token * mask).sum() / (n_tokens or mask.sum().clamp(min=1))
     n = mask.sum(1)
     rows = n > 0
-    return ((per_token * mask).sum(1)[rows] / n[rows]).mean()
+    return ((per_token * mask).sum(1)[rows] / n[rows]).sum() / (n_rows or rows.sum().clamp(min=1))
 
 
 def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
-                clip_eps: float, is_lower: float, is_upper: float, agg: str = "token"
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                clip_eps: float, is_lower: float, is_upper: float, agg: str = "token",
+                n_tokens: float | None = None, n_rows: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip against the behaviour policy (the rollout's own logprobs: no old-policy recompute), with
     double-sided importance-sampling masking: a token whose ratio leaves [is_lower, is_upper] gets no
     gradient at all (clipping alone would still pass it the unclipped side's gradient)."""
@@ -64,7 +66,7 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Ten
     keep = mask * ((ratio >= is_lower) & (ratio <= is_upper)).float()
     a = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)
     pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
-    loss = aggregate(pg * keep, mask, agg)  # masked tokens still count in the denominator: they only lose weight
+    loss = aggregate(pg * keep, mask, agg, n_tokens, n_rows)  # masked tokens still count in the denominator: they only lose weight
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         stats = {

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -103,6 +105,24 @@ def test_prefix_shared_forward_equals_the_full_sequence_forward(ckpt, tok):
         assert torch.allclose(lp[i, :len(s.ids)], lp_full[i, p:p + len(s.ids)], atol=1e-4)
         assert torch.allclose(lp[i, :len(s.ids)][cb["mask"][i, :len(s.ids)] > 0],
                               torch.tensor([x for x, g in zip(s.logprobs, s.gen_mask) if g]), atol=1e-4)
+
+
+def test_groups_without_signal_skip_the_forward_pass_and_the_update_is_unchanged(ckpt, tok):
+    worker = RolloutWorker(ckpt)
+    samples, _ = worker.rollout(environments.get("general").generate("train", 4, 0), 4, seed=0, temperature=1.0,
+                                max_new_tokens=8, max_turns=1)
+    samples[0].reward = 1.0  # group 0 has signal; give group 1 none
+    for s in samples[4:8]:
+        s.reward = 0.5
+    params = []
+    for agg in ("token", "sequence"):
+        for entropy_coef in (0.0, 1e-12):  # any entropy or KL term needs every row, so it turns skipping off
+            model = copy.deepcopy(worker.engine.model)
+            opt = torch.optim.SGD(model.parameters(), lr=1.0)
+            train_step(RLConfig(group_size=4, loss_agg=agg, entropy_coef=entropy_coef), model.train(), opt, samples,
+                       tok.pad_token_id)
+            params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        assert torch.allclose(params[-2], params[-1], atol=1e-6), agg
 
 
 @pytest.mark.parametrize("k", [0, 1])
