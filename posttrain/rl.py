@@ -14,12 +14,13 @@ import os
 import random
 import signal
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from environments.base import Task
 from posttrain.config import PipelineConfig, RLConfig
@@ -138,7 +139,7 @@ def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed
     kw = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns)
     hist = st.history or {"val_score": [(0, mean_score(policy, tok, val, **kw))], "val_wall_s": [(0, 0.0)]}
     buffer = RolloutBuffer(r.max_staleness, st.groups)
-    buffer.dropped, buffer.staleness = st.dropped, buffer.staleness.__class__(st.staleness)
+    buffer.dropped, buffer.staleness = st.dropped, Counter(st.staleness)
     per_request = math.ceil(r.prompts_per_step / r.rollout_workers)
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus)
     inflight: deque[Future] = deque()
@@ -158,7 +159,8 @@ def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed
     try:
         workers.push(policy.state_dict(), st.step)
         t0 = time.perf_counter() - st.wall_s
-        for step in range(st.step, r.steps):
+        bar = tqdm(range(st.step, r.steps), initial=st.step, total=r.steps, desc=label, mininterval=5)
+        for step in bar:
             top_up()
             gen_s = gen_tok = 0.0
             while True:
@@ -190,8 +192,7 @@ def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed
             if r.val_every and done % r.val_every == 0 or done == r.steps:
                 hist["val_score"].append((done, mean_score(policy, tok, val, **kw)))
                 hist["val_wall_s"].append((done, time.perf_counter() - t0))
-            print(f"[{label}] step {done}/{r.steps} reward {row['reward']:.3f} masked {stats['masked_fraction']:.3f}"
-                  f" val {hist['val_score'][-1][1]:.3f}", flush=True)
+            bar.set_postfix(reward=f"{row['reward']:.3f}", val=f"{hist['val_score'][-1][1]:.3f}", refresh=False)
             if ckpt and r.checkpoint_every and done % r.checkpoint_every == 0 and done < r.steps:
                 while inflight:  # the buffer is saved whole: in-flight rollouts are part of the state
                     buffer.add(inflight.popleft().result()[0])
