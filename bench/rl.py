@@ -1,8 +1,8 @@
 """bench/rl: (a) asynchronous rollouts (k=1) against synchronous (k=0): same sft checkpoint, seeds, prompts
 and deployment (one Ray rollout worker beside the trainer, one thread each, 2 CPUs), wall time until the
 validation accuracy that sync reaches at the end of its run (the mean of its last 3 evaluations); (b) our GRPO against TRL's GRPOTrainer on the
-same policy, environment (reasoning), prompts, batch shape (16 prompts x 8 samples, one update per batch),
-loss (token-level, clip 0.2, no KL) and machine: optimizer steps per second and mean reward after n steps.
+same policy, environment (general, `BENCH_RL_DOMAIN`), prompts, batch shape (16 prompts x 8 samples, one update per batch),
+loss (the tiny profile's: aggregation, clip, temperature, lr, no KL) and machine: optimizer steps per second and mean reward after n steps.
 
 The policy is the sft checkpoint of the latest `make run` (`BENCH_RL_RUN` picks another run's report).
 Wall times include validation (64 greedy episodes every 2 steps) on both sides of (a); (b) has none.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 STEPS = int(os.environ.get("BENCH_RL_STEPS", 40))
 TRL_STEPS = int(os.environ.get("BENCH_RL_TRL_STEPS", 20))
-DOMAIN = "reasoning"
+DOMAIN = os.environ.get("BENCH_RL_DOMAIN", "general")  # its validation score moves within tens of steps
 OUT = Path(".posttrain/bench")
 
 
@@ -36,7 +36,7 @@ def _rl_config(overrides: dict):
     return r.model_copy(update={"val_every": 2, "checkpoint_every": 0, **overrides})
 
 
-def _ours(k: int, steps: int) -> dict:
+def _ours(k: int, steps: int, val_every: int) -> dict:
     """One specialist run (child process: its own Ray, its own clock)."""
     import ray
     import torch
@@ -48,12 +48,13 @@ def _ours(k: int, steps: int) -> dict:
     torch.set_num_threads(1)
     ensure_ray(RuntimeConfig())
     sft, curate = _inputs()
-    r = _rl_config({"max_staleness": k, "steps": steps})
+    r = _rl_config({"max_staleness": k, "steps": steps, "val_every": val_every})
     pool, val = load_tasks(curate, "rl", DOMAIN), load_tasks(curate, "val", DOMAIN)
     _, _, st = specialist(r, sft, pool, val, seed=0, label=f"bench k={k}")
     ray.shutdown()
     h = st.history
-    return {"wall_s": st.wall_s, "val": h["val_score"], "val_wall": h["val_wall_s"], "reward": h["reward"],
+    return {"wall_s": st.wall_s, "train_wall_s": h["wall_s"][-1], "val": h["val_score"], "val_wall": h["val_wall_s"],
+            "reward": h["reward"],
             "masked_fraction": h["masked_fraction"], "dropped": st.dropped, "staleness": st.staleness}
 
 
@@ -80,7 +81,8 @@ def _trl(steps: int) -> dict:
 
     args = GRPOConfig(output_dir=str(OUT / "rl-trl"), per_device_train_batch_size=r.prompts_per_step * r.group_size,
                       num_generations=r.group_size, max_completion_length=r.max_new_tokens, learning_rate=r.lr,
-                      beta=0.0, temperature=r.temperature, epsilon=r.clip_eps, loss_type="dapo", max_steps=steps,
+                      beta=0.0, temperature=r.temperature, epsilon=r.clip_eps, max_steps=steps,
+                      loss_type="grpo" if r.loss_agg == "sequence" else "dapo",  # = our aggregation
                       use_cpu=True, logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_dropout=True,
                       lr_scheduler_type="constant", warmup_steps=0, adam_beta2=0.95, weight_decay=0.0)
     model = AutoModelForCausalLM.from_pretrained(sft, dtype=torch.float32)
@@ -100,24 +102,25 @@ def _child(what: str, *args) -> dict:
 
 
 def _time_to(val: list, wall: list, target: float) -> float | None:
-    return next((w for (_, v), (_, w) in zip(val, wall) if v >= target - 1e-9), None)
+    """Wall seconds at the first evaluation after step 0 that reaches `target`."""
+    return next((w for (step, v), (_, w) in zip(val, wall) if step > 0 and v >= target - 1e-9), None)
 
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     _inputs()  # fail early with the message
-    sync = _child("ours", 0, STEPS)
+    sync = _child("ours", 0, STEPS, 2)
     target = sum(v for _, v in sync["val"][-3:]) / 3  # sync's final accuracy, smoothed over its last 3 evaluations
-    asyn = _child("ours", 1, int(STEPS * 1.5))  # room to reach the target if staleness slows learning
+    asyn = _child("ours", 1, int(STEPS * 1.5), 2)  # room to reach the target if staleness slows learning
     sync_wall, async_wall = _time_to(sync["val"], sync["val_wall"], target), _time_to(asyn["val"], asyn["val_wall"], target)
-    cmp = _child("ours", 1, TRL_STEPS)
+    cmp = _child("ours", 1, TRL_STEPS, 0)  # no validation: TRL runs none either
     trl = _child("trl", TRL_STEPS)
     n = 5  # reward after n steps: the mean of the last 5 steps' batch rewards
     fig = {
         "target_val_accuracy": target, "sync_wall_s": sync_wall, "async_wall_s": async_wall,
         "async_wall_ratio": async_wall / sync_wall if async_wall and sync_wall else None,
         "sync_steps_per_s": STEPS / sync["wall_s"], "async_steps_per_s": int(STEPS * 1.5) / asyn["wall_s"],
-        "steps": TRL_STEPS, "steps_per_s": TRL_STEPS / cmp["wall_s"], "steps_per_s_trl": TRL_STEPS / trl["wall_s"],
+        "steps": TRL_STEPS, "steps_per_s": TRL_STEPS / cmp["train_wall_s"], "steps_per_s_trl": TRL_STEPS / trl["wall_s"],
         "reward_after_n": sum(cmp["reward"][-n:]) / n, "reward_after_n_trl": sum(trl["reward"][-n:]) / n,
         "masked_token_fraction": sum(asyn["masked_fraction"]) / len(asyn["masked_fraction"]),
         "stale_dropped": asyn["dropped"], "staleness_async": asyn["staleness"],
@@ -140,7 +143,7 @@ def _plot(fig: dict, path: Path) -> None:
     for name, label in (("sync", "sync (k=0)"), ("async", "async (k=1)")):
         ax.plot([w for _, w in fig[f"val_wall_{name}"]], [v for _, v in fig[f"val_{name}"]], "o-", label=label)
     ax.axhline(fig["target_val_accuracy"], ls=":", c="grey", label="target (sync's final, smoothed)")
-    ax.set(xlabel="wall seconds", ylabel="validation accuracy", title="rl reasoning: time to accuracy")
+    ax.set(xlabel="wall seconds", ylabel="validation accuracy", title=f"rl {DOMAIN}: time to accuracy")
     ax.legend(loc="lower right")
     f.tight_layout()
     f.savefig(path, dpi=110)
@@ -149,5 +152,5 @@ def _plot(fig: dict, path: Path) -> None:
 
 if __name__ == "__main__":
     what, *rest = sys.argv[1:]
-    result = _ours(int(rest[0]), int(rest[1])) if what == "ours" else _trl(int(rest[0]))
+    result = _ours(*map(int, rest)) if what == "ours" else _trl(int(rest[0]))
     (OUT / f"rl-{what}.json").write_text(json.dumps(result))

@@ -185,7 +185,8 @@ def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed
                    "stale_dropped": float(buffer.dropped), "blocked": float(sum(len(s.blocked) for s in batch)),
                    "gen_tokens": sum(s.n_generated for s in batch) / len(batch),
                    "gen_tokens_per_s": gen_tok / gen_s if gen_s else float("nan"),
-                   "train_tokens_per_s": float(batch_tokens(batch)) / train_s}
+                   "train_tokens_per_s": float(batch_tokens(batch)) / train_s,
+                   "wall_s": time.perf_counter() - t0}  # validation below not included
             for k, v in row.items():
                 hist.setdefault(k, []).append(v)
             done = step + 1
