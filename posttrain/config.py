@@ -164,6 +164,7 @@ class RLConfig(_Strict):
     gae_lambda: float = 0.95
     value_clip: float = 0.2
     ppo_epochs: int = 1                  # passes over each rollout batch
+    micro_batch_cells: int = 2048        # completion tokens (padding included) per length-sorted micro-batch
     val_every: int = 10                  # greedy validation accuracy every n steps (0: only before and after)
     checkpoint_every: int = 10
     per_domain: dict[str, dict[str, Any]] = Field(default_factory=dict)

@@ -27,7 +27,7 @@ from posttrain.config import PipelineConfig, RLConfig
 from posttrain.critic import ValueModel
 from posttrain.curate import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
-from posttrain.rl_loss import entropy, gae, group_advantages, kl_to_reference, policy_loss, value_loss, whiten
+from posttrain.rl_loss import entropy, gae, group_advantages, kl_to_reference, policy_loss, value_loss
 from posttrain.rl_batch import completion_batch, prefix_forward
 from posttrain.rollout import mean_score
 from posttrain.rollout_workers import RolloutBuffer, Sample, WorkerPool
@@ -47,59 +47,88 @@ class State:
     wall_s: float = 0.0
 
 
+def micro_batches(samples: list[Sample], max_cells: int) -> list[list[int]]:
+    """Sample indices sorted by completion length and cut so a micro-batch pads to at most ~`max_cells`
+    completion cells: short completions no longer pad to the longest of the whole batch."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
+    chunks: list[list[int]] = [[]]
+    for i in order:  # ascending, so sample i is the longest of its chunk so far
+        if chunks[-1] and (len(chunks[-1]) + 1) * len(samples[i].ids) > max_cells:
+            chunks.append([])
+        chunks[-1].append(i)
+    return chunks
+
+
 def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, critic=None, copt=None,
                ref=None) -> dict[str, float]:
-    """One update from a batch of samples (whole groups, in order); returns the step's statistics."""
-    batch = completion_batch(samples)
-    mask, target = batch["mask"], batch["ids"]
+    """One update from a batch of samples (whole groups, in order); returns the step's statistics.
+
+    The batch runs as length-sorted micro-batches whose losses are normalised by the whole batch's token
+    and row counts, so their accumulated gradient is the full batch's."""
     rewards = torch.tensor([s.reward for s in samples])
-    stats: dict[str, float] = {}
-    norm = {}
+    n_tokens = float(sum(s.n_generated for s in samples))
+    norm = {"n_tokens": n_tokens, "n_rows": float(sum(s.n_generated > 0 for s in samples))}
     if critic is None:
         adv = group_advantages(rewards, r.group_size)
-        if not (r.kl_coef or r.entropy_coef):
-            # a group whose samples all scored the same has zero advantage: no gradient, so it skips the
-            # forward pass; the denominators stay the full batch's, so the update is exactly the same
-            live = adv != 0
-            live[0] = True  # keep one row: an all-zero batch still takes its (zero-gradient) optimizer step
-            norm = {"n_tokens": mask.sum().item(), "n_rows": float((mask.sum(1) > 0).sum())}
-            samples, adv = [s for s, k in zip(samples, live.tolist()) if k], adv[live]
-            batch = completion_batch(samples)
-            mask, target = batch["mask"], batch["ids"]
+        live = adv != 0
+        if r.kl_coef or r.entropy_coef:
+            live[:] = True  # their terms need every row
+        # a group whose samples all scored the same has zero advantage and no gradient: it skips the forward
+        live[0] = True  # keep one row: an all-zero batch still takes its (zero-gradient) optimizer step
+        samples, adv, rewards = [s for s, k in zip(samples, live.tolist()) if k], adv[live], rewards[live]
+    chunks = [(idx, [samples[i] for i in idx]) for idx in micro_batches(samples, r.micro_batch_cells)]
+    batches = [completion_batch(sub) for _, sub in chunks]
+    if critic is None:
+        advs = [adv[idx] for idx, _ in chunks]
     else:
         with torch.no_grad():
-            old_v = critic(samples, pad_id)
-        adv, returns = gae(old_v, rewards, mask, r.gae_gamma, r.gae_lambda)
-        adv = whiten(adv, mask)
+            old_vs = [critic(sub, pad_id) for _, sub in chunks]
+        gaes = [gae(v, rewards[idx], b["mask"], r.gae_gamma, r.gae_lambda)
+                for (idx, _), v, b in zip(chunks, old_vs, batches)]
+        returns = [ret for _, ret in gaes]
+        flat = torch.cat([a[b["mask"] > 0] for (a, _), b in zip(gaes, batches)])  # whitened over the whole batch
+        advs = [(a - flat.mean()) / (flat.std() + 1e-6) * b["mask"] for (a, _), b in zip(gaes, batches)]
 
-    def logprobs(model) -> torch.Tensor:  # at the sampling temperature, as the behaviour logprobs were
-        return torch.log_softmax(prefix_forward(model, samples, pad_id) / r.temperature, -1)
+    def logprobs(model, sub) -> torch.Tensor:  # at the sampling temperature, as the behaviour logprobs were
+        return torch.log_softmax(prefix_forward(model, sub, pad_id) / r.temperature, -1)
 
+    trained = sum(b["mask"].sum().item() for b in batches)
+    stats: dict[str, float] = {}
     for _ in range(r.ppo_epochs):
-        logp_all = logprobs(policy)
-        logp = logp_all.gather(-1, target[..., None]).squeeze(-1)
-        loss, stats = policy_loss(logp, batch["old_logprobs"], adv, mask, clip_eps=r.clip_eps,
-                                  is_lower=r.is_lower, is_upper=r.is_upper, agg=r.loss_agg, **norm)
-        ent = entropy(logp_all if r.entropy_coef else logp_all.detach(), mask)
-        loss = loss - r.entropy_coef * ent
-        if ref is not None:
-            with torch.no_grad():
-                ref_logp = logprobs(ref).gather(-1, target[..., None]).squeeze(-1)
-            kl = kl_to_reference(logp, ref_logp, mask)
-            loss = loss + r.kl_coef * kl
-            stats["kl_ref"] = kl.item()
+        stats = {}
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for (_, sub), b, a in zip(chunks, batches, advs):
+            mask, target = b["mask"], b["ids"]
+            share = mask.sum().item() / n_tokens  # this micro-batch's part of a token mean over the batch
+            logp_all = logprobs(policy, sub)
+            logp = logp_all.gather(-1, target[..., None]).squeeze(-1)
+            loss, st = policy_loss(logp, b["old_logprobs"], a, mask, clip_eps=r.clip_eps, is_lower=r.is_lower,
+                                   is_upper=r.is_upper, agg=r.loss_agg, **norm)
+            ent = entropy(logp_all if r.entropy_coef else logp_all.detach(), mask)
+            loss = loss - r.entropy_coef * ent * share
+            st["entropy"] = ent.item()
+            if ref is not None:
+                with torch.no_grad():
+                    ref_logp = logprobs(ref, sub).gather(-1, target[..., None]).squeeze(-1)
+                kl = kl_to_reference(logp, ref_logp, mask)
+                loss = loss + r.kl_coef * kl * share
+                st["kl_ref"] = kl.item()
+            loss.backward()
+            stats["loss"] = stats.get("loss", 0.0) + loss.item()
+            for k, v in st.items():  # token means, weighted by the micro-batch's tokens among the trained ones
+                stats[k] = stats.get(k, 0.0) + v * mask.sum().item() / trained
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
-        stats.update(loss=loss.item(), entropy=ent.item())
         if critic is not None:
-            vl = value_loss(critic(samples, pad_id), old_v, returns, mask, r.value_clip)
             copt.zero_grad(set_to_none=True)
-            vl.backward()
+            vl_total = 0.0
+            for (_, sub), b, v_old, ret in zip(chunks, batches, old_vs, returns):
+                vl = value_loss(critic(sub, pad_id), v_old, ret, b["mask"], r.value_clip, n_tokens)
+                vl.backward()
+                vl_total += vl.item()
             torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
             copt.step()
-            stats["value_loss"] = vl.item()
+            stats["value_loss"] = vl_total
     return stats
 
 

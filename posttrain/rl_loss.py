@@ -36,13 +36,6 @@ def gae(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, adv + values
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    n = mask.sum().clamp(min=1)
-    mean = (x * mask).sum() / n
-    var = ((x - mean) ** 2 * mask).sum() / n
-    return (x - mean) / (var.sqrt() + 1e-6) * mask
-
-
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, n_tokens: float | None = None,
               n_rows: float | None = None) -> torch.Tensor:
     """`token`: mean over all generated tokens of the batch (long answers weigh more, as in DAPO);
@@ -80,11 +73,11 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Ten
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float) -> torch.Tensor:
+               clip: float, n_tokens: float | None = None) -> torch.Tensor:
     """PPO's clipped value loss: the worse of the unclipped and the clipped-to-old prediction."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     err = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
-    return 0.5 * (err * mask).sum() / mask.sum().clamp(min=1)
+    return 0.5 * (err * mask).sum() / (n_tokens or mask.sum().clamp(min=1))
 
 
 def entropy(logp_all: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,8 @@ class RolloutWorker:
         """`group_size` samples of each task; the sampling stream is a pure function of `seed`."""
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(seed)
-        eps = run_episodes(self.engine, self.tok, [t for t in tasks for _ in range(group_size)], generator=gen, **kw)
+        todo = [t for t in tasks for _ in range(group_size)]
+        eps = run_episodes(self.engine, self.tok, todo, generator=gen, batch_size=len(todo), **kw)
         out = [Sample(e.task.id, i // group_size, e.prompt_ids, e.ids, e.gen_mask, e.logprobs, e.reward,
                       self.version, e.blocked) for i, e in enumerate(eps)]
         return out, {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out)}

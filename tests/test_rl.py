@@ -125,6 +125,27 @@ def test_groups_without_signal_skip_the_forward_pass_and_the_update_is_unchanged
         assert torch.allclose(params[-2], params[-1], atol=1e-6), agg
 
 
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_micro_batches_accumulate_to_the_full_batch_update(ckpt, tok, algorithm):
+    """Length-sorted micro-batches (one sample each here) give the same policy and critic update as one batch."""
+    from posttrain.critic import ValueModel
+    worker = RolloutWorker(ckpt)
+    samples, _ = worker.rollout(environments.get("agentic").generate("train", 2, 0), 4, seed=3, temperature=1.0,
+                                max_new_tokens=10, max_turns=2)
+    for i, s in enumerate(samples):
+        s.reward = float(i % 3 == 0)
+    params = []
+    for cells in (1, 10**6):
+        policy, critic = copy.deepcopy(worker.engine.model), ValueModel(ckpt) if algorithm == "ppo" else None
+        r = RLConfig(algorithm=algorithm, group_size=4, micro_batch_cells=cells, kl_coef=0.1)
+        train_step(r, policy.train(), torch.optim.SGD(policy.parameters(), lr=1.0), samples, tok.pad_token_id,
+                   critic, critic and torch.optim.SGD(critic.parameters(), lr=1.0), copy.deepcopy(policy))
+        params.append(torch.cat([p.detach().flatten() for m in (policy, critic) if m for p in m.parameters()]))
+    before = torch.cat([p.detach().flatten() for p in worker.engine.model.parameters()])
+    assert not torch.allclose(params[1][:before.numel()], before)  # the update did something
+    assert torch.allclose(params[0], params[1], atol=1e-5)
+
+
 @pytest.mark.parametrize("k", [0, 1])
 def test_staleness_bound_k_is_what_the_trainer_sees(ckpt, k):
     tasks = environments.get("reasoning").generate("train", 32, 0)
