@@ -13,37 +13,48 @@ from environments.sandbox import path_judge
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
            pad_id: int, generator: torch.Generator | None = None) -> list[tuple[list[int], list[float]]]:
-    """Generate for a batch of token-id prompts; temperature 0 is greedy. Returns (ids, logprobs)."""
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    for i, p in enumerate(prompts):
+    """Generate for a batch of token-id prompts; temperature 0 is greedy. Returns (ids, logprobs).
+
+    Identical prompts (a GRPO group) are prefilled once and share their KV cache; finished rows leave
+    the batch once an eighth of it has finished, so the cost follows the unfinished rows."""
+    uniq: dict[tuple[int, ...], int] = {}
+    which = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts])
+    L = max(map(len, uniq))
+    ids = torch.full((len(uniq), L), pad_id)
+    attn = torch.zeros((len(uniq), L), dtype=torch.long)
+    for i, p in enumerate(uniq):
         ids[i, L - len(p):] = torch.tensor(p)
         attn[i, L - len(p):] = 1
     cache = DynamicCache()
-    cur, out_ids, out_lp = ids, [[] for _ in range(B)], [[] for _ in range(B)]
-    done = torch.zeros(B, dtype=torch.bool)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                   past_key_values=cache, use_cache=True).logits[:, -1].float()
+    cache.batch_select_indices(which)
+    attn, logits = attn[which], logits[which]
+    rows = torch.arange(len(prompts))          # batch row -> prompt index
+    live = torch.ones(len(prompts), dtype=torch.bool)
+    out_ids, out_lp = [[] for _ in prompts], [[] for _ in prompts]
     stop = torch.tensor(sorted(stop_ids))
-    for _ in range(max_new_tokens):
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, -cur.size(1):]
-        logits = model(input_ids=cur, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                       use_cache=True).logits[:, -1].float()
-        if temperature > 0:
-            logp = torch.log_softmax(logits / temperature, -1)
-            nxt = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+    for t in range(max_new_tokens):
+        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
+        if temperature > 0:  # Gumbel-max: an exact draw from softmax(logp), cheaper than multinomial
+            nxt = (logp - torch.empty_like(logp).exponential_(generator=generator).log()).argmax(-1)
         else:
-            logp = torch.log_softmax(logits, -1)
             nxt = logits.argmax(-1)
         lp = logp.gather(1, nxt[:, None]).squeeze(1)
-        for i in (~done).nonzero().flatten().tolist():
-            out_ids[i].append(int(nxt[i]))
-            out_lp[i].append(float(lp[i]))
-        done |= torch.isin(nxt, stop)
-        if done.all():
+        for r, n, x in zip(rows[live].tolist(), nxt[live].tolist(), lp[live].tolist()):
+            out_ids[r].append(n)
+            out_lp[r].append(x)
+        live &= ~torch.isin(nxt, stop)
+        if not live.any() or t == max_new_tokens - 1:
             break
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        cur = nxt[:, None]
-        attn = torch.cat([attn, (~done).long()[:, None]], 1)
+        if (~live).sum() * 8 >= len(rows):
+            keep = live.nonzero().flatten()
+            cache.batch_select_indices(keep)
+            attn, rows, nxt, live = attn[keep], rows[keep], nxt[keep], live[keep]
+        attn = torch.cat([attn, live.long()[:, None]], 1)
+        logits = model(input_ids=torch.where(live, nxt, pad_id)[:, None], attention_mask=attn,
+                       position_ids=(attn.sum(-1) - 1)[:, None], past_key_values=cache,
+                       use_cache=True).logits[:, -1].float()
     return list(zip(out_ids, out_lp))
 
 
