@@ -59,7 +59,8 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Ten
     keep = mask * ((ratio >= is_lower) & (ratio <= is_upper)).float()
     a = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)
     pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
-    loss = aggregate(pg * keep, mask, agg, n_tokens, n_rows)  # masked tokens still count in the denominator: they only lose weight
+    # masked tokens still count in the denominator: they lose their weight, the others keep theirs
+    loss = aggregate(pg * keep, mask, agg, n_tokens, n_rows)
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         stats = {

@@ -99,7 +99,8 @@ def test_prefix_shared_forward_equals_the_full_sequence_forward(ckpt, tok):
     full = episode_batch(samples, tok.pad_token_id)
     lp_full = torch.log_softmax(token_logits(model, full), -1).gather(-1, full["input_ids"][:, 1:, None])[..., 0]
     cb = completion_batch(samples)
-    lp = torch.log_softmax(prefix_forward(model, samples, tok.pad_token_id), -1).gather(-1, cb["ids"][..., None])[..., 0]
+    logits = prefix_forward(model, samples, tok.pad_token_id)
+    lp = torch.log_softmax(logits, -1).gather(-1, cb["ids"][..., None])[..., 0]
     for i, s in enumerate(samples):
         p = len(s.prompt_ids) - 1
         assert torch.allclose(lp[i, :len(s.ids)], lp_full[i, p:p + len(s.ids)], atol=1e-4)
