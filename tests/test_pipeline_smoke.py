@@ -14,8 +14,8 @@ CHECKPOINTS = ["base", "ramped", "sft", "specialist/reasoning", "specialist/agen
                "generalist", "quantized"]
 
 
-def posttrain(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
+def posttrain(home: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled", **(env or {})}
     p = subprocess.run([sys.executable, "-m", "posttrain.cli", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
     if check and p.returncode != 0:
@@ -133,11 +133,7 @@ def test_sft_resumes_exactly_after_sigkill(first, tmp_path):
     its loss curve is the uninterrupted run's, step for step."""
     home, _ = first
     args = ("run", "--profile", "smoke", "--set", "sft.checkpoint_every=1")
-    os.environ["POSTTRAIN_SFT_KILL_AT_STEP"] = "2"
-    try:
-        p = posttrain(tmp_path, *args, check=False)
-    finally:
-        del os.environ["POSTTRAIN_SFT_KILL_AT_STEP"]
+    p = posttrain(tmp_path, *args, check=False, env={"POSTTRAIN_SFT_KILL_AT_STEP": "2"})
     assert p.returncode == 1 and "stage sft failed" in p.stderr
     assert not [q for q in (tmp_path / "artifacts" / "sft").iterdir() if not q.name.startswith(".")]
     p = posttrain(tmp_path, *args)
@@ -152,11 +148,7 @@ def test_rl_specialist_resumes_exactly_after_sigkill(first):
     uninterrupted run's: none lost, none repeated."""
     home, report = first
     args = ("rerun", "rl-general", "--from", report["run_id"], "--set", "rl.checkpoint_every=1")
-    os.environ["POSTTRAIN_RL_KILL_AT"] = "general:1"
-    try:
-        p = posttrain(home, *args, check=False)
-    finally:
-        del os.environ["POSTTRAIN_RL_KILL_AT"]
+    p = posttrain(home, *args, check=False, env={"POSTTRAIN_RL_KILL_AT": "general:1"})
     assert p.returncode == 1 and "stage rl-general failed" in p.stderr
     p = posttrain(home, *args)
     assert "resuming at step 1 of 2" in p.stdout + p.stderr
