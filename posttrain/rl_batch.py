@@ -8,7 +8,8 @@ so the loss and its gradient equal the full-sequence forward's; only the repeate
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+
+from posttrain.rollout import prefill_distinct
 
 
 def _pad(rows: list[list], value, dtype=None) -> torch.Tensor:
@@ -26,20 +27,11 @@ def completion_batch(samples: list) -> dict[str, torch.Tensor]:
 def prefix_forward(model, samples: list, pad_id: int, output: str = "logits") -> torch.Tensor:
     """`output` ("logits" or "last_hidden_state") at the position predicting each completion token:
     result[:, j] is computed from the prompt and ids[:j], shape [samples, longest completion, dim]."""
-    prompts: dict[tuple[int, ...], int] = {}
-    which = torch.tensor([prompts.setdefault(tuple(s.prompt_ids), len(prompts)) for s in samples])
-    uniq = list(prompts)
-    lp = max(map(len, uniq))
-    p_ids = torch.tensor([[pad_id] * (lp - len(p)) + list(p) for p in uniq])  # left-padded: last column is real
-    p_att = torch.tensor([[0] * (lp - len(p)) + [1] * len(p) for p in uniq])
-    cache = DynamicCache()
-    head = model(input_ids=p_ids, attention_mask=p_att, position_ids=(p_att.cumsum(-1) - 1).clamp(min=0),
-                 past_key_values=cache, use_cache=True)
-    cache.batch_select_indices(which)
+    head, cache, p_att, which = prefill_distinct(model, [s.prompt_ids for s in samples], pad_id)
     c_ids = _pad([s.ids for s in samples], pad_id)
     c_att = _pad([[1] * len(s.ids) for s in samples], 0)
-    p_len = p_att.sum(-1)[which]
-    tail = model(input_ids=c_ids, attention_mask=torch.cat([p_att[which], c_att], 1),
-                 position_ids=p_len[:, None] + torch.arange(c_ids.size(1)), past_key_values=cache, use_cache=True)
+    tail = model(input_ids=c_ids, attention_mask=torch.cat([p_att, c_att], 1),
+                 position_ids=p_att.sum(-1)[:, None] + torch.arange(c_ids.size(1)), past_key_values=cache,
+                 use_cache=True)
     first = getattr(head, output)[:, -1][which]
     return torch.cat([first[:, None], getattr(tail, output)[:, :-1]], 1)

@@ -10,6 +10,23 @@ from environments.episode import Episode
 from environments.sandbox import path_judge
 
 
+def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
+    """Run each distinct prompt once (left-padded) and index its KV cache out to every row that has it.
+
+    Returns (the model's output for the distinct prompts, the per-row cache, the per-row attention mask,
+    `which`: row -> distinct prompt). Groups of samples share a prompt; this is where they share its work."""
+    uniq: dict[tuple[int, ...], int] = {}
+    which = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts])
+    L = max(map(len, uniq))
+    ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in uniq])
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in uniq])
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache, use_cache=True)
+    cache.batch_select_indices(which)
+    return out, cache, attn[which], which
+
+
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
            pad_id: int, generator: torch.Generator | None = None) -> list[tuple[list[int], list[float]]]:
@@ -17,19 +34,8 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature:
 
     Identical prompts (a GRPO group) are prefilled once and share their KV cache; finished rows leave
     the batch once an eighth of it has finished, so the cost follows the unfinished rows."""
-    uniq: dict[tuple[int, ...], int] = {}
-    which = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts])
-    L = max(map(len, uniq))
-    ids = torch.full((len(uniq), L), pad_id)
-    attn = torch.zeros((len(uniq), L), dtype=torch.long)
-    for i, p in enumerate(uniq):
-        ids[i, L - len(p):] = torch.tensor(p)
-        attn[i, L - len(p):] = 1
-    cache = DynamicCache()
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                   past_key_values=cache, use_cache=True).logits[:, -1].float()
-    cache.batch_select_indices(which)
-    attn, logits = attn[which], logits[which]
+    out, cache, attn, which = prefill_distinct(model, prompts, pad_id)
+    logits = out.logits[:, -1].float()[which]
     rows = torch.arange(len(prompts))          # batch row -> prompt index
     live = torch.ones(len(prompts), dtype=torch.bool)
     out_ids, out_lp = [[] for _ in prompts], [[] for _ in prompts]

@@ -59,9 +59,7 @@ class LocalEngine:
 
 
 class RolloutWorker:
-    def __init__(self, checkpoint: str, threads: int = 1, engine: str = "local"):
-        if engine != "local":
-            raise ValueError(f"unknown rollout engine {engine!r} (known: local)")
+    def __init__(self, checkpoint: str, threads: int = 1):
         torch.set_num_threads(threads)
         model, self.tok = load_checkpoint(checkpoint)
         self.engine: Engine = LocalEngine(model)
@@ -88,9 +86,9 @@ class RolloutWorker:
 class WorkerPool:
     """n rollout workers; calls on one worker run in submission order (weights, then rollouts)."""
 
-    def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, use_ray: bool | None = None):
+    def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1):
         import ray
-        self.use_ray = ray.is_initialized() if use_ray is None else use_ray
+        self.use_ray = ray.is_initialized()
         if self.use_ray:
             cls = ray.remote(RolloutWorker).options(num_cpus=num_cpus, max_restarts=0)
             self.workers = [cls.remote(checkpoint, threads) for _ in range(n)]
@@ -108,13 +106,13 @@ class WorkerPool:
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """New weights to every worker; rollouts submitted after this call use them."""
-        sd = {k: v.detach().clone() for k, v in state_dict.items()}
         if self.use_ray:
             import ray
-            ref = ray.put(sd)
+            ref = ray.put(state_dict)  # a copy: the trainer's next update does not reach it
             for w in self.workers:
                 w.set_weights.remote(ref, version)
-        else:
+        else:  # threads share memory: snapshot the weights before the trainer changes them in place
+            sd = {k: v.detach().clone() for k, v in state_dict.items()}
             for w, p in zip(self.workers, self.pools):
                 p.submit(w.set_weights, sd, version)
 
