@@ -14,6 +14,7 @@ from posttrain.config import ROOT, ConfigError, load_config
 EPILOG = """examples:
   posttrain run                                  # embedded default (profile tiny), locally
   posttrain run --profile smoke --set rl.steps=4
+  posttrain run --workflow cross_stage           # GLM-5 cross-stage vs sequential RL vs multi-teacher OPD
   posttrain rerun opd --from latest --set opd.steps=40 --downstream
   posttrain lineage posttrain-tiny@1             # chain back to the raw corpus, digests re-verified
   posttrain report                               # eval table of the latest run
@@ -55,14 +56,21 @@ def print_report(report: dict) -> None:
         print(f"  {s:13s} {v['seconds']:7.1f} s  {'cached ' if v.get('cached') else ''}{v['sha256'][:12]}")
     if report.get("eval"):
         print("\ntest scores (thinking on; ':nothink' = thinking off)\n" + table(report["eval"]))
+    if report.get("consolidation"):
+        from posttrain.consolidation import table as ctable
+        print("\nconsolidation (test score, recovery of the specialist's gain over sft)\n"
+              + ctable(report["consolidation"]))
     if report.get("registered_model"):
         print(f"\nregistered model: {report['registered_model']}  (audit: posttrain lineage {report['registered_model']})")
 
 
 def cmd_run(a: argparse.Namespace) -> int:
     cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
-    from workflows.post_train import post_train
-    report = _run_flyte(post_train, cfg, a.remote, profile=a.profile, overrides=a.set, force=a.force)
+    if a.workflow == "cross_stage":
+        from workflows.cross_stage import cross_stage as task
+    else:
+        from workflows.post_train import post_train as task
+    report = _run_flyte(task, cfg, a.remote, profile=a.profile, overrides=a.set, force=a.force)
     if report:
         print_report(report)
     return 0
@@ -134,9 +142,13 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. rl.lr=1e-4")
     r.add_argument("--force", action="append", default=[], metavar="STAGE", help="redo STAGE even on a cache hit")
     r.add_argument("--remote", action="store_true", help="submit to the Flyte cluster in flyte.yaml")
+    r.add_argument("--workflow", choices=["post_train", "cross_stage"], default="post_train",
+                   help="post_train: the GLM-5.2 DAG (default); cross_stage: the GLM-5 chains with and without "
+                        "distillation, compared with multi-teacher OPD (report.json 'consolidation')")
     r.set_defaults(fn=cmd_run)
     rr = sub.add_parser("rerun", help="redo one node with inputs from an earlier run's lineage")
-    rr.add_argument("stage", help="stage name: raw, curate, base, ramp, sft, rl-<domain>, opd, quantize, evaluate")
+    rr.add_argument("stage", help="stage name: raw, curate, base, ramp, sft, rl-<domain>, opd, quantize, evaluate, "
+                    "xs-<domain>, seq-<domain>, consolidation")
     rr.add_argument("--from", dest="from_run", required=True, help="run id (see .posttrain/runs) or 'latest'")
     rr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     rr.add_argument("--downstream", action="store_true", help="also redo every node that consumes STAGE")

@@ -192,11 +192,41 @@ class RLConfig(_Strict):
 
 
 class OPDConfig(_Strict):
+    """Multi-teacher on-policy distillation: the student samples, each prompt's teacher (the specialist of
+    its domain, unless `route` says otherwise) scores the student's own tokens."""
+    student: Literal["sft", "rl-reasoning", "rl-agentic", "rl-general"] = "sft"
     steps: int = 60
-    prompts_per_step: int = 24
+    prompts_per_step: int = 24           # per step, split evenly across the domains
     lr: float = 5e-5
     temperature: float = 1.0
     max_new_tokens: int = 48
+    loss: Literal["sampled", "topk", "full"] = "sampled"  # sampled: only teacher logprobs of sampled tokens
+    top_k: int = 16
+    reward_weight: float = 0.0           # > 0 mixes the task reward in (reward minus its domain's batch mean)
+    route: dict[str, str] = Field(default_factory=dict)   # prompt domain -> teacher domain (default: itself)
+    max_staleness: int = 1
+    teacher_cpus: float = 0.2            # Ray CPUs each teacher actor reserves
+    val_every: int = 10
+    checkpoint_every: int = 10
+
+    @model_validator(mode="after")
+    def _check(self) -> "OPDConfig":
+        bad = {k: v for k, v in self.route.items() if v not in ("reasoning", "agentic", "general")}
+        if bad:
+            raise ValueError(f"opd.route: teachers are the specialists reasoning, agentic, general (got {bad})")
+        if self.prompts_per_step < 1 or self.top_k < 1 or self.max_staleness < 0:
+            raise ValueError("opd.prompts_per_step and opd.top_k must be >= 1, opd.max_staleness >= 0")
+        return self
+
+
+class CrossStageConfig(_Strict):
+    """The GLM-5 recipe (workflows/cross_stage.py): sequential RL stages (reasoning, then agentic, then general),
+    each distilling from the earlier stages' checkpoints on their domains' prompts; and the same stages
+    without distillation as the baseline. RL settings are `rl`'s (with its per-domain overrides)."""
+    distill_prompts_per_step: int = 16   # earlier domains' prompts per step, split evenly
+    distill_coef: float = 1.0
+    loss: Literal["sampled", "topk", "full"] = "sampled"
+    eval_n: int = 0                      # test tasks per domain in the comparison (0: the whole test split)
 
 
 class QuantizeConfig(_Strict):
@@ -235,6 +265,7 @@ class PipelineConfig(_Strict):
     sft: SFTConfig = SFTConfig()
     rl: RLConfig = RLConfig()
     opd: OPDConfig = OPDConfig()
+    cross_stage: CrossStageConfig = CrossStageConfig()
     quantize: QuantizeConfig = QuantizeConfig()
     eval: EvalConfig = EvalConfig()
     runtime: RuntimeConfig = RuntimeConfig()

@@ -1,65 +1,87 @@
-"""opd: multi-teacher on-policy distillation. The student samples; the specialist for each prompt's
-domain scores the student's own tokens; the loss is the per-token reverse KL(student || teacher)."""
+"""opd: multi-teacher on-policy distillation. The student (the sft checkpoint) samples prompts mixed across
+the domains; the specialist of each prompt's domain, a Ray actor, scores the student's own tokens; the
+per-token reverse KL is the signal (posttrain/opd_loss.py). The loop is the RL loop (posttrain/rl.py):
+asynchronous rollout workers, token in token out, importance-sampling masks, exact resume."""
 from __future__ import annotations
 
-import random
+import json
 from pathlib import Path
 
-import torch
-
 from environments import DOMAINS
-from posttrain.config import PipelineConfig
+from posttrain.config import PipelineConfig, RLConfig
 from posttrain.curate import load_tasks
-from posttrain.model import load_checkpoint, save_checkpoint, seed_all
-from posttrain.rollout import episode_batch, mean_score, run_episodes, score, token_logits
-from posttrain.train import make_optimizer, summarize
+from posttrain.model import save_checkpoint
+from posttrain.rl import Distill, specialist
 
 
-def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over masked positions of sum_v p_s(v) (log p_s(v) - log p_t(v))."""
-    ls, lt = torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1)
-    kl = (ls.exp() * (ls - lt)).sum(-1)
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
-
-
-def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
-    seed_all(cfg.seed)
+def loop_config(cfg: PipelineConfig) -> RLConfig:
+    """The RL loop's settings for distillation alone (no RL batch, no reference KL)."""
     o = cfg.opd
-    student, tok = load_checkpoint(inputs["sft"])
-    teachers = {d: load_checkpoint(inputs[f"rl-{d}"])[0].eval() for d in DOMAINS}
-    pools = {d: load_tasks(inputs["curate"], "rl", d) for d in DOMAINS}
-    vals = {d: load_tasks(inputs["curate"], "val", d) for d in DOMAINS}
-    kw = dict(max_new_tokens=o.max_new_tokens, max_turns=cfg.rl.max_turns)
-    before = {d: mean_score(student, tok, vals[d], **kw) for d in DOMAINS}
-    gen = torch.Generator().manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    opt = make_optimizer(student, o.lr)
-    hist: dict[str, list[float]] = {f"{k}_{d}": [] for d in DOMAINS for k in ("kl", "reward")}
-    hist["kl"] = []
-    per_domain = max(1, o.prompts_per_step // len(DOMAINS))
-    for step in range(o.steps):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for d in DOMAINS:
-            student.eval()
-            eps = run_episodes(student, tok, rng.sample(pools[d], per_domain), temperature=o.temperature,
-                               generator=gen, **kw)
-            batch = episode_batch(eps, tok.pad_token_id)
-            with torch.no_grad():
-                t_logits = token_logits(teachers[d], batch)
-            student.train()
-            loss = reverse_kl(token_logits(student, batch), t_logits, batch["mask"]) / len(DOMAINS)
-            loss.backward()
-            total += loss.item()
-            hist[f"kl_{d}"].append(loss.item() * len(DOMAINS))
-            hist[f"reward_{d}"].append(sum(score(eps)) / len(eps))
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        hist["kl"].append(total)
-        print(f"[opd] step {step + 1}/{o.steps} reverse KL {total:.4f}", flush=True)
-    student.eval()
-    after = {d: mean_score(student, tok, vals[d], **kw) for d in DOMAINS}
-    save_checkpoint(student, tok, out)
-    metrics = {**summarize(hist, "kl", 5), **{f"val_score_before_{d}": v for d, v in before.items()},
-               **{f"val_score_after_{d}": v for d, v in after.items()}}
-    return {"metrics": metrics, "history": hist}
+    return cfg.rl.model_copy(update=dict(
+        steps=o.steps, prompts_per_step=0, lr=o.lr, temperature=o.temperature, max_new_tokens=o.max_new_tokens,
+        max_staleness=o.max_staleness, val_every=o.val_every, checkpoint_every=o.checkpoint_every, kl_coef=0.0,
+        entropy_coef=0.0, ppo_epochs=1, per_domain={}))
+
+
+def tokens_to_reach(hist: dict, key: str, target: float) -> float | None:
+    """Student tokens generated when the validation curve `key` first reached `target` (None: never)."""
+    tokens = [0.0] + hist["student_tokens"]
+    for step, score in hist[key]:
+        if score >= target - 1e-9:
+            return tokens[step]
+    return None
+
+
+def plot(hist: dict, targets: dict[str, float], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    tokens = [0.0] + hist["student_tokens"]
+    for i, (d, target) in enumerate(sorted(targets.items())):
+        steps, scores = zip(*hist[f"val_score/{d}"])
+        a.plot([tokens[s] for s in steps], scores, "o-", color=f"C{i}", label=d)
+        a.axhline(target, color=f"C{i}", ls="--", lw=0.8)
+        b.plot(range(1, len(hist[f"reverse_kl/{d}"]) + 1), hist[f"reverse_kl/{d}"], color=f"C{i}", alpha=0.8,
+               label=d)
+    a.set(xlabel="student tokens generated", ylabel="validation accuracy (greedy)", ylim=(0, 1.02),
+          title="generalist vs its teachers (dashed)")
+    b.set(xlabel="step", ylabel="reverse KL per token", title="distance to the teacher")
+    a.legend(loc="lower right")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
+    from posttrain.artifacts import read_manifest
+    o = cfg.opd
+    pool = [t for d in DOMAINS for t in load_tasks(inputs["curate"], "rl", d)]
+    val = [t for d in DOMAINS for t in load_tasks(inputs["curate"], "val", d)]
+    distill = Distill({d: inputs[f"rl-{d}"] for d in DOMAINS}, pool, o.prompts_per_step, route=o.route,
+                      mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus)
+    scratch_dir = Path(scratch) if scratch else None
+    if scratch_dir:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+    policy, tok, st = specialist(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd",
+                                 scratch=scratch_dir, distill=distill)
+    save_checkpoint(policy, tok, out)
+    hist = st.history
+    (out / "history.json").write_text(json.dumps(hist))
+    # the teachers' own validation scores (same val tasks, from their runs): how far the student got
+    teacher_val = {d: read_manifest(inputs[f"rl-{d}"])["metrics"]["val_score_after"] for d in DOMAINS}
+    plot(hist, teacher_val, out / "opd_curves.png")
+    metrics = {"wall_s": st.wall_s, "steps_per_s": o.steps / st.wall_s,
+               "student_tokens": hist["student_tokens"][-1], "teacher_tokens": hist["teacher_tokens"][-1],
+               "reverse_kl_first": sum(hist["reverse_kl"][:5]) / len(hist["reverse_kl"][:5]),
+               "reverse_kl_last": sum(hist["reverse_kl"][-5:]) / len(hist["reverse_kl"][-5:]),
+               "masked_token_fraction": sum(hist["distill_masked_fraction"]) / o.steps}
+    for d in DOMAINS:
+        before, after = hist[f"val_score/{d}"][0][1], hist[f"val_score/{d}"][-1][1]
+        metrics |= {f"val_score_before_{d}": before, f"val_score_after_{d}": after,
+                    f"teacher_val_score_{d}": teacher_val[d]}
+        reached = tokens_to_reach(hist, f"val_score/{d}", 0.95 * teacher_val[d])
+        if reached is not None:
+            metrics[f"student_tokens_to_95pct_{d}"] = reached
+    return {"metrics": metrics, "history": hist, "params": {"loss": o.loss, "student": o.student}}

@@ -64,6 +64,8 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
               **(extra or {})}
     if "evaluate" in refs:
         report.update(json.loads((Path(refs["evaluate"].path) / "eval.json").read_text()))
+    if "consolidation" in refs:
+        report.update(json.loads((Path(refs["consolidation"].path) / "consolidation.json").read_text()))
     if "curate" in refs:
         report["environments"] = environment_counts(cfg, refs)
     if "quantize" in refs:
@@ -75,10 +77,11 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     text = json.dumps(report, indent=1)
     atomic_write_text(run_dir / "report.json", text)
     atomic_write_text(home / "latest" / "report.json", text)
-    if "evaluate" in refs:
-        for name in ("eval.md", "eval.png"):
-            shutil.copy(Path(refs["evaluate"].path) / name, run_dir / name)
-    files = [run_dir / "report.json"] + [run_dir / n for n in ("eval.md", "eval.png") if (run_dir / n).exists()]
+    shown = {"evaluate": ("eval.md", "eval.png"), "consolidation": ("consolidation.md", "consolidation.png")}
+    for stage, names in shown.items():
+        for name in names if stage in refs else ():
+            shutil.copy(Path(refs[stage].path) / name, run_dir / name)
+    files = [run_dir / "report.json"] + [run_dir / n for ns in shown.values() for n in ns if (run_dir / n).exists()]
     metrics = {f"{ck}.{s}": v for ck, ss in report.get("eval", {}).items() for s, v in ss.items()}
     tracking.log_result(ctx.home, ctx.parent_run_id, params={}, metrics={"wall_seconds": wall_seconds, **metrics},
                         files=files)

@@ -28,10 +28,39 @@ from posttrain.critic import ValueModel
 from posttrain.curate import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.rl_loss import entropy, gae, group_advantages, kl_to_reference, policy_loss, value_loss
-from posttrain.rl_batch import completion_batch, prefix_forward
-from posttrain.rollout import mean_score
+from posttrain.rl_batch import completion_batch, micro_batches, prefix_forward
+from posttrain.opd_loss import distill_backward
+from posttrain.rollout import run_episodes
 from posttrain.rollout_workers import RolloutBuffer, Sample, WorkerPool
+from posttrain.teachers import TeacherPool
 from posttrain.train import make_optimizer, summarize
+
+
+@dataclass
+class Distill:
+    """On-policy distillation in the same loop: the student samples prompts of the teachers' domains and
+    each prompt's teacher scores its tokens (alone: multi-teacher OPD; beside RL: cross-stage distillation)."""
+    teachers: dict[str, str]             # teacher name -> checkpoint dir
+    pool: list[Task]                     # prompts, drawn evenly across their domains
+    prompts_per_step: int
+    route: dict[str, str] = field(default_factory=dict)  # prompt domain -> teacher name (default: same name)
+    mode: str = "sampled"                # sampled | topk | full (see posttrain/opd_loss.py)
+    top_k: int = 16
+    coef: float = 1.0
+    reward_weight: float = 0.0           # mix the task reward in as a sequence advantage
+    teacher_cpus: float = 0.2
+
+    def domains(self) -> list[str]:
+        return sorted({t.domain for t in self.pool})
+
+    def draw(self, rng: random.Random, n: int, request: int) -> list[Task]:
+        """n prompts split evenly over the domains (the remainder rotates with the request index)."""
+        ds = self.domains()
+        out = []
+        for i, d in enumerate(ds):
+            k = n // len(ds) + ((i - request) % len(ds) < n % len(ds))
+            out += rng.sample([t for t in self.pool if t.domain == d], k)
+        return out
 
 
 @dataclass
@@ -40,6 +69,7 @@ class State:
     step: int = 0
     next_request: int = 0
     groups: list[list[Sample]] = field(default_factory=list)  # the rollout buffer
+    distill_groups: list[list[Sample]] = field(default_factory=list)
     dropped: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
     history: dict[str, list] = field(default_factory=dict)
@@ -47,24 +77,19 @@ class State:
     wall_s: float = 0.0
 
 
-def micro_batches(samples: list[Sample], max_cells: int) -> list[list[int]]:
-    """Sample indices sorted by completion length and cut so a micro-batch pads to at most ~`max_cells`
-    completion cells: short completions no longer pad to the longest of the whole batch."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
-    chunks: list[list[int]] = [[]]
-    for i in order:  # ascending, so sample i is the longest of its chunk so far
-        if chunks[-1] and (len(chunks[-1]) + 1) * len(samples[i].ids) > max_cells:
-            chunks.append([])
-        chunks[-1].append(i)
-    return chunks
-
-
 def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, critic=None, copt=None,
-               ref=None) -> dict[str, float]:
+               ref=None, extra=None) -> dict[str, float]:
     """One update from a batch of samples (whole groups, in order); returns the step's statistics.
+    `extra()`, if given, accumulates another loss's gradient (distillation) into the same update.
 
     The batch runs as length-sorted micro-batches whose losses are normalised by the whole batch's token
     and row counts, so their accumulated gradient is the full batch's."""
+    if not samples:  # distillation only
+        opt.zero_grad(set_to_none=True)
+        stats = extra() if extra else {}
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        return stats
     rewards = torch.tensor([s.reward for s in samples])
     n_tokens = float(sum(s.n_generated for s in samples))
     norm = {"n_tokens": n_tokens, "n_rows": float(sum(s.n_generated > 0 for s in samples))}
@@ -117,6 +142,8 @@ def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, cri
             stats["loss"] = stats.get("loss", 0.0) + loss.item()
             for k, v in st.items():  # token means, weighted by the micro-batch's tokens among the trained ones
                 stats[k] = stats.get(k, 0.0) + v * mask.sum().item() / trained
+        if extra:
+            stats.update(extra())
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         if critic is not None:
@@ -151,12 +178,24 @@ def _load(path: Path, policy, opt, critic, copt) -> State:
     return ck["state"]
 
 
+def val_scores(policy, tok, val: list[Task], **kw) -> dict[str, float]:
+    """Greedy validation accuracy per domain of `val`, and "all" over every task."""
+    eps = run_episodes(policy, tok, val, temperature=0.0, **kw)
+    out: dict[str, list[float]] = {"all": []}
+    for e in eps:
+        out["all"].append(e.reward)
+        out.setdefault(e.task.domain, []).append(e.reward)
+    return {d: sum(v) / max(1, len(v)) for d, v in out.items()}
+
+
 def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
-               scratch: Path | None = None, kill_at: int = -1) -> tuple[torch.nn.Module, object, State]:
-    """Train one specialist from the `sft` checkpoint on `pool`; returns policy, tokenizer, final state."""
+               scratch: Path | None = None, kill_at: int = -1, distill: Distill | None = None
+               ) -> tuple[torch.nn.Module, object, State]:
+    """Train a policy from the `sft` checkpoint: RL on `pool` (may be empty), plus on-policy distillation
+    when `distill` is given. Returns policy, tokenizer, final state."""
     seed_all(seed)
     policy, tok = load_checkpoint(sft)
-    critic = ValueModel(sft) if r.algorithm == "ppo" else None
+    critic = ValueModel(sft) if r.algorithm == "ppo" and pool else None
     ref = load_checkpoint(sft)[0].eval() if r.kl_coef > 0 else None
     opt = make_optimizer(policy, r.lr)
     copt = make_optimizer(critic, r.critic_lr) if critic is not None else None
@@ -166,77 +205,116 @@ def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed
         st = _load(ckpt, policy, opt, critic, copt)
         print(f"[{label}] resuming at step {st.step} of {r.steps}", flush=True)
     kw = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns)
-    hist = st.history or {"val_score": [(0, mean_score(policy, tok, val, **kw))], "val_wall_s": [(0, 0.0)]}
+    domains = sorted({t.domain for t in val})
+
+    def validate(step: int) -> None:
+        scores = val_scores(policy, tok, val, **kw)
+        hist["val_score"].append((step, scores["all"]))
+        for d in domains if len(domains) > 1 else ():
+            hist.setdefault(f"val_score/{d}", []).append((step, scores[d]))
+        hist["val_wall_s"].append((step, time.perf_counter() - t0))
+
+    hist = st.history
+    n_rl = r.prompts_per_step if pool else 0
+    n_distill = distill.prompts_per_step if distill else 0
     buffer = RolloutBuffer(r.max_staleness, st.groups)
     buffer.dropped, buffer.staleness = st.dropped, Counter(st.staleness)
-    per_request = math.ceil(r.prompts_per_step / r.rollout_workers)
-    workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus)
+    dbuffer = RolloutBuffer(r.max_staleness, st.distill_groups)
+    rl_req, d_req = (math.ceil(n / r.rollout_workers) for n in (n_rl, n_distill))
+    teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus) if distill else None
+    workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, teachers=teachers)
     inflight: deque[Future] = deque()
 
     def submit() -> None:
         rng = random.Random(seed * 1_000_003 + st.next_request)  # a request's prompts and sampling: pure functions
-        tasks = rng.sample(pool, per_request)                       # of its index, so a resumed run redraws none
+        tasks = rng.sample(pool, rl_req) if rl_req else []        # of its index, so a resumed run redraws none
+        dtasks = distill.draw(rng, d_req, st.next_request) if d_req else []
+        extra = {"distill": tuple(dtasks), "teacher_mode": distill.mode, "top_k": distill.top_k} if d_req else {}
         inflight.append(workers.submit(st.next_request % len(workers), tasks, r.group_size, rng.getrandbits(31),
-                                       temperature=r.temperature, **kw))
+                                       temperature=r.temperature, **extra, **kw))
         st.next_request += 1
 
     def top_up() -> None:
         # k + 1 steps' worth outstanding: with k = 0 nothing is generated before the weights it must use
-        while len(buffer) + len(inflight) * per_request < (r.max_staleness + 1) * r.prompts_per_step:
+        have, per, need = (len(buffer), rl_req, n_rl) if n_rl else (len(dbuffer), d_req, n_distill)
+        while have + len(inflight) * per < (r.max_staleness + 1) * need:
             submit()
+            have = len(buffer) if n_rl else len(dbuffer)
 
     try:
-        workers.push(policy.state_dict(), st.step)
         t0 = time.perf_counter() - st.wall_s
+        if not hist:
+            hist.update({"val_score": [], "val_wall_s": []})
+            validate(0)
+            hist["val_wall_s"][-1] = (0, 0.0)
+            t0 = time.perf_counter()
+        workers.push(policy.state_dict(), st.step)
         bar = tqdm(range(st.step, r.steps), initial=st.step, total=r.steps, desc=label, mininterval=5)
         for step in bar:
             top_up()
             gen_s = gen_tok = 0.0
             while True:
                 buffer.drop_stale(step)
-                if len(buffer) >= r.prompts_per_step:
+                dbuffer.drop_stale(step)
+                if len(buffer) >= n_rl and len(dbuffer) >= n_distill:
                     break
                 samples, info = inflight.popleft().result()
-                buffer.add(samples)
+                buffer.add([s for s in samples if s.teacher is None])
+                dbuffer.add([s for s in samples if s.teacher is not None])
                 gen_s, gen_tok = gen_s + info["seconds"], gen_tok + info["tokens"]
                 top_up()
-            batch = buffer.take(r.prompts_per_step, step)
+            batch = buffer.take(n_rl, step) if n_rl else []
+            dbatch = dbuffer.take(n_distill, step) if n_distill else []
             policy.train()
             t_train = time.perf_counter()
-            stats = train_step(r, policy, opt, batch, tok.pad_token_id, critic, copt, ref)
+            extra = (lambda: distill_backward(
+                policy, dbatch, tok.pad_token_id, mode=distill.mode, coef=distill.coef,
+                reward_weight=distill.reward_weight, temperature=r.temperature, clip_eps=r.clip_eps,
+                is_lower=r.is_lower, is_upper=r.is_upper, max_cells=r.micro_batch_cells)) if dbatch else None
+            stats = train_step(r, policy, opt, batch, tok.pad_token_id, critic, copt, ref, extra)
             train_s = time.perf_counter() - t_train
             policy.eval()
             workers.push(policy.state_dict(), step + 1)
-            rewards = torch.tensor([s.reward for s in batch])
-            st.attempts += [{"step": step, "task": s.task_id, **b} for s in batch for b in s.blocked]
-            row = {"reward": rewards.mean().item(), "reward_std": rewards.std().item(), **stats,
-                   "staleness_mean": sum(step - s.version for s in batch) / len(batch),
-                   "stale_dropped": float(buffer.dropped), "blocked": float(sum(len(s.blocked) for s in batch)),
-                   "gen_tokens": sum(s.n_generated for s in batch) / len(batch),
+            both = batch + dbatch
+            rewards = torch.tensor([s.reward for s in batch or dbatch])
+            st.attempts += [{"step": step, "task": s.task_id, **b} for s in both for b in s.blocked]
+            prev = {k: hist[k][-1] if hist.get(k) else 0.0 for k in ("student_tokens", "teacher_tokens")}
+            row = {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+                   **stats, "staleness_mean": sum(step - s.version for s in both) / len(both),
+                   "stale_dropped": float(buffer.dropped + dbuffer.dropped),
+                   "blocked": float(sum(len(s.blocked) for s in both)),
+                   "gen_tokens": sum(s.n_generated for s in both) / len(both),
+                   "student_tokens": prev["student_tokens"] + sum(s.n_generated for s in both),
+                   "teacher_tokens": prev["teacher_tokens"] + sum(s.n_generated for s in dbatch),
                    "gen_tokens_per_s": gen_tok / gen_s if gen_s else float("nan"),
-                   "train_tokens_per_s": float(batch_tokens(batch)) / train_s,
+                   "train_tokens_per_s": float(batch_tokens(both)) / train_s,
                    "wall_s": time.perf_counter() - t0}  # validation below not included
+            if dbatch and n_rl:  # distillation beside RL: its samples' reward separately
+                row["distill_reward"] = sum(s.reward for s in dbatch) / len(dbatch)
             for k, v in row.items():
                 hist.setdefault(k, []).append(v)
             done = step + 1
             if r.val_every and done % r.val_every == 0 or done == r.steps:
-                hist["val_score"].append((done, mean_score(policy, tok, val, **kw)))
-                hist["val_wall_s"].append((done, time.perf_counter() - t0))
+                validate(done)
             bar.set_postfix(reward=f"{row['reward']:.3f}", val=f"{hist['val_score'][-1][1]:.3f}", refresh=False)
             if ckpt and r.checkpoint_every and done % r.checkpoint_every == 0 and done < r.steps:
-                while inflight:  # the buffer is saved whole: in-flight rollouts are part of the state
-                    buffer.add(inflight.popleft().result()[0])
-                st = State(done, st.next_request, buffer.groups, buffer.dropped, dict(buffer.staleness), hist,
-                           st.attempts, time.perf_counter() - t0)
+                while inflight:  # the buffers are saved whole: in-flight rollouts are part of the state
+                    samples = inflight.popleft().result()[0]
+                    buffer.add([s for s in samples if s.teacher is None])
+                    dbuffer.add([s for s in samples if s.teacher is not None])
+                st = State(done, st.next_request, buffer.groups, dbuffer.groups, buffer.dropped + dbuffer.dropped,
+                           dict(buffer.staleness + dbuffer.staleness), hist, st.attempts, time.perf_counter() - t0)
                 _save(ckpt, policy, opt, critic, copt, st)
                 if kill_at == done:  # fault injection for the resume test
                     os.kill(os.getpid(), signal.SIGKILL)
-        st = State(r.steps, st.next_request, [], buffer.dropped, dict(buffer.staleness), hist, st.attempts,
-                   time.perf_counter() - t0)
+        st = State(r.steps, st.next_request, [], [], buffer.dropped + dbuffer.dropped,
+                   dict(buffer.staleness + dbuffer.staleness), hist, st.attempts, time.perf_counter() - t0)
     finally:
         for f in inflight:
             f.cancel()
         workers.close()
+        if teachers:
+            teachers.close()
     return policy, tok, st
 
 
@@ -280,6 +358,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
                **summarize(hist, "reward", 5), "hack_attempts_blocked": sum(hist["blocked"]),
                "masked_token_fraction": sum(hist["masked_fraction"]) / len(hist["masked_fraction"]),
                "stale_dropped": st.dropped, "wall_s": st.wall_s, "steps_per_s": r.steps / st.wall_s,
+               "student_tokens": hist["student_tokens"][-1],
                **{f"staleness_{k}_share": v / total for k, v in sorted(st.staleness.items())}}
     return {"metrics": metrics, "history": hist,
             "params": {"domain": domain, "algorithm": r.algorithm, "max_staleness": r.max_staleness}}

@@ -17,6 +17,18 @@ def _pad(rows: list[list], value, dtype=None) -> torch.Tensor:
     return torch.tensor([list(r) + [value] * (n - len(r)) for r in rows], dtype=dtype)
 
 
+def micro_batches(samples: list, max_cells: int) -> list[list[int]]:
+    """Sample indices sorted by completion length and cut so a micro-batch pads to at most ~`max_cells`
+    completion cells: short completions no longer pad to the longest of the whole batch."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
+    chunks: list[list[int]] = [[]]
+    for i in order:  # ascending, so sample i is the longest of its chunk so far
+        if chunks[-1] and (len(chunks[-1]) + 1) * len(samples[i].ids) > max_cells:
+            chunks.append([])
+        chunks[-1].append(i)
+    return chunks
+
+
 def completion_batch(samples: list) -> dict[str, torch.Tensor]:
     """Right-padded completions: column j is token ids[j] (generated or tool output), its mask and logprob."""
     return {"ids": _pad([s.ids for s in samples], 0),

@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,6 +31,8 @@ class Sample:
     reward: float
     version: int               # policy version (number of updates) that generated it
     blocked: list[dict] = field(default_factory=list)  # hack attempts the sandbox's guard stopped
+    domain: str = ""
+    teacher: Any = None        # distillation samples: the teacher's scores of the generated tokens
 
     @property
     def n_generated(self) -> int:
@@ -59,10 +61,11 @@ class LocalEngine:
 
 
 class RolloutWorker:
-    def __init__(self, checkpoint: str, threads: int = 1):
+    def __init__(self, checkpoint: str, threads: int = 1, teachers=None):
         torch.set_num_threads(threads)
         model, self.tok = load_checkpoint(checkpoint)
         self.engine: Engine = LocalEngine(model)
+        self.teachers = teachers  # a TeacherPool: distillation samples are scored here, off the trainer
         self.version = 0
 
     def ready(self) -> bool:
@@ -72,33 +75,49 @@ class RolloutWorker:
         self.engine.load_weights(state_dict)
         self.version = version
 
-    def rollout(self, tasks: list[Task], group_size: int, seed: int, **kw) -> tuple[list[Sample], dict]:
-        """`group_size` samples of each task; the sampling stream is a pure function of `seed`."""
+    def rollout(self, tasks: list[Task], group_size: int, seed: int, distill: tuple[Task, ...] = (),
+                teacher_mode: str = "sampled", top_k: int = 16, **kw) -> tuple[list[Sample], dict]:
+        """`group_size` samples of each task, then one of each `distill` task scored by its domain's teacher
+        (those come back with `teacher` set); the sampling stream is a pure function of `seed`."""
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(seed)
-        todo = [t for t in tasks for _ in range(group_size)]
+        todo = [t for t in tasks for _ in range(group_size)] + list(distill)
         eps = run_episodes(self.engine, self.tok, todo, generator=gen, batch_size=len(todo), **kw)
-        out = [Sample(e.task.id, i // group_size, e.prompt_ids, e.ids, e.gen_mask, e.logprobs, e.reward,
-                      self.version, e.blocked) for i, e in enumerate(eps)]
-        return out, {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out)}
+        n_rl = len(tasks) * group_size
+        out = [Sample(e.task.id, i // group_size if i < n_rl else len(tasks) + i - n_rl, e.prompt_ids, e.ids,
+                      e.gen_mask, e.logprobs, e.reward, self.version, e.blocked, e.task.domain)
+               for i, e in enumerate(eps)]
+        info = {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out)}
+        if distill:
+            t1 = time.perf_counter()
+            by_domain: dict[str, list[Sample]] = {}
+            for s in out[n_rl:]:
+                by_domain.setdefault(s.domain, []).append(s)
+            scores = self.teachers.score({d: [(s.prompt_ids, s.ids, s.gen_mask) for s in ss]
+                                          for d, ss in by_domain.items()}, teacher_mode, top_k)
+            for d, ss in by_domain.items():
+                for s, t in zip(ss, scores[d]):
+                    s.teacher = t
+            info["teacher_seconds"] = time.perf_counter() - t1
+        return out, info
 
 
 class WorkerPool:
     """n rollout workers; calls on one worker run in submission order (weights, then rollouts)."""
 
-    def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1):
+    def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, teachers=None):
         import ray
         self.use_ray = ray.is_initialized()
         if self.use_ray:
             cls = ray.remote(RolloutWorker).options(num_cpus=num_cpus, max_restarts=0)
-            self.workers = [cls.remote(checkpoint, threads) for _ in range(n)]
+            self.workers = [cls.remote(checkpoint, threads, teachers) for _ in range(n)]
             try:
                 ray.get([w.ready.remote() for w in self.workers], timeout=180)
             except ray.exceptions.GetTimeoutError:
                 raise RuntimeError(f"{n} rollout worker(s) of {num_cpus} CPU could not be scheduled in 180 s: raise "
                                    "runtime.ray_num_cpus or lower rl.worker_cpus / rl.rollout_workers") from None
         else:
-            self.workers = [RolloutWorker(checkpoint, threads) for _ in range(n)]
+            self.workers = [RolloutWorker(checkpoint, threads, teachers) for _ in range(n)]
             self.pools = [ThreadPoolExecutor(1) for _ in range(n)]
 
     def __len__(self) -> int:

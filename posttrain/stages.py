@@ -30,6 +30,20 @@ class Stage:
 
 
 DOMAIN_STAGES = tuple(f"rl-{d}" for d in ("reasoning", "agentic", "general"))
+CROSS_ORDER = ("reasoning", "agentic", "general")  # GLM-5's RL stage order (workflows/cross_stage.py)
+CHAINS = ("xs", "seq")                            # cross-stage distillation; plain sequential RL
+
+
+def stage_name(chain: str, domain: str) -> str:
+    return "rl-reasoning" if domain == CROSS_ORDER[0] else f"{chain}-{domain}"
+
+
+def inputs_of(chain: str, domain: str) -> tuple[str, ...]:
+    """Upstream stages: the previous stage (the start), and for `xs` every earlier stage (the teachers)."""
+    earlier = [stage_name(chain, d) for d in CROSS_ORDER[:CROSS_ORDER.index(domain)]]
+    return tuple(dict.fromkeys([earlier[-1], *(earlier if chain == "xs" else []), "curate"]))
+
+
 STAGES: dict[str, Stage] = {s.name: s for s in [
     Stage("raw", "posttrain.curate:make_raw", (), ("seed", "world", "curate"), num_cpus=1, threads=1),
     # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
@@ -41,10 +55,19 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     # 3 x (0.4 + one 0.25-CPU rollout worker) fits the 2 CPUs, so the three specialists run at once
     *[Stage(s, "posttrain.rl:run", ("sft", "curate"), ("seed", "rl"), (("domain", s[3:]),), num_cpus=0.4, threads=1,
             resumable=True) for s in DOMAIN_STAGES],
-    Stage("opd", "posttrain.opd:run", ("sft", "curate", *DOMAIN_STAGES), ("seed", "opd", "rl")),
+    # the trainer, one rollout worker (0.25) and three teachers (0.2 each) fit the 2 CPUs
+    Stage("opd", "posttrain.opd:run", ("sft", "curate", *DOMAIN_STAGES), ("seed", "opd", "rl"), num_cpus=0.5,
+          threads=1, resumable=True),
     Stage("quantize", "posttrain.quantize:run", ("opd",), ("seed", "quantize")),
     Stage("evaluate", "posttrain.evaluate:run", ("base", "ramp", "sft", *DOMAIN_STAGES, "opd", "quantize", "curate"),
           ("seed", "eval", "rl", "model", "ramp")),
+    # workflows/cross_stage.py: the GLM-5 chain with distillation (xs-) and without (seq-), both after rl-reasoning
+    *[Stage(stage_name(c, d), "posttrain.cross_stage:run", inputs_of(c, d), ("seed", "rl", "cross_stage", "opd"),
+            (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True)
+      for d in CROSS_ORDER[1:] for c in CHAINS],
+    Stage("consolidation", "posttrain.consolidation:run",
+          ("sft", "curate", *DOMAIN_STAGES, "opd", *(stage_name(c, d) for c in CHAINS for d in CROSS_ORDER[1:])),
+          ("seed", "eval", "rl", "cross_stage")),
 ]}
 ORDER = list(STAGES)
 

@@ -6,7 +6,6 @@ import torch
 import environments
 from posttrain.config import ModelConfig, RLConfig
 from posttrain.model import build_model, save_checkpoint
-from posttrain.opd import reverse_kl
 from posttrain.rl import specialist, train_step
 from posttrain.rl_loss import gae, group_advantages, policy_loss
 from posttrain.rl_batch import completion_batch, prefix_forward
@@ -177,10 +176,3 @@ def test_per_specialist_overrides_are_validated_with_their_key():
         RLConfig(per_domain={"agentic": {"algo": "ppo"}})
     with pytest.raises(ValueError, match="group_size must be at least 2"):
         RLConfig(group_size=1)
-
-
-def test_reverse_kl_is_zero_for_identical_and_positive_otherwise():
-    s = torch.randn(2, 4, 7)
-    mask = torch.ones(2, 4)
-    assert reverse_kl(s, s.clone(), mask).abs() < 1e-6
-    assert reverse_kl(s, torch.randn(2, 4, 7), mask) > 0

@@ -13,18 +13,20 @@ import flyte
 from posttrain import pipeline
 from posttrain.artifacts import ArtifactRef
 from posttrain.config import load_config
-from posttrain.stages import DOMAIN_STAGES, RunContext, ref_from_dict
-from tasks import base as base_t, curate as curate_t, evaluate as evaluate_t, opd as opd_t, quantize as quantize_t, \
-    ramp as ramp_t, rl as rl_t, sft as sft_t
+from posttrain.stages import CHAINS, CROSS_ORDER, DOMAIN_STAGES, STAGES, RunContext, ref_from_dict, stage_name
+from tasks import base as base_t, cross_stage as cross_t, curate as curate_t, evaluate as evaluate_t, opd as opd_t, \
+    quantize as quantize_t, ramp as ramp_t, rl as rl_t, sft as sft_t
 from tasks.common import CPU
 
 env = flyte.TaskEnvironment(
     name="post_train", image=CPU, resources=flyte.Resources(cpu="1", memory="2Gi"), cache="disable",
     depends_on=[curate_t.env, base_t.env, ramp_t.env, sft_t.env, rl_t.env, opd_t.env, quantize_t.env,
-                evaluate_t.env])
+                evaluate_t.env, cross_t.env, cross_t.report_env])
 
 # stages that may run together: the specialists are independent of each other
 WAVES = [["raw"], ["curate"], ["base"], ["ramp"], ["sft"], list(DOMAIN_STAGES), ["opd"], ["quantize"], ["evaluate"]]
+# workflows/cross_stage.py adds the GLM-5 chains (with and without distillation) and their comparison
+CHAIN_WAVES = [*[[stage_name(c, d) for c in CHAINS] for d in CROSS_ORDER[1:]], ["consolidation"]]
 
 
 @dataclass
@@ -55,13 +57,18 @@ async def node(stage: str, ctx: RunContext, r: dict[str, ArtifactRef]) -> Artifa
     if stage == "evaluate":
         keep = ("base", "ramp", "sft", *DOMAIN_STAGES, "opd", "quantize", "curate")
         return await evaluate_t.evaluate(ctx, {s: r[s] for s in keep})
+    if stage == "consolidation":
+        return await cross_t.consolidation(ctx, {s: r[s] for s in STAGES[stage].inputs})
+    if stage in STAGES:  # a stage of the cross-stage chains
+        return await cross_t.chain_stage(ctx, stage, {s: r[s] for s in STAGES[stage].inputs})
     raise ValueError(f"unknown stage {stage!r}")
 
 
-async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str]) -> dict[str, ArtifactRef]:
+async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str],
+                    waves: list[list[str]] = WAVES) -> dict[str, ArtifactRef]:
     t0 = time.time()
     try:
-        for wave in WAVES:
+        for wave in waves:
             stages = [s for s in wave if s in todo]
             outs = await asyncio.gather(*(node(s, ctx, refs) for s in stages))
             refs.update(zip(stages, outs))
@@ -91,11 +98,12 @@ async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream
     report, old_cfg = pipeline.load_run(from_run)
     cfg = config_from_dict(apply_overrides(old_cfg.model_dump(mode="json"), list(overrides)),
                            f"run {from_run} with --set {list(overrides)}")
-    todo = set(downstream_of(stage)) if downstream else {stage}
+    # downstream nodes the earlier run had (a main-DAG run has no cross-stage chains to redo)
+    todo = {s for s in downstream_of(stage) if s in report["stages"]} | {stage} if downstream else {stage}
     refs = {s: ref_from_dict({"stage": s, "path": v["artifact"], "sha256": v["sha256"],
                               "mlflow_run_id": v["mlflow_run_id"], "cached": True})
             for s, v in report["stages"].items() if s not in todo}
     ctx = pipeline.start(cfg, run_id=run_id, force=[stage],
                          tags={"posttrain.rerun_of": report["run_id"], "posttrain.rerun_stage": stage})
-    refs = await run_waves(ctx, refs, todo)
+    refs = await run_waves(ctx, refs, todo, WAVES + CHAIN_WAVES)
     return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)

@@ -1,0 +1,93 @@
+"""On-policy distillation objectives on the student's own samples, scored by a teacher.
+
+`sampled` (default): per-token reverse KL through its sampled-token estimate. The advantage of token
+x_t is log p_teacher(x_t) - log p_student(x_t); as a policy gradient it is an unbiased gradient of
+-KL(student || teacher) and needs only one teacher log-probability per token (Thinking Machines' form).
+`full`: the exact per-position reverse KL over the vocabulary. `topk`: the reverse KL between the two
+distributions coarsened to the teacher's top-k tokens plus one bin for the rest (a lower bound on the
+full KL that needs k numbers per token). Optionally the task reward is mixed in as a sequence advantage.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from posttrain.rl_batch import completion_batch, micro_batches, prefix_forward
+from posttrain.rl_loss import policy_loss
+
+
+def reward_advantages(samples: list) -> torch.Tensor:
+    """Reward minus the batch mean of the same domain (the student has no group to compare with)."""
+    r = torch.tensor([s.reward for s in samples])
+    out = torch.zeros_like(r)
+    for d in {s.domain for s in samples}:
+        rows = torch.tensor([s.domain == d for s in samples])
+        out[rows] = r[rows] - r[rows].mean()
+    return out
+
+
+def reverse_kl_terms(logp_all: torch.Tensor, ids: torch.Tensor, sub: list, mode: str) -> torch.Tensor:
+    """Per-token reverse KL(student || teacher) [B, T] (0 off generated positions) for `full` and `topk`,
+    or the sampled-token estimate log p_s(x) - log p_t(x) for `sampled` (detached: it is an advantage)."""
+    B, T, V = logp_all.shape
+    kl = torch.zeros(B, T)
+    for i, s in enumerate(sub):
+        pos = torch.tensor([j for j, m in enumerate(s.gen_mask) if m], dtype=torch.long)
+        if pos.numel() == 0:
+            continue
+        ls = logp_all[i, pos]
+        if mode == "sampled":
+            t = torch.tensor(s.teacher)
+            kl[i, pos] = ls.detach().gather(-1, ids[i, pos, None]).squeeze(-1) - t
+        elif mode == "full":
+            t = torch.from_numpy(np.asarray(s.teacher))
+            kl[i, pos] = (ls.exp() * (ls - t)).sum(-1)
+        else:
+            k_ids, k_lp = (torch.from_numpy(np.asarray(a)) for a in s.teacher)
+            ls_k = ls.gather(-1, k_ids.long())
+            rest_s = torch.log1p(-ls_k.exp().sum(-1).clamp(max=1 - 1e-6))
+            rest_t = torch.log1p(-k_lp.exp().sum(-1).clamp(max=1 - 1e-6))
+            kl[i, pos] = (ls_k.exp() * (ls_k - k_lp)).sum(-1) + rest_s.exp() * (rest_s - rest_t)
+    return kl
+
+
+def distill_backward(policy, samples: list, pad_id: int, *, mode: str = "sampled", coef: float = 1.0,
+                     reward_weight: float = 0.0, temperature: float = 1.0, clip_eps: float = 0.2,
+                     is_lower: float = 0.5, is_upper: float = 2.0, max_cells: int = 2048,
+                     weight: float = 1.0) -> dict[str, float]:
+    """Accumulate the gradient of the distillation loss (mean over the batch's generated tokens, times
+    `weight`) on `samples`, whose `teacher` field holds their teacher's scores; returns statistics."""
+    n_tokens = float(sum(s.n_generated for s in samples)) or 1.0
+    row_adv = reward_advantages(samples) * reward_weight if reward_weight else torch.zeros(len(samples))
+    stats: dict[str, float] = {"distill_loss": 0.0, "reverse_kl": 0.0, "distill_masked_fraction": 0.0}
+    per_domain: dict[str, list[float]] = {}  # domain -> [KL sum, tokens]
+    for idx in micro_batches(samples, max_cells):
+        sub = [samples[i] for i in idx]
+        b = completion_batch(sub)
+        mask, ids = b["mask"], b["ids"]
+        logp_all = torch.log_softmax(prefix_forward(policy, sub, pad_id) / temperature, -1)
+        logp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
+        kl = reverse_kl_terms(logp_all, ids, sub, mode)
+        if mode == "sampled":
+            adv = -coef * kl + row_adv[idx, None]
+            loss, st = policy_loss(logp, b["old_logprobs"], adv * mask, mask, clip_eps=clip_eps, is_lower=is_lower,
+                                   is_upper=is_upper, agg="token", n_tokens=n_tokens)
+        else:
+            loss = coef * (kl * mask).sum() / n_tokens
+            st = {"masked_fraction": 0.0}
+            if reward_weight:
+                pg, st = policy_loss(logp, b["old_logprobs"], row_adv[idx], mask, clip_eps=clip_eps,
+                                     is_lower=is_lower, is_upper=is_upper, agg="token", n_tokens=n_tokens)
+                loss = loss + pg
+        (loss * weight).backward()
+        share = mask.sum().item() / n_tokens
+        stats["distill_loss"] += loss.item()
+        stats["reverse_kl"] += (kl.detach() * mask).sum().item() / n_tokens
+        stats["distill_masked_fraction"] += st["masked_fraction"] * share
+        for s, row_kl, row_mask in zip(sub, kl.detach(), mask):
+            acc = per_domain.setdefault(s.domain, [0.0, 0.0])
+            acc[0] += (row_kl * row_mask).sum().item()
+            acc[1] += row_mask.sum().item()
+    for d, (kl_sum, n) in per_domain.items():
+        stats[f"reverse_kl/{d}"] = kl_sum / max(1.0, n)
+    return stats

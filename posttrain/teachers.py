@@ -1,0 +1,93 @@
+"""Teachers for on-policy distillation: each holds one checkpoint and scores the student's own tokens.
+
+A teacher gets token ids (never text) and hands back, for each generated token only, what the loss
+needs: in the default sampled-token form one log-probability per token, so a few floats per token
+cross the process boundary instead of a vocabulary-sized distribution. `top_k` and `full` return the
+teacher's top-k (ids, log-probabilities) or its whole log-distribution per token.
+
+Teachers are Ray actors when Ray is up (the pipeline), else in-process objects (library use, tests).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Literal
+
+import numpy as np
+import torch
+
+from posttrain.model import load_checkpoint
+from posttrain.rl_batch import micro_batches, prefix_forward
+
+Mode = Literal["sampled", "topk", "full"]
+
+
+class Teacher:
+    def __init__(self, checkpoint: str, threads: int = 1, max_cells: int = 4096):
+        torch.set_num_threads(threads)
+        self.model, tok = load_checkpoint(checkpoint)
+        self.model.eval()
+        self.pad_id, self.max_cells = tok.pad_token_id, max_cells
+
+    def ready(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def score(self, items: list[tuple[list[int], list[int], list[int]]], mode: Mode = "sampled",
+              top_k: int = 16) -> list:
+        """items: (prompt ids, completion ids, generation mask). Per item, over its generated tokens in
+        order: `sampled` a list of log p_teacher(token); `topk` (ids [n, k], logprobs [n, k]); `full` [n, V]."""
+        samples = [SimpleNamespace(prompt_ids=p, ids=ids) for p, ids, _ in items]
+        out: list = [None] * len(items)
+        for idx in micro_batches(samples, self.max_cells):  # bounded memory for the [rows, T, V] logits
+            logp = torch.log_softmax(prefix_forward(self.model, [samples[i] for i in idx], self.pad_id).float(), -1)
+            for row, i in enumerate(idx):
+                _, ids, mask = items[i]
+                pos = torch.tensor([j for j, m in enumerate(mask) if m], dtype=torch.long)
+                lp = logp[row, pos]
+                if mode == "sampled":
+                    out[i] = lp.gather(-1, torch.tensor(ids)[pos, None]).squeeze(-1).tolist()
+                elif mode == "topk":
+                    v, k = lp.topk(min(top_k, lp.size(-1)), -1)
+                    out[i] = (k.to(torch.int32).numpy(), v.numpy())
+                else:
+                    out[i] = lp.numpy().astype(np.float32)
+        return out
+
+
+class TeacherPool:
+    """Named teachers and the routing of prompt domains to them (default: the teacher of the same name).
+    Picklable (Ray handles), so the rollout workers call their teachers themselves."""
+
+    def __init__(self, checkpoints: dict[str, str], route: dict[str, str] | None = None, num_cpus: float = 0.2,
+                 threads: int = 1):
+        import ray
+        self.route = dict(route or {})
+        self.use_ray = ray.is_initialized()
+        if self.use_ray:
+            cls = ray.remote(Teacher).options(num_cpus=num_cpus, max_restarts=0)
+            self.teachers = {d: cls.remote(c, threads) for d, c in checkpoints.items()}
+            ray.get([t.ready.remote() for t in self.teachers.values()], timeout=180)
+        else:
+            self.teachers = {d: Teacher(c, threads) for d, c in checkpoints.items()}
+
+    def teacher_of(self, domain: str):
+        name = self.route.get(domain, domain)
+        if name not in self.teachers:
+            raise KeyError(f"no teacher for prompts of domain {domain!r} (routed to {name!r}; teachers: "
+                           f"{sorted(self.teachers)})")
+        return self.teachers[name]
+
+    def score(self, batches: dict[str, list], mode: Mode = "sampled", top_k: int = 16) -> dict[str, list]:
+        """Score each domain's items with the teacher it is routed to; with Ray the teachers work concurrently
+        (one batched call per teacher per request)."""
+        if self.use_ray:
+            import ray
+            refs = {d: self.teacher_of(d).score.remote(items, mode, top_k) for d, items in batches.items()}
+            return {d: ray.get(r) for d, r in refs.items()}
+        return {d: self.teacher_of(d).score(items, mode, top_k) for d, items in batches.items()}
+
+    def close(self) -> None:
+        if self.use_ray:
+            import ray
+            for t in self.teachers.values():
+                ray.kill(t)

@@ -1,0 +1,31 @@
+"""The GLM-5 cross-stage recipe beside the GLM-5.2 one, on the same tasks (wiring only):
+
+sft -> rl reasoning -> xs agentic (distils rl reasoning) -> xs general (distils both)    cross-stage
+                    -> seq agentic ------------------------> seq general               sequential RL
+sft -> {rl reasoning | rl agentic | rl general} -> opd (multi-teacher)                  GLM-5.2
+all three -> consolidation: per-domain score, recovery, forgetting and compute in report.json
+"""
+from __future__ import annotations
+
+import flyte
+
+from posttrain import pipeline
+from posttrain.config import load_config
+from tasks import cross_stage as cross_t
+from workflows.post_train import CHAIN_WAVES, WAVES, PipelineOutput, env as post_env, run_waves
+
+env = flyte.TaskEnvironment(name="cross_stage_workflow", image=post_env.image, resources=post_env.resources,
+                            cache="disable", depends_on=[post_env, cross_t.env, cross_t.report_env])
+
+# the main DAG up to the generalist (reused from the cache when it already ran), then the two chains
+CROSS_WAVES = [*WAVES[:WAVES.index(["opd"]) + 1], *CHAIN_WAVES]
+
+
+@env.task
+async def cross_stage(profile: str = "tiny", overrides: list[str] = [], force: list[str] = [],  # noqa: B006
+                      run_id: str = "") -> PipelineOutput:
+    """Run the comparison: multi-teacher OPD, cross-stage distillation and sequential RL."""
+    cfg = load_config(profile, list(overrides))
+    ctx = pipeline.start(cfg, run_id=run_id, force=list(force), tags={"posttrain.workflow": "cross_stage"})
+    refs = await run_waves(ctx, {}, {s for w in CROSS_WAVES for s in w}, CROSS_WAVES)
+    return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)
