@@ -33,7 +33,7 @@ def test_scores(path: str, tests: dict[str, list], cfg: PipelineConfig) -> dict[
 
 def compute_of(inputs: dict[str, str], stages: list[str]) -> dict[str, float]:
     m = [read_manifest(inputs[s])["metrics"] for s in stages]
-    return {k: round(sum(x.get(k, 0.0) for x in m), 1) for k in ("student_tokens", "teacher_tokens", "wall_s")}
+    return {k: round(sum(x.get(k, 0.0) for x in m), 2) for k in ("student_tokens", "teacher_tokens", "wall_s")}
 
 
 def rl_tokens_to_95pct(rl_dir: str) -> float | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
 from posttrain.model import save_checkpoint
-from posttrain.rl import Distill, plot_curves, specialist
+from posttrain.rl import Distill, kill_step, plot_curves, specialist
 from posttrain.stages import CROSS_ORDER as ORDER, stage_name
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, chain: str, scratch: str = "") -> dict:
@@ -32,7 +32,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
     if scratch_dir:
         scratch_dir.mkdir(parents=True, exist_ok=True)
     policy, tok, st = specialist(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", scratch=scratch_dir,
-                                 distill=distill)
+                                 kill_at=kill_step(f"{chain}-{domain}"), distill=distill)
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

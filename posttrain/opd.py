@@ -11,7 +11,7 @@ from environments import DOMAINS
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.curate import load_tasks
 from posttrain.model import save_checkpoint
-from posttrain.rl import Distill, specialist
+from posttrain.rl import Distill, kill_step, specialist
 
 
 def loop_config(cfg: PipelineConfig) -> RLConfig:
@@ -65,7 +65,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     if scratch_dir:
         scratch_dir.mkdir(parents=True, exist_ok=True)
     policy, tok, st = specialist(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd",
-                                 scratch=scratch_dir, distill=distill)
+                                 scratch=scratch_dir, kill_at=kill_step("opd"), distill=distill)
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

@@ -318,6 +318,13 @@ def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed
     return policy, tok, st
 
 
+def kill_step(stage: str) -> int:
+    """Fault injection for the resume tests: POSTTRAIN_KILL_AT="<stage>:<step>" SIGKILLs that stage right
+    after the checkpoint of that step."""
+    name, _, step = os.environ.get("POSTTRAIN_KILL_AT", "").rpartition(":")
+    return int(step) if name == stage else -1
+
+
 def batch_tokens(samples: list[Sample]) -> int:
     return sum(len(s.prompt_ids) + len(s.ids) for s in samples)
 
@@ -340,13 +347,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     r = cfg.rl.for_domain(domain)
     pool = load_tasks(inputs["curate"], "rl", domain)
     val = load_tasks(inputs["curate"], "val", domain)
-    kill = os.environ.get("POSTTRAIN_RL_KILL_AT", "")  # "<domain>:<step>", for the resume test
-    kill_at = int(kill.split(":")[1]) if kill.startswith(domain + ":") else -1
     scratch_dir = Path(scratch) if scratch else None
     if scratch_dir:
         scratch_dir.mkdir(parents=True, exist_ok=True)
     policy, tok, st = specialist(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}",
-                                 scratch=scratch_dir, kill_at=kill_at)
+                                 scratch=scratch_dir, kill_at=kill_step(f"rl-{domain}"))
     save_checkpoint(policy, tok, out)
     hist = st.history
     # blocked hack attempts, with the call and the guard stage that caught it, for reviewers

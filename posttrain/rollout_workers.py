@@ -94,7 +94,8 @@ class RolloutWorker:
             for s in out[n_rl:]:
                 by_domain.setdefault(s.domain, []).append(s)
             scores = self.teachers.score({d: [(s.prompt_ids, s.ids, s.gen_mask) for s in ss]
-                                          for d, ss in by_domain.items()}, teacher_mode, top_k)
+                                          for d, ss in by_domain.items()}, teacher_mode, top_k,
+                                         kw.get("temperature", 1.0))
             for d, ss in by_domain.items():
                 for s, t in zip(ss, scores[d]):
                     s.teacher = t

@@ -33,13 +33,15 @@ class Teacher:
 
     @torch.no_grad()
     def score(self, items: list[tuple[list[int], list[int], list[int]]], mode: Mode = "sampled",
-              top_k: int = 16) -> list:
+              top_k: int = 16, temperature: float = 1.0) -> list:
         """items: (prompt ids, completion ids, generation mask). Per item, over its generated tokens in
-        order: `sampled` a list of log p_teacher(token); `topk` (ids [n, k], logprobs [n, k]); `full` [n, V]."""
+        order: `sampled` a list of log p_teacher(token); `topk` (ids [n, k], logprobs [n, k]); `full` [n, V].
+        The teacher's distribution is taken at the student's sampling temperature, as the student's is."""
         samples = [SimpleNamespace(prompt_ids=p, ids=ids) for p, ids, _ in items]
         out: list = [None] * len(items)
         for idx in micro_batches(samples, self.max_cells):  # bounded memory for the [rows, T, V] logits
-            logp = torch.log_softmax(prefix_forward(self.model, [samples[i] for i in idx], self.pad_id).float(), -1)
+            logits = prefix_forward(self.model, [samples[i] for i in idx], self.pad_id).float()
+            logp = torch.log_softmax(logits / temperature, -1)
             for row, i in enumerate(idx):
                 _, ids, mask = items[i]
                 pos = torch.tensor([j for j, m in enumerate(mask) if m], dtype=torch.long)
@@ -77,14 +79,15 @@ class TeacherPool:
                            f"{sorted(self.teachers)})")
         return self.teachers[name]
 
-    def score(self, batches: dict[str, list], mode: Mode = "sampled", top_k: int = 16) -> dict[str, list]:
+    def score(self, batches: dict[str, list], mode: Mode = "sampled", top_k: int = 16,
+              temperature: float = 1.0) -> dict[str, list]:
         """Score each domain's items with the teacher it is routed to; with Ray the teachers work concurrently
         (one batched call per teacher per request)."""
         if self.use_ray:
             import ray
-            refs = {d: self.teacher_of(d).score.remote(items, mode, top_k) for d, items in batches.items()}
+            refs = {d: self.teacher_of(d).score.remote(items, mode, top_k, temperature) for d, items in batches.items()}
             return {d: ray.get(r) for d, r in refs.items()}
-        return {d: self.teacher_of(d).score(items, mode, top_k) for d, items in batches.items()}
+        return {d: self.teacher_of(d).score(items, mode, top_k, temperature) for d, items in batches.items()}
 
     def close(self) -> None:
         if self.use_ray:

@@ -148,7 +148,7 @@ def test_rl_specialist_resumes_exactly_after_sigkill(first):
     uninterrupted run's: none lost, none repeated."""
     home, report = first
     args = ("rerun", "rl-general", "--from", report["run_id"], "--set", "rl.checkpoint_every=1")
-    p = posttrain(home, *args, check=False, env={"POSTTRAIN_RL_KILL_AT": "general:1"})
+    p = posttrain(home, *args, check=False, env={"POSTTRAIN_KILL_AT": "rl-general:1"})
     assert p.returncode == 1 and "stage rl-general failed" in p.stderr
     p = posttrain(home, *args)
     assert "resuming at step 1 of 2" in p.stdout + p.stderr
@@ -158,3 +158,34 @@ def test_rl_specialist_resumes_exactly_after_sigkill(first):
     for key in ("reward", "loss", "masked_fraction", "kl_behaviour", "staleness_mean", "val_score"):
         assert after[key] == before[key], key
     assert len(after["reward"]) == 2 and any(after["reward"]) and any(after["loss"])  # it learned something
+
+
+def test_opd_resumes_exactly_after_sigkill(first):
+    """The distillation node keeps its student buffer and teacher scores across a SIGKILL too."""
+    home, report = first
+    args = ("rerun", "opd", "--from", report["run_id"])
+    p = posttrain(home, *args, check=False, env={"POSTTRAIN_KILL_AT": "opd:1"})
+    assert p.returncode == 1 and "stage opd failed" in p.stderr
+    p = posttrain(home, *args)
+    assert "resuming at step 1 of 2" in p.stdout + p.stderr
+    resumed = json.loads((home / "latest" / "report.json").read_text())["stages"]["opd"]["artifact"]
+    before = json.loads((Path(report["stages"]["opd"]["artifact"]) / "history.json").read_text())
+    after = json.loads((Path(resumed) / "history.json").read_text())
+    for key in ("reverse_kl", "distill_loss", "student_tokens", "teacher_tokens", "val_score"):
+        assert after[key] == before[key], key
+
+
+def test_cross_stage_workflow_compares_three_consolidations(first):
+    home, _ = first
+    posttrain(home, "run", "--profile", "smoke", "--workflow", "cross_stage")
+    report = json.loads((home / "latest" / "report.json").read_text())
+    assert all(report["stages"][s]["cached"] for s in ("sft", "rl-reasoning", "opd"))  # the main DAG is reused
+    assert {"xs-agentic", "xs-general", "seq-agentic", "seq-general", "consolidation"} <= set(report["stages"])
+    c = report["consolidation"]
+    for method in ("multi_teacher_opd", "cross_stage", "sequential_rl"):
+        assert set(c["scores"][method]) == set(c["recovery"][method]) == {"reasoning", "agentic", "general"}
+        assert c["compute"][method]["student_tokens"] > 0 and c["compute"][method]["wall_s"] > 0
+    # cross-stage scores earlier stages' prompts with their checkpoints; the baseline has no teacher
+    assert c["compute"]["cross_stage"]["teacher_tokens"] > 0 == c["compute"]["sequential_rl"]["teacher_tokens"]
+    assert set(c["forgetting"]["sequential_rl"]) == {"reasoning", "agentic"}
+    assert (home / "runs" / report["run_id"] / "consolidation.md").exists()

@@ -1,0 +1,224 @@
+"""bench/opd, from the sft checkpoint and specialists of the latest `make run` (`BENCH_OPD_RUN` names
+another run's report).
+
+(a) Our on-policy distillation against TRL's (`trl.DistillationTrainer`, the on-policy GKD trainer, with
+beta = 1: reverse KL): same student (sft), teacher (the specialist of BENCH_OPD_DOMAIN), prompts, batch
+(16 prompts, one completion each, up to 48 new tokens, temperature 1), lr and machine, STEPS optimizer
+steps, no validation on either side. Figures: steps per second, and the reverse KL(student || teacher)
+after the run, measured the same way for both: the exact per-token KL over the vocabulary on completions
+each final student samples for 64 held-out val prompts (fixed seed), averaged over tokens.
+
+(b) Token efficiency, per domain: the RL specialist trained from sft as the tiny profile trains it
+(its validation accuracy every 10 steps) against single-teacher OPD from the same sft with that specialist
+as teacher (every 5 steps), validation on 200 generated val-split tasks for both. Figure: student tokens
+generated until validation first reaches 95% of the specialist's final score, RL over OPD.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STEPS = int(os.environ.get("BENCH_OPD_STEPS", 20))
+DOMAIN = os.environ.get("BENCH_OPD_DOMAIN", "reasoning")  # single-turn, as TRL's trainer takes it
+EFF_DOMAINS = os.environ.get("BENCH_OPD_EFF_DOMAINS", "reasoning,agentic,general").split(",")
+OPD_STEPS = int(os.environ.get("BENCH_OPD_EFF_STEPS", 60))
+PROMPTS, MAX_NEW, LR = 16, 48, 2e-4
+VAL_TASKS = 200
+OUT = Path(".posttrain/bench")
+
+
+def _inputs() -> dict[str, str]:
+    report = Path(os.environ.get("BENCH_OPD_RUN", ".posttrain/latest/report.json"))
+    if not report.exists():
+        sys.exit(f"bench/opd needs sft and specialist checkpoints: {report} does not exist; run `make run` first")
+    return {k: v["artifact"] for k, v in json.loads(report.read_text())["stages"].items()}
+
+
+def _val(domain: str) -> list:
+    import environments
+    from posttrain.config import load_config
+    return environments.get(domain).generate("val", VAL_TASKS, 0, **load_config("tiny").world.knobs())
+
+
+def _loop_config(**over):
+    from posttrain.config import load_config
+    from posttrain.opd import loop_config
+    cfg = load_config("tiny")
+    return loop_config(cfg).model_copy(update={"checkpoint_every": 0, **over})
+
+
+def _ours_opd(domain: str, steps: int, val_every: int, save: str = "") -> dict:
+    """Single-teacher OPD from sft (child process: its own Ray, its own clock)."""
+    import ray
+    import torch
+
+    from posttrain.config import RuntimeConfig
+    from posttrain.curate import load_tasks
+    from posttrain.model import save_checkpoint
+    from posttrain.raysupport import ensure_ray
+    from posttrain.rl import Distill, specialist
+    torch.set_num_threads(1)
+    ensure_ray(RuntimeConfig())
+    art = _inputs()
+    r = _loop_config(steps=steps, val_every=val_every, lr=LR)
+    pool = load_tasks(art["curate"], "rl", domain)
+    val = _val(domain) if val_every else pool[:2]
+    distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS)
+    policy, tok, st = specialist(r, art["sft"], [], val, seed=0, label=f"bench opd {domain}", distill=distill)
+    ray.shutdown()
+    if save:
+        save_checkpoint(policy, tok, Path(save))
+    h = st.history
+    return {"wall_s": h["wall_s"][-1], "val": h["val_score"], "tokens": h["student_tokens"],
+            "teacher_tokens": h["teacher_tokens"][-1], "reverse_kl": h["reverse_kl"]}
+
+
+def _ours_rl(domain: str) -> dict:
+    import ray
+    import torch
+
+    from posttrain.config import RuntimeConfig, load_config
+    from posttrain.curate import load_tasks
+    from posttrain.raysupport import ensure_ray
+    from posttrain.rl import specialist
+    torch.set_num_threads(1)
+    ensure_ray(RuntimeConfig())
+    art = _inputs()
+    r = load_config("tiny").rl.for_domain(domain).model_copy(update={"val_every": 10, "checkpoint_every": 0})
+    _, _, st = specialist(r, art["sft"], load_tasks(art["curate"], "rl", domain), _val(domain), seed=0,
+                          label=f"bench rl {domain}")
+    ray.shutdown()
+    h = st.history
+    return {"wall_s": h["wall_s"][-1], "val": h["val_score"], "tokens": h["student_tokens"]}
+
+
+def _trl(steps: int, save: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DistillationConfig, DistillationTrainer
+
+    from posttrain.curate import load_tasks
+    torch.set_num_threads(2)
+    art = _inputs()
+    tok = AutoTokenizer.from_pretrained(art["sft"])
+    tasks = load_tasks(art["curate"], "rl", DOMAIN)
+    rows = [{"prompt": tok.apply_chat_template(t.messages(), tokenize=False, add_generation_prompt=True,
+                                               enable_thinking=True)} for t in tasks]
+    args = DistillationConfig(output_dir=str(OUT / "opd-trl"), per_device_train_batch_size=PROMPTS,
+                              max_completion_length=MAX_NEW, learning_rate=LR, beta=1.0, temperature=1.0,
+                              max_steps=steps, use_cpu=True, bf16=False, gradient_checkpointing=False,
+                              logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_dropout=True,
+                              lr_scheduler_type="constant", warmup_steps=0, adam_beta2=0.95, weight_decay=0.0)
+    student = AutoModelForCausalLM.from_pretrained(art["sft"], dtype=torch.float32)
+    teacher = AutoModelForCausalLM.from_pretrained(art[f"rl-{DOMAIN}"], dtype=torch.float32)
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                                  train_dataset=Dataset.from_list(rows), processing_class=tok)
+    t = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t
+    trainer.model.save_pretrained(save)
+    tok.save_pretrained(save)
+    return {"wall_s": wall, "loss": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+
+
+def reverse_kl_on_own_samples(student_dir: str, teacher_dir: str, n: int = 64) -> float:
+    """Exact per-token KL(student || teacher) over the vocabulary, on the student's own completions (T=1,
+    fixed seed) for n held-out val prompts, averaged over generated tokens."""
+    import torch
+
+    from posttrain.curate import load_tasks
+    from posttrain.model import load_checkpoint
+    from posttrain.opd_loss import reverse_kl_terms
+    from posttrain.rl_batch import completion_batch, prefix_forward
+    from posttrain.rollout_workers import RolloutWorker
+    art = _inputs()
+    tasks = load_tasks(art["curate"], "val", DOMAIN)[:n]
+    samples, _ = RolloutWorker(student_dir).rollout(tasks, 1, seed=1234, temperature=1.0, max_new_tokens=MAX_NEW)
+    student, tok = load_checkpoint(student_dir)
+    teacher, _ = load_checkpoint(teacher_dir)
+    with torch.no_grad():
+        ls = torch.log_softmax(prefix_forward(student.eval(), samples, tok.pad_token_id), -1)
+        lt = torch.log_softmax(prefix_forward(teacher.eval(), samples, tok.pad_token_id), -1)
+        for s, row in zip(samples, lt):
+            s.teacher = row[[j for j, m in enumerate(s.gen_mask) if m]].numpy()
+        b = completion_batch(samples)
+        kl = reverse_kl_terms(ls, b["ids"], samples, "full")
+    return float((kl * b["mask"]).sum() / b["mask"].sum())
+
+
+def tokens_to(run: dict, target: float) -> float | None:
+    tokens = [0.0] + run["tokens"]
+    return next((tokens[step] for step, v in run["val"] if v >= target - 1e-9), None)
+
+
+def _child(what: str, *args) -> dict:
+    out = OUT / f"opd-{what}.json"
+    subprocess.run([sys.executable, "-m", "bench.opd", what, *map(str, args)], check=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    art = _inputs()
+    teacher = art[f"rl-{DOMAIN}"]
+    ours = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-student")
+    trl = _child("trl", STEPS, OUT / "opd-trl-student")
+    fig = {"domain": DOMAIN, "steps": STEPS, "prompts_per_step": PROMPTS,
+           "steps_per_s": STEPS / ours["wall_s"], "steps_per_s_trl": STEPS / trl["wall_s"],
+           "reverse_kl_before": reverse_kl_on_own_samples(art["sft"], teacher),
+           "reverse_kl_after_n": reverse_kl_on_own_samples(str(OUT / "opd-ours-student"), teacher),
+           "reverse_kl_after_n_trl": reverse_kl_on_own_samples(str(OUT / "opd-trl-student"), teacher)}
+    fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]
+    curves = {}
+    for d in EFF_DOMAINS:
+        rl, opd = _child("rl", d), _child("opd", d, OPD_STEPS, 5)
+        target = 0.95 * rl["val"][-1][1]
+        rl_t, opd_t = tokens_to(rl, target), tokens_to(opd, target)
+        fig |= {f"specialist_val_{d}": rl["val"][-1][1], f"sft_val_{d}": rl["val"][0][1],
+                f"rl_student_tokens_to_95pct_{d}": rl_t, f"opd_student_tokens_to_95pct_{d}": opd_t,
+                f"token_efficiency_ratio_{d}": rl_t / opd_t if rl_t and opd_t else None,
+                f"opd_teacher_tokens_to_95pct_{d}": opd_t}  # one teacher token scored per student token
+        curves[d] = {"rl": rl, "opd": opd, "target": target}
+    # the headline: the domain where OPD's advantage is smallest
+    worst = min(EFF_DOMAINS, key=lambda d: fig[f"token_efficiency_ratio_{d}"] or 0.0)
+    fig |= {"token_efficiency_domain": worst, "rl_student_tokens_to_95pct": fig[f"rl_student_tokens_to_95pct_{worst}"],
+            "opd_student_tokens_to_95pct": fig[f"opd_student_tokens_to_95pct_{worst}"],
+            "token_efficiency_ratio": fig[f"token_efficiency_ratio_{worst}"]}
+    (OUT / "opd.json").write_text(json.dumps({**fig, "curves": curves}, indent=1))
+    _plot(curves, OUT / "opd.png")
+    for k, v in fig.items():
+        print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
+
+
+def _plot(curves: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    f, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.4), squeeze=False)
+    for ax, (d, c) in zip(axes[0], curves.items()):
+        for name in ("rl", "opd"):
+            tokens = [0.0] + c[name]["tokens"]
+            ax.plot([tokens[s] for s, _ in c[name]["val"]], [v for _, v in c[name]["val"]], "o-", ms=3,
+                    label="RL specialist" if name == "rl" else "OPD (specialist as teacher)")
+        ax.axhline(c["target"], ls=":", c="grey", label="95% of the specialist")
+        ax.set(xscale="symlog", xlabel="student tokens generated", ylabel="validation accuracy", title=d)
+        ax.legend(loc="lower right", fontsize=7)
+    f.tight_layout()
+    f.savefig(path, dpi=110)
+    plt.close(f)
+
+
+if __name__ == "__main__":
+    what, *rest = sys.argv[1:]
+    if what == "opd":
+        result = _ours_opd(rest[0], int(rest[1]), int(rest[2]), *rest[3:])
+    elif what == "rl":
+        result = _ours_rl(rest[0])
+    else:
+        result = _trl(int(rest[0]), rest[1])
+    (OUT / f"opd-{what}.json").write_text(json.dumps(result))
