@@ -61,7 +61,7 @@ def _ours_opd(domain: str, steps: int, val_every: int, save: str = "") -> dict:
     from posttrain.model import save_checkpoint
     from posttrain.raysupport import ensure_ray
     from posttrain.rl import Distill, specialist
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # trainer, rollout worker and teacher: one thread each on the 2 cores
     ensure_ray(RuntimeConfig())
     art = _inputs()
     r = _loop_config(steps=steps, val_every=val_every, lr=LR)

@@ -21,8 +21,10 @@ def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
     ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in uniq])
     attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in uniq])
     cache = DynamicCache()
+    # a causal LM computes logits only where they are used: the prompt's last position
+    extra = {"logits_to_keep": 1} if hasattr(model, "lm_head") else {}
     out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=cache, use_cache=True)
+                past_key_values=cache, use_cache=True, **extra)
     cache.batch_select_indices(which)
     return out, cache, attn[which], which
 
