@@ -1,8 +1,9 @@
 """bench/opd, from the sft checkpoint and specialists of the latest `make run` (`BENCH_OPD_RUN` names
 another run's report).
 
-(a) Our on-policy distillation against TRL's (`trl.DistillationTrainer`, the on-policy GKD trainer, with
-beta = 1: reverse KL): same student (sft), teacher (the specialist of BENCH_OPD_DOMAIN), prompts, batch
+(a) Our on-policy distillation (the default sampled-token form; `_full`: the full reverse KL, TRL's form)
+against TRL's (`trl.DistillationTrainer`, the on-policy GKD trainer, with beta = 1: reverse KL): same
+student (sft), teacher (the specialist of BENCH_OPD_DOMAIN), prompts, batch
 (16 prompts, one completion each, up to 48 new tokens, temperature 1), lr and machine, STEPS optimizer
 steps, no validation on either side. Figures: steps per second, and the reverse KL(student || teacher)
 after the run, measured the same way for both: the exact per-token KL over the vocabulary on completions
@@ -10,8 +11,10 @@ each final student samples for 64 held-out val prompts (fixed seed), averaged ov
 
 (b) Token efficiency, per domain: the RL specialist trained from sft as the tiny profile trains it
 (its validation accuracy every 10 steps) against single-teacher OPD from the same sft with that specialist
-as teacher (every 5 steps), validation on 200 generated val-split tasks for both. Figure: student tokens
-generated until validation first reaches 95% of the specialist's final score, RL over OPD.
+as teacher (every 5 steps, 16 prompts a step), in the full reverse-KL form and the sampled-token form;
+validation on 192 generated val-split tasks for both. Figure: student tokens generated until validation
+first reaches 95% of the specialist's final score, RL over OPD; the headline is the full form on the
+domain where the ratio is smallest.
 """
 from __future__ import annotations
 
@@ -25,9 +28,12 @@ from pathlib import Path
 STEPS = int(os.environ.get("BENCH_OPD_STEPS", 20))
 DOMAIN = os.environ.get("BENCH_OPD_DOMAIN", "reasoning")  # single-turn, as TRL's trainer takes it
 EFF_DOMAINS = os.environ.get("BENCH_OPD_EFF_DOMAINS", "reasoning,agentic,general").split(",")
-OPD_STEPS = int(os.environ.get("BENCH_OPD_EFF_STEPS", 60))
+OPD_STEPS = int(os.environ.get("BENCH_OPD_EFF_STEPS", 100))
 PROMPTS, MAX_NEW, LR = 16, 48, 2e-4
-VAL_TASKS = 200
+# (b)'s OPD forms and their lr: the full reverse KL (the headline) and the sampled-token form at the tiny
+# profile's lr; 100 steps of 16 prompts
+EFF_FORMS = {"full": 2e-4, "sampled": 1e-4}
+VAL_TASKS = 192  # reasoning has 197 distinct val problems at the tiny knobs
 OUT = Path(".posttrain/bench")
 
 
@@ -51,7 +57,8 @@ def _loop_config(**over):
     return loop_config(cfg).model_copy(update={"checkpoint_every": 0, **over})
 
 
-def _ours_opd(domain: str, steps: int, val_every: int, save: str = "") -> dict:
+def _ours_opd(domain: str, steps: int, val_every: int, save: str = "", loss: str = "sampled", lr: float = LR
+              ) -> dict:
     """Single-teacher OPD from sft (child process: its own Ray, its own clock)."""
     import ray
     import torch
@@ -64,10 +71,10 @@ def _ours_opd(domain: str, steps: int, val_every: int, save: str = "") -> dict:
     torch.set_num_threads(1)  # trainer, rollout worker and teacher: one thread each on the 2 cores
     ensure_ray(RuntimeConfig())
     art = _inputs()
-    r = _loop_config(steps=steps, val_every=val_every, lr=LR)
+    r = _loop_config(steps=steps, val_every=val_every, lr=lr)
     pool = load_tasks(art["curate"], "rl", domain)
     val = _val(domain) if val_every else pool[:2]
-    distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS)
+    distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS, mode=loss)
     policy, tok, st = specialist(r, art["sft"], [], val, seed=0, label=f"bench opd {domain}", distill=distill)
     ray.shutdown()
     if save:
@@ -167,26 +174,35 @@ def main() -> None:
     art = _inputs()
     teacher = art[f"rl-{DOMAIN}"]
     ours = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-student")
+    full = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-full-student", "full")  # TRL's loss form
     trl = _child("trl", STEPS, OUT / "opd-trl-student")
     fig = {"domain": DOMAIN, "steps": STEPS, "prompts_per_step": PROMPTS,
            "steps_per_s": STEPS / ours["wall_s"], "steps_per_s_trl": STEPS / trl["wall_s"],
            "reverse_kl_before": reverse_kl_on_own_samples(art["sft"], teacher),
            "reverse_kl_after_n": reverse_kl_on_own_samples(str(OUT / "opd-ours-student"), teacher),
-           "reverse_kl_after_n_trl": reverse_kl_on_own_samples(str(OUT / "opd-trl-student"), teacher)}
+           "reverse_kl_after_n_trl": reverse_kl_on_own_samples(str(OUT / "opd-trl-student"), teacher),
+           "steps_per_s_full": STEPS / full["wall_s"],
+           "reverse_kl_after_n_full": reverse_kl_on_own_samples(str(OUT / "opd-ours-full-student"), teacher)}
     fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]
     curves = {}
     for d in EFF_DOMAINS:
-        rl, opd = _child("rl", d), _child("opd", d, OPD_STEPS, 5)
+        rl = _child("rl", d)
         target = 0.95 * rl["val"][-1][1]
-        rl_t, opd_t = tokens_to(rl, target), tokens_to(opd, target)
+        rl_t = tokens_to(rl, target)
         fig |= {f"specialist_val_{d}": rl["val"][-1][1], f"sft_val_{d}": rl["val"][0][1],
-                f"rl_student_tokens_to_95pct_{d}": rl_t, f"opd_student_tokens_to_95pct_{d}": opd_t,
-                f"token_efficiency_ratio_{d}": rl_t / opd_t if rl_t and opd_t else None,
-                f"opd_teacher_tokens_to_95pct_{d}": opd_t}  # one teacher token scored per student token
-        curves[d] = {"rl": rl, "opd": opd, "target": target}
+                f"rl_student_tokens_to_95pct_{d}": rl_t}
+        curves[d] = {"rl": rl, "target": target}
+        for form, lr in EFF_FORMS.items():
+            opd = _child("opd", d, OPD_STEPS, 5, "", form, lr)
+            opd_t = tokens_to(opd, target)  # teacher tokens scored = student tokens: each is scored once
+            sfx = "" if form == "full" else f"_{form}"
+            fig |= {f"opd_student_tokens_to_95pct_{d}{sfx}": opd_t,
+                    f"token_efficiency_ratio_{d}{sfx}": rl_t / opd_t if rl_t and opd_t else None}
+            curves[d][f"opd_{form}"] = opd
     # the headline: the domain where OPD's advantage is smallest
     worst = min(EFF_DOMAINS, key=lambda d: fig[f"token_efficiency_ratio_{d}"] or 0.0)
-    fig |= {"token_efficiency_domain": worst, "rl_student_tokens_to_95pct": fig[f"rl_student_tokens_to_95pct_{worst}"],
+    fig |= {"token_efficiency_domain": worst, "token_efficiency_form": "full",
+            "rl_student_tokens_to_95pct": fig[f"rl_student_tokens_to_95pct_{worst}"],
             "opd_student_tokens_to_95pct": fig[f"opd_student_tokens_to_95pct_{worst}"],
             "token_efficiency_ratio": fig[f"token_efficiency_ratio_{worst}"]}
     (OUT / "opd.json").write_text(json.dumps({**fig, "curves": curves}, indent=1))
@@ -201,10 +217,9 @@ def _plot(curves: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     f, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.4), squeeze=False)
     for ax, (d, c) in zip(axes[0], curves.items()):
-        for name in ("rl", "opd"):
+        for name, label in (("rl", "RL specialist"), *((f"opd_{f}", f"OPD, {f}") for f in EFF_FORMS)):
             tokens = [0.0] + c[name]["tokens"]
-            ax.plot([tokens[s] for s, _ in c[name]["val"]], [v for _, v in c[name]["val"]], "o-", ms=3,
-                    label="RL specialist" if name == "rl" else "OPD (specialist as teacher)")
+            ax.plot([tokens[s] for s, _ in c[name]["val"]], [v for _, v in c[name]["val"]], "o-", ms=3, label=label)
         ax.axhline(c["target"], ls=":", c="grey", label="95% of the specialist")
         ax.set(xscale="symlog", xlabel="student tokens generated", ylabel="validation accuracy", title=d)
         ax.legend(loc="lower right", fontsize=7)
@@ -216,7 +231,7 @@ def _plot(curves: dict, path: Path) -> None:
 if __name__ == "__main__":
     what, *rest = sys.argv[1:]
     if what == "opd":
-        result = _ours_opd(rest[0], int(rest[1]), int(rest[2]), *rest[3:])
+        result = _ours_opd(rest[0], int(rest[1]), int(rest[2]), *rest[3:5], *map(float, rest[5:]))
     elif what == "rl":
         result = _ours_rl(rest[0])
     else:
