@@ -221,7 +221,8 @@ def _plot(curves: dict, path: Path) -> None:
             tokens = [0.0] + c[name]["tokens"]
             ax.plot([tokens[s] for s, _ in c[name]["val"]], [v for _, v in c[name]["val"]], "o-", ms=3, label=label)
         ax.axhline(c["target"], ls=":", c="grey", label="95% of the specialist")
-        ax.set(xscale="symlog", xlabel="student tokens generated", ylabel="validation accuracy", title=d)
+        ax.set_xscale("symlog", linthresh=1000)  # linear to 1000 tokens (the start), log beyond
+        ax.set(xlim=(0, None), xlabel="student tokens generated", ylabel="validation accuracy", title=d)
         ax.legend(loc="lower right", fontsize=7)
     f.tight_layout()
     f.savefig(path, dpi=110)

@@ -63,8 +63,8 @@ def plot(c: dict, path: Path) -> None:
     for i, n in enumerate(names):
         ax.bar([j + i * w for j in range(len(DOMAINS))], [c["scores"][n][d] for d in DOMAINS], w, label=n)
     ax.set_xticks([j + 0.4 - w / 2 for j in range(len(DOMAINS))], DOMAINS)
-    ax.set(ylabel="test score (greedy)", ylim=(0, 1.05), title="one model from three specialists")
-    ax.legend(fontsize=8, ncol=2, loc="lower right")
+    ax.set(ylabel="test score (greedy)", ylim=(0, 1.2), title="one model from three specialists")
+    ax.legend(fontsize=7, ncol=len(names), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -40,10 +40,10 @@ def reverse_kl_terms(logp_all: torch.Tensor, ids: torch.Tensor, sub: list, mode:
             t = torch.tensor(s.teacher)
             kl[i, pos] = ls.detach().gather(-1, ids[i, pos, None]).squeeze(-1) - t
         elif mode == "full":
-            t = torch.from_numpy(np.asarray(s.teacher))
+            t = torch.tensor(np.asarray(s.teacher))
             kl[i, pos] = (ls.exp() * (ls - t)).sum(-1)
         else:
-            k_ids, k_lp = (torch.from_numpy(np.asarray(a)) for a in s.teacher)
+            k_ids, k_lp = (torch.tensor(np.asarray(a)) for a in s.teacher)
             ls_k = ls.gather(-1, k_ids.long())
             rest_s = torch.log1p(-ls_k.exp().sum(-1).clamp(max=1 - 1e-6))
             rest_t = torch.log1p(-k_lp.exp().sum(-1).clamp(max=1 - 1e-6))

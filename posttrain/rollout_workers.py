@@ -89,7 +89,6 @@ class RolloutWorker:
                for i, e in enumerate(eps)]
         info = {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out)}
         if distill:
-            t1 = time.perf_counter()
             by_domain: dict[str, list[Sample]] = {}
             for s in out[n_rl:]:
                 by_domain.setdefault(s.domain, []).append(s)
@@ -99,7 +98,6 @@ class RolloutWorker:
             for d, ss in by_domain.items():
                 for s, t in zip(ss, scores[d]):
                     s.teacher = t
-            info["teacher_seconds"] = time.perf_counter() - t1
         return out, info
 
 
