@@ -11,7 +11,7 @@ from pathlib import Path
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
 from posttrain.model import save_checkpoint
-from posttrain.rl import Distill, kill_step, plot_curves, specialist
+from posttrain.rl import Distill, plot_curves, specialist
 from posttrain.stages import CROSS_ORDER as ORDER, stage_name
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, chain: str, scratch: str = "") -> dict:
@@ -28,11 +28,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
                           [t for d in earlier for t in load_tasks(inputs["curate"], "rl", d)],
                           x.distill_prompts_per_step, mode=x.loss, coef=x.distill_coef,
                           teacher_cpus=cfg.opd.teacher_cpus)
-    scratch_dir = Path(scratch) if scratch else None
-    if scratch_dir:
-        scratch_dir.mkdir(parents=True, exist_ok=True)
-    policy, tok, st = specialist(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", scratch=scratch_dir,
-                                 kill_at=kill_step(f"{chain}-{domain}"), distill=distill)
+    policy, tok, st = specialist(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", scratch=scratch,
+                                 distill=distill)
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

@@ -11,7 +11,8 @@ from environments import DOMAINS
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.curate import load_tasks
 from posttrain.model import save_checkpoint
-from posttrain.rl import Distill, kill_step, specialist
+from posttrain.rl import Distill, specialist
+from posttrain.train import summarize
 
 
 def loop_config(cfg: PipelineConfig) -> RLConfig:
@@ -61,11 +62,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     val = [t for d in DOMAINS for t in load_tasks(inputs["curate"], "val", d)]
     distill = Distill({d: inputs[f"rl-{d}"] for d in DOMAINS}, pool, o.prompts_per_step, route=o.route,
                       mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus)
-    scratch_dir = Path(scratch) if scratch else None
-    if scratch_dir:
-        scratch_dir.mkdir(parents=True, exist_ok=True)
     policy, tok, st = specialist(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd",
-                                 scratch=scratch_dir, kill_at=kill_step("opd"), distill=distill)
+                                 scratch=scratch, distill=distill)
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))
@@ -74,8 +72,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     plot(hist, teacher_val, out / "opd_curves.png")
     metrics = {"wall_s": st.wall_s, "steps_per_s": o.steps / st.wall_s,
                "student_tokens": hist["student_tokens"][-1], "teacher_tokens": hist["teacher_tokens"][-1],
-               "reverse_kl_first": sum(hist["reverse_kl"][:5]) / len(hist["reverse_kl"][:5]),
-               "reverse_kl_last": sum(hist["reverse_kl"][-5:]) / len(hist["reverse_kl"][-5:]),
+               **summarize(hist, "reverse_kl", 5),
                "masked_token_fraction": sum(hist["distill_masked_fraction"]) / o.steps}
     for d in DOMAINS:
         before, after = hist[f"val_score/{d}"][0][1], hist[f"val_score/{d}"][-1][1]

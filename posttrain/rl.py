@@ -189,17 +189,22 @@ def val_scores(policy, tok, val: list[Task], **kw) -> dict[str, float]:
 
 
 def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
-               scratch: Path | None = None, kill_at: int = -1, distill: Distill | None = None
+               scratch: str | Path | None = None, distill: Distill | None = None
                ) -> tuple[torch.nn.Module, object, State]:
     """Train a policy from the `sft` checkpoint: RL on `pool` (may be empty), plus on-policy distillation
-    when `distill` is given. Returns policy, tokenizer, final state."""
+    when `distill` is given. `label` (the stage name in the pipeline) names it in the progress bar and in
+    POSTTRAIN_KILL_AT; `scratch` makes it resumable. Returns policy, tokenizer, final state."""
     seed_all(seed)
     policy, tok = load_checkpoint(sft)
     critic = ValueModel(sft) if r.algorithm == "ppo" and pool else None
     ref = load_checkpoint(sft)[0].eval() if r.kl_coef > 0 else None
     opt = make_optimizer(policy, r.lr)
     copt = make_optimizer(critic, r.critic_lr) if critic is not None else None
-    ckpt = scratch / "rl_state.pt" if scratch else None
+    ckpt = None
+    if scratch:  # resumable: the full state goes here every `checkpoint_every` steps
+        Path(scratch).mkdir(parents=True, exist_ok=True)
+        ckpt = Path(scratch) / "rl_state.pt"
+    kill_at = kill_step(label)
     st = State()
     if ckpt and ckpt.exists():
         st = _load(ckpt, policy, opt, critic, copt)
@@ -347,11 +352,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     r = cfg.rl.for_domain(domain)
     pool = load_tasks(inputs["curate"], "rl", domain)
     val = load_tasks(inputs["curate"], "val", domain)
-    scratch_dir = Path(scratch) if scratch else None
-    if scratch_dir:
-        scratch_dir.mkdir(parents=True, exist_ok=True)
     policy, tok, st = specialist(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}",
-                                 scratch=scratch_dir, kill_at=kill_step(f"rl-{domain}"))
+                                 scratch=scratch)
     save_checkpoint(policy, tok, out)
     hist = st.history
     # blocked hack attempts, with the call and the guard stage that caught it, for reviewers

@@ -142,19 +142,25 @@ def test_sft_resumes_exactly_after_sigkill(first, tmp_path):
     assert not (tmp_path / "scratch" / "sft").exists() or not any((tmp_path / "scratch" / "sft").iterdir())
 
 
+def _kill_then_resume(first, stage: str, *sets: str) -> tuple[dict, dict]:
+    """Rerun `stage` with a SIGKILL right after its step-1 checkpoint, then rerun it again; returns the
+    uninterrupted run's history and the resumed one's."""
+    home, report = first
+    args = ("rerun", stage, "--from", report["run_id"], *(x for kv in sets for x in ("--set", kv)))
+    p = posttrain(home, *args, check=False, env={"POSTTRAIN_KILL_AT": f"{stage}:1"})
+    assert p.returncode == 1 and f"stage {stage} failed" in p.stderr
+    p = posttrain(home, *args)
+    assert "resuming at step 1 of 2" in p.stdout + p.stderr
+    resumed = json.loads((home / "latest" / "report.json").read_text())["stages"][stage]["artifact"]
+    before = json.loads((Path(report["stages"][stage]["artifact"]) / "history.json").read_text())
+    return before, json.loads((Path(resumed) / "history.json").read_text())
+
+
 def test_rl_specialist_resumes_exactly_after_sigkill(first):
     """SIGKILL a specialist right after its step-1 checkpoint (weights, optimizer, RNG, request cursor,
     rollout buffer); the rerun continues at step 1, and every step's reward and loss is the
     uninterrupted run's: none lost, none repeated."""
-    home, report = first
-    args = ("rerun", "rl-general", "--from", report["run_id"], "--set", "rl.checkpoint_every=1")
-    p = posttrain(home, *args, check=False, env={"POSTTRAIN_KILL_AT": "rl-general:1"})
-    assert p.returncode == 1 and "stage rl-general failed" in p.stderr
-    p = posttrain(home, *args)
-    assert "resuming at step 1 of 2" in p.stdout + p.stderr
-    resumed = json.loads((home / "latest" / "report.json").read_text())["stages"]["rl-general"]["artifact"]
-    before = json.loads((Path(report["stages"]["rl-general"]["artifact"]) / "history.json").read_text())
-    after = json.loads((Path(resumed) / "history.json").read_text())
+    before, after = _kill_then_resume(first, "rl-general", "rl.checkpoint_every=1")
     for key in ("reward", "loss", "masked_fraction", "kl_behaviour", "staleness_mean", "val_score"):
         assert after[key] == before[key], key
     assert len(after["reward"]) == 2 and any(after["reward"]) and any(after["loss"])  # it learned something
@@ -162,15 +168,7 @@ def test_rl_specialist_resumes_exactly_after_sigkill(first):
 
 def test_opd_resumes_exactly_after_sigkill(first):
     """The distillation node keeps its student buffer and teacher scores across a SIGKILL too."""
-    home, report = first
-    args = ("rerun", "opd", "--from", report["run_id"])
-    p = posttrain(home, *args, check=False, env={"POSTTRAIN_KILL_AT": "opd:1"})
-    assert p.returncode == 1 and "stage opd failed" in p.stderr
-    p = posttrain(home, *args)
-    assert "resuming at step 1 of 2" in p.stdout + p.stderr
-    resumed = json.loads((home / "latest" / "report.json").read_text())["stages"]["opd"]["artifact"]
-    before = json.loads((Path(report["stages"]["opd"]["artifact"]) / "history.json").read_text())
-    after = json.loads((Path(resumed) / "history.json").read_text())
+    before, after = _kill_then_resume(first, "opd")
     for key in ("reverse_kl", "distill_loss", "student_tokens", "teacher_tokens", "val_score"):
         assert after[key] == before[key], key
 
