@@ -11,9 +11,8 @@ from environments import DOMAINS
 from posttrain.artifacts import read_manifest
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
-from posttrain.model import load_checkpoint
+from posttrain.evaluate import evaluate_checkpoint
 from posttrain.opd import tokens_to_reach
-from posttrain.rollout import run_episodes, score
 from posttrain.stages import CROSS_ORDER as ORDER, stage_name
 
 METHODS = {"multi_teacher_opd": "opd", "cross_stage": stage_name("xs", ORDER[-1]),
@@ -21,14 +20,8 @@ METHODS = {"multi_teacher_opd": "opd", "cross_stage": stage_name("xs", ORDER[-1]
 
 
 def test_scores(path: str, tests: dict[str, list], cfg: PipelineConfig) -> dict[str, float]:
-    model, tok = load_checkpoint(path)
-    model.eval()
-    out = {}
-    for d, tasks in tests.items():
-        eps = run_episodes(model, tok, tasks, max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0,
-                           max_turns=cfg.rl.max_turns, batch_size=cfg.eval.batch_size)
-        out[d] = round(sum(score(eps)) / len(eps), 4)
-    return out
+    """Greedy score per domain, thinking on, through the evaluate stage's own scorer."""
+    return evaluate_checkpoint(cfg, path, {d: (tasks, True) for d, tasks in tests.items()})[0]
 
 
 def compute_of(inputs: dict[str, str], stages: list[str]) -> dict[str, float]:

@@ -14,6 +14,7 @@ from posttrain.model import save_checkpoint
 from posttrain.rl import Distill, plot_curves, specialist
 from posttrain.stages import CROSS_ORDER as ORDER, stage_name
 
+
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, chain: str, scratch: str = "") -> dict:
     r = cfg.rl.for_domain(domain)
     x = cfg.cross_stage
