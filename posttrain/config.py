@@ -65,6 +65,7 @@ class ModelConfig(_Strict):
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
+    num_kv_heads: int | None = None      # grouped-query attention; None: one key/value head per query head
     intermediate_size: int = 384
     rope_theta: float = 10000.0
     max_position_embeddings: int = 128
@@ -230,21 +231,38 @@ class CrossStageConfig(_Strict):
 
 
 class QuantizeConfig(_Strict):
+    """W4A8: int4 group-wise weights for the MLP blocks, int8 per-channel for attention, int8 per-token
+    activations, exported as compressed-tensors."""
     mlp_bits: Literal[4] = 4
     attn_bits: Literal[8] = 8
     act_bits: Literal[8] = 8
-    group_size: int = 32
+    group_size: int = 128                # int4 weights share a scale per group of input columns
+    method: Literal["gptq", "rtn"] = "gptq"  # GPTQ: error-compensating rounding on calibration activations
+    calib_samples: int = 128             # curated SFT conversations the calibration activations come from
+    calib_seq_len: int = 512
+    dampening: float = 0.01              # GPTQ: share of the mean Hessian diagonal added before inverting
 
 
 class EvalConfig(_Strict):
-    n_per_suite: int = 64
+    n_per_suite: int = 64                # long-context tasks per length (domain suites: the whole test split)
     max_new_tokens: int = 48
     batch_size: int = 64
+    samples: int = 4                     # sampled answers per task for pass@k (0: greedy only)
+    temperature: float = 0.6             # for the sampled answers
 
     def batch_size_at(self, length: int) -> int:
         """Prompts per batch at a context length: attention scores are batch x heads x length^2, so
         `batch_size` holds up to 512 tokens and shrinks beyond."""
         return max(1, min(self.batch_size, self.batch_size * 512 // length))
+
+
+class GatesConfig(_Strict):
+    """Regression gates on a checkpoint's greedy test scores. A failing gate fails the pipeline run and
+    the model is not registered. Suite "*" stands for every suite."""
+    checkpoint: str = "quantized"
+    min: dict[str, float] = {}           # suite -> lowest acceptable score
+    max_drop: dict[str, float] = {}      # suite -> most it may score below `baseline`
+    baseline: str = "generalist"
 
 
 class RuntimeConfig(_Strict):
@@ -268,14 +286,15 @@ class PipelineConfig(_Strict):
     cross_stage: CrossStageConfig = CrossStageConfig()
     quantize: QuantizeConfig = QuantizeConfig()
     eval: EvalConfig = EvalConfig()
+    gates: GatesConfig = GatesConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     registered_model: str = "posttrain-tiny"
 
     def digest(self, *sections: str) -> str:
-        """sha256 of the whole config, or of only the named top-level sections."""
+        """sha256 of the whole config, or of only the named sections ("eval" or a key path "eval.batch_size")."""
         data = self.model_dump(mode="json")
         if sections:
-            data = {k: data[k] for k in sections}
+            data = {k: _at(data, k) for k in sections}
         else:
             data.pop("runtime")  # where it runs does not change what it computes
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
@@ -283,6 +302,12 @@ class PipelineConfig(_Strict):
     def eval_lengths(self) -> list[int]:
         """The base model's context length and every ramp stage's: long_context is scored at each."""
         return sorted({self.model.max_position_embeddings, *(s.seq_len for s in self.ramp.stages)})
+
+
+def _at(data: dict, path: str) -> Any:
+    for part in path.split("."):
+        data = data[part]
+    return data
 
 
 def _parse_value(raw: str) -> Any:

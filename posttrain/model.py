@@ -23,7 +23,7 @@ def seed_all(seed: int) -> None:
 def build_model(cfg: ModelConfig, tok) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
         intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=cfg.rope_theta, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -49,7 +49,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
     Stage("curate", "posttrain.curate:run", ("raw",), ("seed", "world", "curate"), num_cpus=0.1, threads=1),
     Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base")),
-    Stage("ramp", "posttrain.ramp:run", ("base", "curate"), ("seed", "model", "ramp", "eval"), resumable=True),
+    Stage("ramp", "posttrain.ramp:run", ("base", "curate"), ("seed", "model", "ramp", "eval.n_per_suite", "eval.max_new_tokens",
+                                                                "eval.batch_size"), resumable=True),
     # sft's own Ray task only waits on its Ray Train workers
     Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), num_cpus=0.1, resumable=True),
     # 3 x (0.4 + one 0.25-CPU rollout worker) fits the 2 CPUs, so the three specialists run at once
@@ -58,7 +59,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
     # the trainer, one rollout worker (0.25) and three teachers (0.2 each) fit the 2 CPUs
     Stage("opd", "posttrain.opd:run", ("sft", "curate", *DOMAIN_STAGES), ("seed", "opd", "rl"), num_cpus=0.5,
           threads=1, resumable=True),
-    Stage("quantize", "posttrain.quantize:run", ("opd",), ("seed", "quantize")),
+    Stage("quantize", "posttrain.quantize:run", ("opd", "curate"), ("seed", "quantize")),
     Stage("evaluate", "posttrain.evaluate:run", ("base", "ramp", "sft", *DOMAIN_STAGES, "opd", "quantize", "curate"),
           ("seed", "eval", "rl", "model", "ramp")),
     # workflows/cross_stage.py: the GLM-5 chain with distillation (xs-) and without (seq-), both after rl-reasoning

@@ -9,5 +9,5 @@ env = stage_env("quantize", cpu=4, memory="32Gi")
 
 
 @env.task
-async def quantize(ctx: RunContext, opd: ArtifactRef) -> ArtifactRef:
-    return await run_stage("quantize", ctx, {"opd": opd})
+async def quantize(ctx: RunContext, opd: ArtifactRef, curate: ArtifactRef) -> ArtifactRef:
+    return await run_stage("quantize", ctx, {"opd": opd, "curate": curate})

@@ -53,7 +53,7 @@ async def node(stage: str, ctx: RunContext, r: dict[str, ArtifactRef]) -> Artifa
     if stage == "opd":
         return await opd_t.opd(ctx, r["sft"], r["curate"], {s: r[s] for s in DOMAIN_STAGES})
     if stage == "quantize":
-        return await quantize_t.quantize(ctx, r["opd"])
+        return await quantize_t.quantize(ctx, r["opd"], r["curate"])
     if stage == "evaluate":
         keep = ("base", "ramp", "sft", *DOMAIN_STAGES, "opd", "quantize", "curate")
         return await evaluate_t.evaluate(ctx, {s: r[s] for s in keep})
