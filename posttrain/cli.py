@@ -60,6 +60,18 @@ def print_report(report: dict) -> None:
         from posttrain.consolidation import table as ctable
         print("\nconsolidation (test score, recovery of the specialist's gain over sft)\n"
               + ctable(report["consolidation"]))
+    if report.get("pass_at_k"):
+        pk = {ck: {f"{s} {k}": v for s, kv in ss.items() for k, v in kv.items()} for ck, ss in report["pass_at_k"].items()}
+        print(f"\nsampled answers ({report['sampling']['samples']} per task, T {report['sampling']['temperature']})\n"
+              + table(pk))
+    if report.get("quantization"):
+        q = report["quantization"]
+        print(f"\nquantized: linear weights {q['bytes_ratio_vs_bf16']:.1%} of bf16, {q['disk_bytes'] / 2**20:.2f} MiB "
+              f"on disk ({q['disk_bytes_unquantized'] / 2**20:.2f} unquantized); {q['format']}")
+    for c in report.get("gates", {}).get("checks", []):
+        print(f"gate {'pass' if c['passed'] else 'FAIL'}: {c['message']}")
+    if report.get("report_html"):
+        print(f"\nHTML report: {report['report_html']}")
     if report.get("registered_model"):
         print(f"\nregistered model: {report['registered_model']}  (audit: posttrain lineage {report['registered_model']})")
 
@@ -191,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             cause = cause.__cause__ or cause.__context__
         # Flyte's local controller re-raises a node's error as its own type, keeping only the message
         msg = str(cause or e)
-        if cause is None and not re.search(r"stage [\w-]+ (failed|refused)|invalid config", msg):
+        if cause is None and not re.search(r"stage [\w-]+ (failed|refused)|invalid config|regression gate failed", msg):
             raise
         print(f"posttrain: error after {time.time() - t0:.0f} s: {msg}", file=sys.stderr)
         return 1

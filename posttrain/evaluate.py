@@ -1,4 +1,5 @@
-"""evaluate: every checkpoint on every suite's test split, thinking on and off; a table and a plot.
+"""evaluate: every checkpoint on every suite's test split, thinking on and off, greedy and (for the chat
+checkpoints' domain suites) sampled with pass@k; a table, plots and the HTML report.
 
 Checkpoints before sft have never seen the chat template: they are scored as plain-text completion, the
 form the pretraining corpus shows tasks in (posttrain/completion_eval.py); the rest through the chat
@@ -6,6 +7,7 @@ template and the environments' episodes."""
 from __future__ import annotations
 
 import json
+from math import comb
 from pathlib import Path
 
 import torch
@@ -16,7 +18,7 @@ from posttrain.chat import render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
-from posttrain.quantize import load_any
+from posttrain.int_linear import load_any
 from posttrain.ramp import eval_sets
 from posttrain.rollout import run_episodes, score
 
@@ -27,11 +29,12 @@ BASE_MODELS = ("base", "ramped")  # scored as completion, not chat
 
 
 def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) -> dict[str, tuple[list, bool]]:
-    """suite name -> (test tasks, thinking on); long-context tasks sized to fit each length in the format."""
+    """suite name -> (test tasks, thinking on): each domain's whole test split; `eval.n_per_suite`
+    long-context tasks per length, sized to fit each length in the format."""
     n = cfg.eval.n_per_suite
     out = {}
     for d in environments.names(cfg.world.environments):
-        tasks = load_tasks(curate_dir, "test", d)[:n]
+        tasks = load_tasks(curate_dir, "test", d)
         out[d] = (tasks, True)
         out[f"{d}:nothink"] = (tasks, False)
     if completion:
@@ -43,12 +46,19 @@ def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) 
     return out
 
 
-def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, completion: bool = False
-                        ) -> tuple[dict, dict]:
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c passed (Chen et al. 2021)."""
+    return 1.0 - comb(n - c, k) / comb(n, k) if n - c >= k else 1.0
+
+
+def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, completion: bool = False,
+                        samples: int = 0) -> tuple[dict, dict, dict]:
+    """Greedy score and mean generated tokens per suite; with `samples`, pass@1 and pass@samples of
+    that many sampled answers per task (a sample passes on full reward) for the domain suites."""
     torch.manual_seed(cfg.seed)
     model, tok = load_any(path)
     model.eval()
-    scores, tokens = {}, {}
+    scores, tokens, passk = {}, {}, {}
     for name, (tasks, thinking) in suite_tasks.items():
         bs = cfg.eval.batch_size_at(int(name.split("@")[1])) if "@" in name else cfg.eval.batch_size
         if completion:
@@ -60,7 +70,15 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
             s, n_gen = score(eps), [e.n_generated for e in eps]
         scores[name] = round(sum(s) / len(s), 4)
         tokens[name] = round(sum(n_gen) / len(n_gen), 2)
-    return scores, tokens
+        if samples and not completion and "@" not in name:
+            eps = run_episodes(model, tok, tasks * samples, enable_thinking=thinking, temperature=cfg.eval.temperature,
+                               max_new_tokens=cfg.eval.max_new_tokens, max_turns=cfg.rl.max_turns, batch_size=bs,
+                               generator=torch.Generator().manual_seed(cfg.seed))
+            r = score(eps)
+            passed = [sum(r[i + j * len(tasks)] >= 1.0 for j in range(samples)) for i in range(len(tasks))]
+            passk[name] = {f"pass@{k}": round(sum(pass_at_k(samples, c, k) for c in passed) / len(tasks), 4)
+                           for k in sorted({1, samples})}
+    return scores, tokens, passk
 
 
 def table(scores: dict[str, dict[str, float]]) -> str:
@@ -91,16 +109,26 @@ def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     from transformers import AutoTokenizer
+
+    from posttrain import report_html
     tok = AutoTokenizer.from_pretrained(inputs["sft"])
     chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
-    all_scores, all_tokens = {}, {}
+    result = {"eval": {}, "tokens": {}, "pass_at_k": {},
+              "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
     for ck, stage in CHECKPOINTS.items():
         completion = ck in BASE_MODELS
-        all_scores[ck], all_tokens[ck] = evaluate_checkpoint(
-            cfg, inputs[stage], completion_suites if completion else chat_suites, completion)
-        print(f"[evaluate] {ck}: {all_scores[ck]}", flush=True)
-    (out / "eval.json").write_text(json.dumps({"eval": all_scores, "tokens": all_tokens}, indent=1))
-    (out / "eval.md").write_text(table(all_scores) + "\n")
-    plot(all_scores, out / "eval.png")
-    metrics = {f"{ck}.{s}": v for ck, ss in all_scores.items() for s, v in ss.items()}
+        s, t, p = evaluate_checkpoint(cfg, inputs[stage], completion_suites if completion else chat_suites,
+                                      completion, cfg.eval.samples)
+        result["eval"][ck], result["tokens"][ck] = s, t
+        if p:
+            result["pass_at_k"][ck] = p
+        print(f"[evaluate] {ck}: {s}", flush=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=1))
+    (out / "eval.md").write_text(table(result["eval"]) + "\n")
+    plot(result["eval"], out / "eval.png")
+    quantization = json.loads((Path(inputs["quantize"]) / "quantization.json").read_text())
+    report_html.write({**result, "quantization": quantization}, out)
+    metrics = {f"{ck}.{s}": v for ck, ss in result["eval"].items() for s, v in ss.items()}
+    metrics |= {f"{ck}.{s}.{k}": v for ck, ss in result["pass_at_k"].items() for s, kv in ss.items()
+                for k, v in kv.items()}
     return {"metrics": metrics}

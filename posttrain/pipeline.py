@@ -8,10 +8,63 @@ import time
 import uuid
 from pathlib import Path
 
-from posttrain import tracking
+from posttrain import report_html, tracking
 from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest
-from posttrain.config import PipelineConfig
+from posttrain.config import ConfigError, PipelineConfig
 from posttrain.stages import ORDER, RunContext
+
+
+class GateFailure(RuntimeError):
+    """A regression gate failed: the run is marked failed and its model is not registered."""
+
+
+def suite_names(cfg: PipelineConfig) -> list[str]:
+    import environments
+    domains = environments.names(cfg.world.environments)
+    return [*domains, *(f"{d}:nothink" for d in domains), *(f"long_context@{L}" for L in cfg.eval_lengths())]
+
+
+def validate_gates(cfg: PipelineConfig) -> None:
+    """Refuse gates on unknown suites or checkpoints before any work is done."""
+    from posttrain.evaluate import CHECKPOINTS
+    g, known = cfg.gates, suite_names(cfg)
+    for field in ("checkpoint", "baseline"):
+        if getattr(g, field) not in CHECKPOINTS:
+            raise ConfigError(f"gates.{field}: {getattr(g, field)!r} is not an evaluated checkpoint "
+                              f"(known: {', '.join(CHECKPOINTS)})")
+    for kind in ("min", "max_drop"):
+        for suite in getattr(g, kind):
+            if suite != "*" and suite not in known:
+                raise ConfigError(f"gates.{kind}.{suite}: no such suite (known: *, {', '.join(known)})")
+
+
+def check_gates(cfg: PipelineConfig, scores: dict[str, dict[str, float]]) -> dict:
+    """Each configured gate on the gated checkpoint's greedy test scores, with a message naming suite and threshold."""
+    g, checks = cfg.gates, []
+    got = scores[g.checkpoint]
+    for kind in ("min", "max_drop"):
+        for key, limit in getattr(g, kind).items():
+            for suite in (list(got) if key == "*" else [key]):
+                if kind == "min":
+                    ok = got[suite] >= limit
+                    msg = (f"{g.checkpoint} scored {got[suite]:.3f} on {suite}, "
+                           f"{'at or above' if ok else 'below'} gates.min.{key} = {limit}")
+                else:
+                    base = scores[g.baseline][suite]
+                    ok = base - got[suite] <= limit + 1e-9
+                    msg = (f"{g.checkpoint} scored {got[suite]:.3f} on {suite}, {base - got[suite]:+.3f} below "
+                           f"{g.baseline} ({base:.3f}); gates.max_drop.{key} = {limit}")
+                checks.append({"suite": suite, "gate": f"{kind}.{key}", "threshold": limit, "score": got[suite],
+                               "passed": ok, "message": msg})
+    return {"checkpoint": g.checkpoint, "baseline": g.baseline, "passed": all(c["passed"] for c in checks),
+            "checks": checks}
+
+
+def enforce_gates(report: dict) -> None:
+    failed = [c["message"] for c in report.get("gates", {}).get("checks", []) if not c["passed"]]
+    if failed:
+        raise GateFailure("regression gate failed: " + "; ".join(failed)
+                          + f" (report: {report.get('report_html', '')})")
 
 
 def home_dir() -> Path:
@@ -20,6 +73,7 @@ def home_dir() -> Path:
 
 def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None = None,
           force: list[str] | None = None) -> RunContext:
+    validate_gates(cfg)
     home = home_dir()
     run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     run_dir = home / "runs" / run_id
@@ -64,16 +118,22 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
               **(extra or {})}
     if "evaluate" in refs:
         report.update(json.loads((Path(refs["evaluate"].path) / "eval.json").read_text()))
+        report["gates"] = check_gates(cfg, report["eval"])
     if "consolidation" in refs:
         report.update(json.loads((Path(refs["consolidation"].path) / "consolidation.json").read_text()))
     if "curate" in refs:
         report["environments"] = environment_counts(cfg, refs)
+    passed = report.get("gates", {}).get("passed", True)
     if "quantize" in refs:
-        report["quantization"] = read_manifest(refs["quantize"].path).get("metrics", {})
         q = refs["quantize"]
-        report["registered_model"] = f"{cfg.registered_model}@" + tracking.register_model(
-            ctx.home, cfg.registered_model, q.path, q.mlflow_run_id,
-            {"sha256": q.sha256, "pipeline_run": ctx.parent_run_id, "posttrain.run_id": ctx.run_id})
+        report["quantization"] = json.loads((Path(q.path) / "quantization.json").read_text())
+        if passed:  # a model that fails its gates is not registered
+            report["registered_model"] = f"{cfg.registered_model}@" + tracking.register_model(
+                ctx.home, cfg.registered_model, q.path, q.mlflow_run_id,
+                {"sha256": q.sha256, "pipeline_run": ctx.parent_run_id, "posttrain.run_id": ctx.run_id})
+    if "eval" in report:
+        report["report_html"] = str(run_dir / "report.html")
+        report_html.write(report, run_dir)
     text = json.dumps(report, indent=1)
     atomic_write_text(run_dir / "report.json", text)
     atomic_write_text(home / "latest" / "report.json", text)
@@ -81,11 +141,13 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     for stage, names in shown.items():
         for name in names if stage in refs else ():
             shutil.copy(Path(refs[stage].path) / name, run_dir / name)
-    files = [run_dir / "report.json"] + [run_dir / n for ns in shown.values() for n in ns if (run_dir / n).exists()]
+    pages = ("report.html", *report_html.PLOTS) if "eval" in report else ()
+    files = [run_dir / "report.json"] + [run_dir / n for ns in [*shown.values(), pages] for n in ns
+                                         if (run_dir / n).exists()]
     metrics = {f"{ck}.{s}": v for ck, ss in report.get("eval", {}).items() for s, v in ss.items()}
     tracking.log_result(ctx.home, ctx.parent_run_id, params={}, metrics={"wall_seconds": wall_seconds, **metrics},
-                        files=files)
-    tracking.end_run(ctx.home, ctx.parent_run_id)
+                        files=files, tags={"posttrain.gates": "passed" if passed else "failed"})
+    tracking.end_run(ctx.home, ctx.parent_run_id, "FINISHED" if passed else "FAILED")
     return report
 
 

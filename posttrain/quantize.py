@@ -1,127 +1,149 @@
-"""quantize: W4A8. int4 group-wise weights for MLP blocks, int8 per-channel for attention projections,
-int8 per-token activations. Stored as packed integers + scales in safetensors, described by a
-`quantization_config` in config.json.
-
-Written by hand because torchao's int4 paths need CUDA/XPU kernels and its CPU int8 path does not
-produce the mixed int4-MLP / int8-attention layout the recipe asks for.
-"""
+"""quantize: W4A8. int4 group-wise weights for the MLP blocks, int8 per-channel weights for the attention
+projections, int8 per-token dynamic activations. Rounding is GPTQ on calibration activations from
+curated SFT conversations, layer by layer (each layer calibrated on the outputs of the already
+quantized layers before it). Exported with compressed-tensors (mixed-precision: pack-quantized MLP,
+int-quantized attention, bf16 scales): the format vLLM loads as CompressedTensorsW4A8Int and
+CompressedTensorsW8A8Int8. Our own evaluation runs it on CPU through posttrain/int_linear.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                             apply_quantization_config)
+from safetensors import safe_open
+from tqdm import tqdm
 
-from posttrain.config import PipelineConfig
+import environments
+from posttrain.chat import render_ids
+from posttrain.config import PipelineConfig, QuantizeConfig
+from posttrain.curate import load_tasks
+from posttrain.gptq import HessianTracker, gptq, rtn
+from posttrain.int_linear import load_compressed
 from posttrain.model import load_checkpoint, seed_all
 
-METHOD = "posttrain-w4a8"
 MLP = ("gate_proj", "up_proj", "down_proj")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+SCALE_DTYPE = torch.bfloat16  # scales and the unquantized tensors (embeddings, norms) are stored in bf16
 
 
-def quantize_weight(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric quantization over groups of `group_size` input columns; returns (int8 q, fp32 scales)."""
-    out_f, in_f = w.shape
-    g = group_size if in_f % group_size == 0 else in_f
-    qmax = 2 ** (bits - 1) - 1
-    wg = w.reshape(out_f, in_f // g, g)
-    scale = (wg.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-8)
-    q = torch.round(wg / scale).clamp(-qmax - 1, qmax).to(torch.int8)
-    return q.reshape(out_f, in_f), scale.squeeze(-1).float()
+def scheme(qcfg: QuantizeConfig) -> QuantizationConfig:
+    act = QuantizationArgs(num_bits=qcfg.act_bits, type="int", symmetric=True, strategy="token", dynamic=True)
+    mlp = QuantizationScheme(
+        targets=[r"re:.*mlp\.(gate|up|down)_proj$"], input_activations=act, format="pack-quantized",
+        weights=QuantizationArgs(num_bits=qcfg.mlp_bits, type="int", symmetric=True, strategy="group",
+                                 group_size=qcfg.group_size))
+    attn = QuantizationScheme(
+        targets=[r"re:.*self_attn\.(q|k|v|o)_proj$"], input_activations=act, format="int-quantized",
+        weights=QuantizationArgs(num_bits=qcfg.attn_bits, type="int", symmetric=True, strategy="channel"))
+    return QuantizationConfig(config_groups={"mlp_w4a8": mlp, "attn_w8a8": attn}, ignore=["lm_head"],
+                              format="mixed-precision")
 
 
-def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    out_f, in_f = q.shape
-    g = in_f // scale.shape[1]
-    return (q.float().reshape(out_f, -1, g) * scale[..., None]).reshape(out_f, in_f)
+def targets(model, qcfg: QuantizeConfig) -> dict[str, tuple[torch.nn.Linear, int, int]]:
+    """Quantized Linear name -> (module, bits, group size); refuses a group size that does not divide."""
+    out = {}
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(m, torch.nn.Linear) and leaf in MLP + ATTN:
+            bits = qcfg.mlp_bits if leaf in MLP else qcfg.attn_bits
+            g = qcfg.group_size if leaf in MLP else m.in_features
+            if m.in_features % g:
+                raise ValueError(f"quantize.group_size={g} does not divide {name}'s {m.in_features} input columns")
+            out[name] = (m, bits, g)
+    return out
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    u = (q + 8).to(torch.uint8)
-    return u[:, 0::2] | (u[:, 1::2] << 4)
+def calibration_rows(cfg: PipelineConfig, curate_dir: str, tok) -> torch.Tensor:
+    """`calib_samples` SFT conversations (domains interleaved, thinking on), concatenated and cut into rows."""
+    per = [load_tasks(curate_dir, "sft", d) for d in environments.names(cfg.world.environments)]
+    tasks = [t for group in zip(*per) for t in group][: cfg.quantize.calib_samples]
+    stream = [i for t in tasks for i in render_ids(tok, t.messages() + t.demo)]
+    L = min(cfg.quantize.calib_seq_len, len(stream))
+    return torch.tensor(stream[: len(stream) // L * L]).reshape(-1, L)
 
 
-def unpack_int4(p: torch.Tensor) -> torch.Tensor:
-    lo, hi = (p & 0x0F).to(torch.int8) - 8, (p >> 4).to(torch.int8) - 8
-    return torch.stack([lo, hi], -1).reshape(p.shape[0], -1)
+@torch.no_grad()
+def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Quantize every target layer by layer; returns name -> (int8 q, float32 scales). The model's weights
+    are left at their quantized values, so each layer is calibrated on its quantized predecessors' outputs."""
+    found, result = targets(model, qcfg), {}
+    for layer in tqdm(model.model.layers, desc="gptq" if qcfg.method == "gptq" else "rtn"):
+        mine = {n: m for n, (m, _, _) in found.items() if any(m is x for x in layer.modules())}
+        tracker = HessianTracker(mine)
+        if qcfg.method == "gptq":
+            for i in range(0, len(rows), 8):
+                model(rows[i:i + 8])
+        hessians = tracker.close()
+        for name, m in mine.items():
+            _, bits, g = found[name]
+            q, s = (gptq(m.weight, hessians[name], bits, g, SCALE_DTYPE, qcfg.dampening) if qcfg.method == "gptq"
+                    else rtn(m.weight, bits, g, SCALE_DTYPE))
+            m.weight.copy_((q.float().reshape(q.shape[0], -1, g) * s[..., None]).reshape(q.shape))
+            result[name] = (q, s)
+    return result
 
 
-def _bits_for(name: str, cfg) -> int | None:
-    leaf = name.rsplit(".", 1)[-1]
-    return cfg.mlp_bits if leaf in MLP else cfg.attn_bits if leaf in ATTN else None
+def export(model, tok, ints: dict[str, tuple[torch.Tensor, torch.Tensor]], qcfg: QuantizeConfig, out: Path) -> None:
+    """Attach the scales to the compressed-tensors scheme, let it pack and save; check the ints survive."""
+    apply_quantization_config(model, scheme(qcfg))
+    for name, (q, s) in ints.items():
+        m = model.get_submodule(name)
+        m.weight_scale.data = s.reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
+        m.weight_zero_point.data.zero_()
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.to(SCALE_DTYPE)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    tok.save_pretrained(out)
+    reloaded, _ = load_compressed(out)
+    for name, (q, _) in ints.items():
+        if not torch.equal(reloaded.get_submodule(name).qweight_t.t(), q):
+            raise RuntimeError(f"{out}: {name}'s integers changed in the export")
 
 
-def quantize_model(model, qcfg) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    tensors, err, n_lin, fp_bytes, q_bytes = {}, 0.0, 0, 0, 0
-    linear_names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    for name, p in model.state_dict().items():
-        mod = name.rsplit(".", 1)[0]
-        bits = _bits_for(mod, qcfg) if mod in linear_names and name.endswith(".weight") else None
-        if bits is None:
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                continue
-            tensors[name] = p.contiguous()
-            continue
-        q, s = quantize_weight(p, bits, qcfg.group_size if bits == 4 else p.shape[1])
-        tensors[f"{mod}.qweight"] = pack_int4(q) if bits == 4 else q
-        tensors[f"{mod}.scales"] = s
-        err += ((dequantize_weight(q, s) - p).norm() / p.norm()).item()
-        n_lin += 1
-        fp_bytes += p.numel() * 4
-        q_bytes += tensors[f"{mod}.qweight"].numel() + s.numel() * 4
-    return tensors, {"quantized_linears": n_lin, "weight_rel_error": err / max(1, n_lin),
-                     "linear_bytes_fp32": fp_bytes, "linear_bytes_quantized": q_bytes,
-                     "compression": fp_bytes / max(1, q_bytes)}
+def linear_bytes(path: Path, names: list[str]) -> int:
+    """Bytes the named layers take in the export: packed integers, scales, shapes."""
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return sum(f.get_tensor(k).nbytes for k in f.keys() if k.rsplit(".", 1)[0] in names)
 
 
-def act_quant_hook(module, args):
-    """Per-token symmetric int8 fake quantization of a Linear layer's input."""
-    x = args[0]
-    s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
-    return (torch.round(x / s).clamp(-128, 127) * s,)
-
-
-def load_quantized(path: str | Path):
-    """Rebuild the fp32 model from int weights (dequantized) with int8 activation quantization hooks."""
-    config = AutoConfig.from_pretrained(path)
-    qc = config.quantization_config
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    tensors = load_file(str(Path(path) / "model.safetensors"))
-    state = {k: v for k, v in tensors.items() if not k.endswith((".qweight", ".scales"))}
-    for name, module in model.named_modules():
-        if f"{name}.qweight" in tensors:
-            q = tensors[f"{name}.qweight"]
-            q = unpack_int4(q) if q.dtype == torch.uint8 else q
-            state[f"{name}.weight"] = dequantize_weight(q, tensors[f"{name}.scales"])
-            if qc.get("act_bits") == 8:
-                module.register_forward_pre_hook(act_quant_hook)
-    model.load_state_dict(state, strict=False)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model, AutoTokenizer.from_pretrained(path)
-
-
-def is_quantized(path: str | Path) -> bool:
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    return cfg.get("quantization_config", {}).get("quant_method") == METHOD
-
-
-def load_any(path: str | Path):
-    return load_quantized(path) if is_quantized(path) else load_checkpoint(path)
+def load_check(path: str | Path, prompt: str) -> dict:
+    """Load `path` in a fresh Python process, generate, and report its peak memory (posttrain/loadcheck.py)."""
+    res = subprocess.run([sys.executable, "-m", "posttrain.loadcheck", str(path), prompt], capture_output=True,
+                         text=True, timeout=600)
+    if res.returncode:
+        raise RuntimeError(f"loading {path} in a fresh process failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     seed_all(cfg.seed)
     model, tok = load_checkpoint(inputs["opd"])
-    tensors, stats = quantize_model(model, cfg.quantize)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "quant_method": METHOD})
-    config = model.config.to_dict()
-    config["quantization_config"] = {"quant_method": METHOD, **cfg.quantize.model_dump()}
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    tok.save_pretrained(out)
-    stats["disk_bytes"] = (out / "model.safetensors").stat().st_size
-    return {"metrics": stats}
+    rows = calibration_rows(cfg, inputs["curate"], tok)
+    bf16_bytes = sum(m.weight.numel() * 2 for m, _, _ in targets(model, cfg.quantize).values())
+    ints = calibrate(model, rows, cfg.quantize)
+    export(model, tok, ints, cfg.quantize, out)
+    prompt = load_tasks(inputs["curate"], "test", environments.names(cfg.world.environments)[0])[0].prompt
+    fresh, fresh_fp = load_check(out, prompt), load_check(inputs["opd"], prompt)
+    q_bytes = linear_bytes(out, list(ints))
+    metrics = {
+        "format": "compressed-tensors mixed-precision: MLP pack-quantized int4 (group "
+                  f"{cfg.quantize.group_size}), attention int-quantized int8 per channel, int8 per-token activations",
+        "method": cfg.quantize.method, "calibration_tokens": rows.numel(), "quantized_linears": len(ints),
+        "linear_weight_bytes": q_bytes, "linear_weight_bytes_bf16": bf16_bytes,
+        "bytes_ratio_vs_bf16": round(q_bytes / bf16_bytes, 4),
+        "disk_bytes": (out / "model.safetensors").stat().st_size,
+        "disk_bytes_unquantized": (Path(inputs["opd"]) / "model.safetensors").stat().st_size,
+        "model_memory_bytes": fresh["model_bytes"], "model_memory_bytes_unquantized": fresh_fp["model_bytes"],
+        "peak_rss_bytes": fresh["peak_rss_bytes"], "peak_rss_bytes_unquantized": fresh_fp["peak_rss_bytes"],
+        "fresh_process_generated_tokens": fresh["generated_tokens"], "fresh_process_text": fresh["text"],
+    }
+    (out / "quantization.json").write_text(json.dumps(metrics, indent=1))  # report.json's "quantization"
+    print(f"[quantize] {json.dumps({k: v for k, v in metrics.items() if k != 'fresh_process_text'})}", flush=True)
+    return {"metrics": metrics}

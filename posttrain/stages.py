@@ -107,7 +107,7 @@ def cache_key(stage: Stage, cfg: PipelineConfig, code: str, inputs: dict[str, Ar
 
 
 def _small_files(folder: Path) -> list[Path]:
-    return [p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".md", ".png")
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".md", ".png", ".html")
             and p.stat().st_size < 2_000_000 and p.name not in ("tokenizer.json",)]
 
 

@@ -21,7 +21,7 @@ env = flyte.TaskEnvironment(name="cross_stage_workflow", image=post_env.image, r
 CROSS_WAVES = [*WAVES[:WAVES.index(["opd"]) + 1], *CHAIN_WAVES]
 
 
-@env.task
+@env.task(report=True)
 async def cross_stage(profile: str = "tiny", overrides: list[str] = [], force: list[str] = [],  # noqa: B006
                       run_id: str = "") -> PipelineOutput:
     """Run the comparison: multi-teacher OPD, cross-stage distillation and sequential RL."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import flyte
 
@@ -75,11 +76,17 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
     except BaseException:
         pipeline.fail(ctx)
         raise
-    pipeline.finish(ctx, refs, time.time() - t0, {"reused": sorted(set(refs) - todo)} if set(refs) - todo else None)
+    report = pipeline.finish(ctx, refs, time.time() - t0,
+                             {"reused": sorted(set(refs) - todo)} if set(refs) - todo else None)
+    if report.get("report_html"):  # the HTML report as this run's Flyte report
+        from posttrain.report_html import body
+        await flyte.report.replace.aio(body(report, Path(report["report_html"]).parent))
+        await flyte.report.flush.aio()
+    pipeline.enforce_gates(report)
     return refs
 
 
-@env.task
+@env.task(report=True)
 async def post_train(profile: str = "tiny", overrides: list[str] = [], force: list[str] = [],  # noqa: B006
                      run_id: str = "") -> PipelineOutput:
     """Run every node of the DAG (cached nodes are reused by digest)."""
@@ -89,7 +96,7 @@ async def post_train(profile: str = "tiny", overrides: list[str] = [], force: li
     return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)
 
 
-@env.task
+@env.task(report=True)
 async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream: bool = False,  # noqa: B006
                 run_id: str = "") -> PipelineOutput:
     """Redo `stage` (and, if asked, what follows it) with upstream artifacts taken from `from_run`."""

@@ -1,0 +1,85 @@
+"""GPTQ (Frantar et al. 2022): quantize a weight matrix column by column, pushing each column's rounding
+error onto the columns not yet quantized, weighted by the inverse Hessian of the layer's calibration
+inputs (H = 2 X^T X). Plain round-to-nearest is `rtn`.
+
+Written here because llm-compressor (the maintained GPTQ) pins transformers 5.17 and compressed-tensors
+0.19, older than ours; the export stays on compressed-tensors (posttrain/quantize.py)."""
+from __future__ import annotations
+
+import torch
+
+
+def symmetric_scale(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per-row scale mapping the row's largest magnitude to the top integer (float32, [rows, 1])."""
+    return (w.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)).clamp(min=1e-8)
+
+
+def round_to(w: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    qmax = 2 ** (bits - 1) - 1
+    return torch.round(w / scale).clamp(-qmax - 1, qmax)
+
+
+def rtn(w: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round to nearest per group of `group_size` input columns: (int8 q [out, in], float32 scales [out, in/g])."""
+    out_f, in_f = w.shape
+    wg = w.float().reshape(out_f, in_f // group_size, group_size)
+    scale = symmetric_scale(wg, bits).to(scale_dtype).float()
+    return round_to(wg, scale, bits).reshape(out_f, in_f).to(torch.int8), scale.squeeze(-1)
+
+
+def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype,
+         dampening: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ with groups: a group's scale is fixed when its first column is reached, from the weights as
+    updated so far. Blocks of `group_size` columns (at most 128) share the lazy batch update.
+    Returns (int8 q [out, in], float32 scales [out, in/g]) like `rtn`; scales are representable in `scale_dtype`."""
+    W = w.detach().clone().float()
+    out_f, in_f = W.shape
+    H = hessian.detach().clone().double()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += dampening * torch.diag(H).mean() * torch.eye(in_f, dtype=H.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    Q = torch.zeros_like(W)
+    scales = torch.zeros(out_f, in_f // group_size)
+    block = min(group_size, 128) if group_size < in_f else 128
+    for i1 in range(0, in_f, block):
+        i2 = min(i1 + block, in_f)
+        W1, err1 = W[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1)
+        h1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:  # the group's scale, from its columns as they stand now
+                g = W1[:, i:i + group_size] if group_size <= block else W[:, col:col + group_size]
+                scales[:, col // group_size] = symmetric_scale(g, bits).to(scale_dtype).float().squeeze(-1)
+            s = scales[:, col // group_size: col // group_size + 1].squeeze(-1)
+            q = round_to(W1[:, i], s, bits)
+            Q[:, col] = q
+            err = (W1[:, i] - q * s) / h1[i, i]
+            W1[:, i:] -= err[:, None] * h1[i, i:][None, :]
+            err1[:, i] = err
+        W[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    return Q.to(torch.int8), scales
+
+
+class HessianTracker:
+    """Accumulates 2 X^T X / n of the inputs of the given Linear modules over forward passes."""
+
+    def __init__(self, modules: dict[str, torch.nn.Linear]):
+        self.h = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in modules.items()}
+        self.n = dict.fromkeys(modules, 0)
+        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
+
+    def _hook(self, name: str):
+        def hook(_module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            n = self.n[name] + x.shape[0]
+            self.h[name] *= self.n[name] / max(n, 1)
+            self.h[name] += (2.0 / max(n, 1)) * x.T @ x
+            self.n[name] = n
+        return hook
+
+    def close(self) -> dict[str, torch.Tensor]:
+        for h in self.handles:
+            h.remove()
+        return self.h

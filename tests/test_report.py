@@ -1,0 +1,64 @@
+"""The HTML report and the regression gates, on a synthetic report."""
+import pytest
+
+from posttrain import report_html
+from posttrain.config import ConfigError, load_config
+from posttrain.pipeline import check_gates, enforce_gates, GateFailure, validate_gates
+
+SUITES = ["reasoning", "agentic", "reasoning:nothink", "agentic:nothink", "long_context@64", "long_context@128"]
+
+
+def synthetic() -> dict:
+    cks = {"base": 0.1, "sft": 0.4, "generalist": 0.7, "quantized": 0.68}
+    scores = {c: {s: round(v * (0.6 if "nothink" in s else 1.0), 3) for s in SUITES} for c, v in cks.items()}
+    tokens = {c: {s: 10.0 if "nothink" in s else 30.0 for s in SUITES} for c in cks}
+    passk = {c: {s: {"pass@1": v * 0.9, "pass@4": min(1.0, v * 1.2)} for s in SUITES if "@" not in s}
+             for c, v in cks.items() if c != "base"}
+    quant = {"format": "compressed-tensors", "method": "gptq", "calibration_tokens": 1000,
+             "linear_weight_bytes": 300, "linear_weight_bytes_bf16": 1000, "bytes_ratio_vs_bf16": 0.3,
+             "disk_bytes": 500, "disk_bytes_unquantized": 2000, "model_memory_bytes": 400,
+             "model_memory_bytes_unquantized": 1600, "peak_rss_bytes": 9000, "peak_rss_bytes_unquantized": 9500,
+             "fresh_process_text": "<think>2+2=4</think> 4"}
+    return {"run_id": "r1", "profile": "smoke", "eval": scores, "tokens": tokens, "pass_at_k": passk,
+            "sampling": {"samples": 4, "temperature": 0.6}, "quantization": quant}
+
+
+def test_report_page_has_table_plots_and_quantization(tmp_path):
+    page = report_html.write(synthetic(), tmp_path)
+    text = page.read_text()
+    assert text.count("data:image/png;base64,") == 3
+    assert "long_context@128" in text and "pass@4" in text and "0.68" in text
+    assert "&lt;think&gt;" in text  # model output is escaped, not injected
+    for name in report_html.PLOTS:
+        assert (tmp_path / name).stat().st_size > 5000
+
+
+@pytest.mark.skipif(report_html.chromium() is None, reason="no Chromium on this machine (bench/report renders it)")
+def test_report_renders_in_headless_chromium(tmp_path):
+    import matplotlib.image as mpimg
+    png = report_html.screenshot(report_html.write(synthetic(), tmp_path), tmp_path / "shot.png")
+    img = mpimg.imread(png)
+    assert img.shape[0] > 1000 and img.shape[1] > 1000
+    dark = (img[..., :3].mean(-1) < 0.5).mean()
+    assert 0.005 < dark < 0.5  # text and plots drawn, not a blank or error page
+
+
+def test_gates_name_suite_and_threshold():
+    report = synthetic()
+    cfg = load_config("smoke", ["gates.min.reasoning=0.7", "gates.max_drop.*=0.05"])
+    g = check_gates(cfg, report["eval"])
+    assert not g["passed"]
+    failed = [c for c in g["checks"] if not c["passed"]]
+    assert [c["gate"] for c in failed] == ["min.reasoning"]
+    assert failed[0]["message"] == "quantized scored 0.680 on reasoning, below gates.min.reasoning = 0.7"
+    with pytest.raises(GateFailure, match="regression gate failed: quantized scored 0.680 on reasoning"):
+        enforce_gates({"gates": g})
+    assert check_gates(load_config("smoke", ["gates.max_drop.*=0.01"]), report["eval"])["passed"] is False
+    assert check_gates(load_config("smoke", ["gates.min.reasoning=0.6"]), report["eval"])["passed"] is True
+
+
+def test_gate_on_unknown_suite_is_refused_before_work():
+    with pytest.raises(ConfigError, match=r"gates.min.reasonin: no such suite \(known: \*, reasoning"):
+        validate_gates(load_config("smoke", ["gates.min.reasonin=0.5"]))
+    with pytest.raises(ConfigError, match="gates.checkpoint: 'final' is not an evaluated checkpoint"):
+        validate_gates(load_config("smoke", ["gates.checkpoint=final"]))
