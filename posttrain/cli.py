@@ -19,6 +19,7 @@ EPILOG = """examples:
   posttrain lineage posttrain-tiny@1             # chain back to the raw corpus, digests re-verified
   posttrain report                               # eval table of the latest run
   posttrain export-env agentic --split test      # agentic-test.jsonl for other evaluators
+  posttrain lm-eval quantize --tasks posttrain_reasoning_chat --chat   # lm-eval-harness, local task files
   posttrain ui                                   # MLflow UI on http://127.0.0.1:5000
 """
 
@@ -133,6 +134,27 @@ def cmd_export_env(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lm_eval(a: argparse.Namespace) -> int:
+    from posttrain.lm_eval_adapter import run
+    path = Path(a.checkpoint)
+    if not path.is_dir():  # a stage name: that stage's checkpoint in a finished run
+        from posttrain.pipeline import load_run
+        stages = load_run(a.run)[0]["stages"]
+        if a.checkpoint not in stages:
+            raise FileNotFoundError(f"{a.checkpoint}: neither a checkpoint folder nor a stage of run {a.run} "
+                                    f"({', '.join(stages)})")
+        path = Path(stages[a.checkpoint]["artifact"])
+    results = run(path, a.tasks.split(","), a.include, limit=a.limit, batch_size=a.batch_size, chat=a.chat)
+    for task, metrics in results.items():
+        shown = ", ".join(f"{k.split(',')[0]} {v:.4g}" for k, v in metrics.items()
+                          if isinstance(v, float) and "stderr" not in k)
+        print(f"{task}: {shown}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+        print(f"wrote {a.out}")
+    return 0
+
+
 def cmd_ui(a: argparse.Namespace) -> int:
     from posttrain.pipeline import home_dir
     from posttrain.tracking import tracking_uri
@@ -181,6 +203,20 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--profile", default="tiny")
     ex.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ex.set_defaults(fn=cmd_export_env)
+    le = sub.add_parser("lm-eval", help="run lm-eval-harness tasks from local files against a checkpoint",
+                        description="Tasks are lm-eval YAML files under --include whose datasets are local files "
+                        "(see lm_eval_tasks/); the checkpoint is any HF folder, plain or W4A8 (run on the CPU "
+                        "integer kernels), or a stage name (opd, quantize, ...) of a finished run.")
+    le.add_argument("checkpoint", help="checkpoint folder, or a stage name of --run")
+    le.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+    le.add_argument("--include", default=str(ROOT / "lm_eval_tasks"), help="folder of task YAML files "
+                    "(default: the examples in lm_eval_tasks/)")
+    le.add_argument("--run", default="latest", help="run whose stage CHECKPOINT names (default: latest)")
+    le.add_argument("--chat", action="store_true", help="prompts through the chat template, thinking off")
+    le.add_argument("--limit", type=int, default=None, help="first N documents per task")
+    le.add_argument("--batch-size", type=int, default=16)
+    le.add_argument("--out", default="", help="write the results as JSON here")
+    le.set_defaults(fn=cmd_lm_eval)
     ui = sub.add_parser("ui", help="MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     ui.set_defaults(fn=cmd_ui)

@@ -1,26 +1,30 @@
 """`python -m posttrain.loadcheck CHECKPOINT PROMPT`: load a checkpoint (plain or W4A8) in this fresh
 process, answer PROMPT greedily through the chat template, print one JSON line with the answer and the
-process's peak memory. The quantize stage runs it on its export and on the unquantized model."""
+process's memory: its peak RSS (at this scale set by the libraries' import, not the model) and how much
+its RSS grew from just before loading to after generating (what the model costs). The quantize stage
+runs it on its export and on the unquantized model."""
 from __future__ import annotations
 
 import json
 import resource
 import sys
 
+import psutil
 import torch
 
 
 def main(path: str, prompt: str, max_new_tokens: int = 48) -> dict:
     from posttrain.chat import render_ids
     from posttrain.int_linear import load_any, model_bytes
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    proc = psutil.Process()
+    rss_before = proc.memory_info().rss
     model, tok = load_any(path)
     ids = torch.tensor([render_ids(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)])
     with torch.no_grad():
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
     return {"text": tok.decode(gen), "generated_tokens": len(gen), "model_bytes": model_bytes(model),
-            "rss_before_load_bytes": rss_before,
+            "rss_growth_bytes": proc.memory_info().rss - rss_before,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

@@ -141,6 +141,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         "disk_bytes": (out / "model.safetensors").stat().st_size,
         "disk_bytes_unquantized": (Path(inputs["opd"]) / "model.safetensors").stat().st_size,
         "model_memory_bytes": fresh["model_bytes"], "model_memory_bytes_unquantized": fresh_fp["model_bytes"],
+        "rss_growth_bytes": fresh["rss_growth_bytes"], "rss_growth_bytes_unquantized": fresh_fp["rss_growth_bytes"],
         "peak_rss_bytes": fresh["peak_rss_bytes"], "peak_rss_bytes_unquantized": fresh_fp["peak_rss_bytes"],
         "fresh_process_generated_tokens": fresh["generated_tokens"], "fresh_process_text": fresh["text"],
     }

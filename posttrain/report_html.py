@@ -109,7 +109,9 @@ def _quant_table(q: dict) -> str:
              "bf16"),
             ("checkpoint on disk", q["disk_bytes"] * mb, q["disk_bytes_unquantized"] * mb, "as trained"),
             ("model in memory", q["model_memory_bytes"] * mb, q["model_memory_bytes_unquantized"] * mb, "fp32 on CPU"),
-            ("process peak RSS (load + generate)", q["peak_rss_bytes"] * mb, q["peak_rss_bytes_unquantized"] * mb,
+            ("process RSS growth, load + generate", q["rss_growth_bytes"] * mb, q["rss_growth_bytes_unquantized"] * mb,
+             "fresh process"),
+            ("process peak RSS (imports included)", q["peak_rss_bytes"] * mb, q["peak_rss_bytes_unquantized"] * mb,
              "fresh process")]
     body = "".join(f"<tr><th>{n}</th><td>{a:.3f}</td><td>{b:.3f}</td><td>{a / b:.1%}</td><td>{r}</td></tr>"
                    for n, a, b, r in rows)

@@ -14,7 +14,7 @@ from posttrain import tracking
 from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, git_sha, sha256_json, verify, verify_ref, \
     write_manifest
 from posttrain.codehash import code_digest
-from posttrain.config import PipelineConfig, config_from_dict
+from posttrain.config import PipelineConfig, _at as config_at, config_from_dict
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
                                     config_digest=cfg.digest(*stage.sections), code_digest=code,
                                     mlflow_run_id=run_id, extra={"metrics": metrics})
             files = _small_files(tmp)
-            tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(cfg.model_dump(mode="json")[s])
+            tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(config_at(cfg.model_dump(mode="json"), s))
                                                              for s in stage.sections}, **dict(stage.params)},
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
                                 tags={"artifact_uri": str(target), "artifact_sha256": digest})

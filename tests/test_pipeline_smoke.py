@@ -52,6 +52,15 @@ def test_report_has_every_checkpoint_and_suite(first):
     assert all(e["hack_attempts_blocked"] >= 0 for e in envs.values())
     for s in ("curate", "base", "ramp", "sft", "rl-reasoning", "opd", "quantize", "evaluate"):
         assert len(report["stages"][s]["sha256"]) == 64
+    q = report["quantization"]
+    assert q["format"].startswith("compressed-tensors") and q["linear_weight_bytes"] < q["linear_weight_bytes_bf16"]
+    assert q["bytes_ratio_vs_bf16"] == round(q["linear_weight_bytes"] / q["linear_weight_bytes_bf16"], 4)
+    assert q["disk_bytes"] < q["disk_bytes_unquantized"] and q["fresh_process_generated_tokens"] > 0
+    assert set(report["pass_at_k"]) == set(CHECKPOINTS) - {"base", "ramped"}
+    assert set(report["pass_at_k"]["quantized"]["general:nothink"]) == {"pass@1", "pass@2"}
+    page = Path(report["report_html"])
+    assert page.parent.name == report["run_id"] and "data:image/png" in page.read_text()
+    assert report["gates"] == {"checkpoint": "quantized", "baseline": "generalist", "passed": True, "checks": []}
 
 
 def test_mlflow_children_lineage_and_registry(first):
@@ -68,6 +77,18 @@ def test_mlflow_children_lineage_and_registry(first):
     assert max(s for s, _ in spans) < min(e for _, e in spans)
     out = posttrain(home, "lineage", report["registered_model"]).stdout
     assert "raw" in out and "lineage verified" in out
+
+
+def test_failing_regression_gate_stops_the_run_and_the_registration(first):
+    home, _ = first
+    p = posttrain(home, "run", "--profile", "smoke", "--set", "gates.min.general=1.01", check=False)
+    assert p.returncode == 1
+    assert "regression gate failed: quantized scored" in p.stderr and "below gates.min.general = 1.01" in p.stderr
+    report = json.loads((home / "latest" / "report.json").read_text())
+    assert report["gates"]["passed"] is False and "registered_model" not in report
+    assert "FAIL" in Path(report["report_html"]).read_text()
+    c = MlflowClient(tracking_uri=f"sqlite:///{home}/mlflow.db")
+    assert c.get_run(report["mlflow_run_id"]).info.status == "FAILED"
 
 
 def test_second_run_redoes_nothing_and_opd_change_redoes_only_downstream(first):

@@ -18,6 +18,7 @@ def synthetic() -> dict:
              "linear_weight_bytes": 300, "linear_weight_bytes_bf16": 1000, "bytes_ratio_vs_bf16": 0.3,
              "disk_bytes": 500, "disk_bytes_unquantized": 2000, "model_memory_bytes": 400,
              "model_memory_bytes_unquantized": 1600, "peak_rss_bytes": 9000, "peak_rss_bytes_unquantized": 9500,
+             "rss_growth_bytes": 300, "rss_growth_bytes_unquantized": 1200,
              "fresh_process_text": "<think>2+2=4</think> 4"}
     return {"run_id": "r1", "profile": "smoke", "eval": scores, "tokens": tokens, "pass_at_k": passk,
             "sampling": {"samples": 4, "temperature": 0.6}, "quantization": quant}

@@ -1,0 +1,70 @@
+"""bench/quantize: the W4A8 export of the latest run against its unquantized generalist, and the run's
+HTML report rendered in headless Chromium.
+
+- bytes: linear-layer weights vs bf16, checkpoint on disk, model in memory (from the run's report);
+- quality: greedy test score per suite, quantized minus generalist (from the run's report);
+- speed: greedy generation tokens/s, integer kernels (posttrain/int_linear.py) vs the fp32 model, the same
+  prompts in the same process (batch 32 and batch 1);
+- rendering: a Chromium screenshot of report.html, with the share of the page that is ink (text, plots).
+Run it after `make run`."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(".posttrain/bench")
+
+
+def _tokens_per_s(model, tok, prompts: list[list[int]], n_new: int) -> float:
+    from posttrain.rollout import sample
+    sample(model, prompts[:2], max_new_tokens=4, temperature=0.0, stop_ids=set(), pad_id=tok.pad_token_id)  # warm-up
+    t0 = time.perf_counter()
+    outs = sample(model, prompts, max_new_tokens=n_new, temperature=0.0, stop_ids=set(), pad_id=tok.pad_token_id)
+    return sum(len(ids) for ids, _ in outs) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    import matplotlib.image as mpimg
+
+    from posttrain import report_html
+    from posttrain.chat import render_ids
+    from posttrain.curate import load_tasks
+    from posttrain.int_linear import load_any
+    from posttrain.pipeline import load_run
+    report, _ = load_run("latest")
+    if "quantization" not in report or "report_html" not in report:
+        raise SystemExit("bench/quantize needs a finished `make run` (report with quantization and report_html)")
+    q, stages = report["quantization"], report["stages"]
+    torch.set_num_threads(2)
+    fp, tok = load_any(stages["opd"]["artifact"])
+    qm, _ = load_any(stages["quantize"]["artifact"])
+    tasks = load_tasks(stages["curate"]["artifact"], "test", "reasoning")[:32]
+    prompts = [render_ids(tok, t.messages(), add_generation_prompt=True) for t in tasks]
+    speed = {}
+    for label, batch in (("", prompts), ("_b1", prompts[:1])):
+        speed[f"int_tokens_per_s{label}"] = _tokens_per_s(qm, tok, batch, 48)
+        speed[f"fp32_tokens_per_s{label}"] = _tokens_per_s(fp, tok, batch, 48)
+        speed[f"speed_ratio_vs_fp32{label}"] = speed[f"int_tokens_per_s{label}"] / speed[f"fp32_tokens_per_s{label}"]
+    ev = report["eval"]
+    drop = {s: round(ev["generalist"][s] - ev["quantized"][s], 4) for s in ev["generalist"]}
+    OUT.mkdir(parents=True, exist_ok=True)
+    shot = report_html.screenshot(Path(report["report_html"]), OUT / "report.png")
+    img = mpimg.imread(shot)
+    fig = {"run_id": report["run_id"], **{k: q[k] for k in ("linear_weight_bytes", "linear_weight_bytes_bf16",
+                                                            "bytes_ratio_vs_bf16", "disk_bytes", "disk_bytes_unquantized",
+                                                            "model_memory_bytes", "model_memory_bytes_unquantized",
+                                                            "rss_growth_bytes", "rss_growth_bytes_unquantized",
+                                                            "peak_rss_bytes", "peak_rss_bytes_unquantized")},
+           "score_drop_vs_generalist": drop, "max_score_drop_vs_generalist": max(drop.values()),
+           **{k: round(v, 3) for k, v in speed.items()},
+           "report_screenshot": str(shot), "screenshot_px": list(img.shape[:2]),
+           "screenshot_ink_share": round(float((img[..., :3].mean(-1) < 0.5).mean()), 4)}
+    (OUT / "quantize.json").write_text(json.dumps(fig, indent=1))
+    print(json.dumps(fig, indent=1))
+
+
+if __name__ == "__main__":
+    main()
