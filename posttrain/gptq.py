@@ -27,11 +27,24 @@ def rtn(w: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype) -
     return round_to(wg, scale, bits).reshape(out_f, in_f).to(torch.int8), scale.squeeze(-1)
 
 
+def mse_scale(w: torch.Tensor, bits: int, steps: int = 16, lowest: float = 0.6) -> torch.Tensor:
+    """Per-row scale minimising the squared rounding error, over clipping ratios from 1 down to `lowest`."""
+    base = symmetric_scale(w, bits)
+    best, best_err = base, torch.full_like(base, float("inf"))
+    for r in torch.linspace(1.0, lowest, steps):
+        s = base * r
+        err = ((round_to(w, s, bits) * s - w) ** 2).sum(-1, keepdim=True)
+        best, best_err = torch.where(err < best_err, s, best), torch.minimum(err, best_err)
+    return best
+
+
 def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype,
-         dampening: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ with groups: a group's scale is fixed when its first column is reached, from the weights as
-    updated so far. Blocks of `group_size` columns (at most 128) share the lazy batch update.
-    Returns (int8 q [out, in], float32 scales [out, in/g]) like `rtn`; scales are representable in `scale_dtype`."""
+         dampening: float = 0.01, act_order: bool = True, mse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ with groups. `act_order` quantizes the columns with the largest input energy first (llm-compressor's
+    "static" order: group scales are taken from the weights before any update, and groups stay contiguous
+    in the original column order, so the format needs no index); otherwise a group's scale is fixed when its
+    first column is reached. `mse` searches each group's clipping ratio. Returns (int8 q [out, in], float32
+    scales [out, in/g]) like `rtn`; scales are representable in `scale_dtype`."""
     W = w.detach().clone().float()
     out_f, in_f = W.shape
     H = hessian.detach().clone().double()
@@ -39,27 +52,33 @@ def gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, sca
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
     H += dampening * torch.diag(H).mean() * torch.eye(in_f, dtype=H.dtype)
+    scale_of = mse_scale if mse else symmetric_scale
+    scales = torch.zeros(out_f, in_f // group_size)
+    perm = torch.arange(in_f)
+    if act_order:
+        scales = scale_of(W.reshape(out_f, -1, group_size), bits).to(scale_dtype).float().squeeze(-1)
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
     Q = torch.zeros_like(W)
-    scales = torch.zeros(out_f, in_f // group_size)
-    block = min(group_size, 128) if group_size < in_f else 128
+    block = 128 if act_order or group_size >= in_f else min(group_size, 128)
     for i1 in range(0, in_f, block):
         i2 = min(i1 + block, in_f)
         W1, err1 = W[:, i1:i2].clone(), torch.zeros(out_f, i2 - i1)
         h1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group_size == 0:  # the group's scale, from its columns as they stand now
+            if not act_order and col % group_size == 0:  # the group's scale, from its columns as they stand now
                 g = W1[:, i:i + group_size] if group_size <= block else W[:, col:col + group_size]
-                scales[:, col // group_size] = symmetric_scale(g, bits).to(scale_dtype).float().squeeze(-1)
-            s = scales[:, col // group_size: col // group_size + 1].squeeze(-1)
+                scales[:, col // group_size] = scale_of(g, bits).to(scale_dtype).float().squeeze(-1)
+            s = scales[:, int(perm[col]) // group_size]
             q = round_to(W1[:, i], s, bits)
             Q[:, col] = q
             err = (W1[:, i] - q * s) / h1[i, i]
             W1[:, i:] -= err[:, None] * h1[i, i:][None, :]
             err1[:, i] = err
         W[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    return Q.to(torch.int8), scales
+    return Q[:, torch.argsort(perm)].to(torch.int8), scales
 
 
 class HessianTracker:

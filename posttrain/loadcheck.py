@@ -5,6 +5,8 @@ its RSS grew from just before loading to after generating (what the model costs)
 runs it on its export and on the unquantized model."""
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import resource
 import sys
@@ -16,13 +18,16 @@ import torch
 def main(path: str, prompt: str, max_new_tokens: int = 48) -> dict:
     from posttrain.chat import render_ids
     from posttrain.int_linear import load_any, model_bytes
-    proc = psutil.Process()
+    proc, libc = psutil.Process(), ctypes.CDLL("libc.so.6")
+    libc.malloc_trim(0)
     rss_before = proc.memory_info().rss
     model, tok = load_any(path)
     ids = torch.tensor([render_ids(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)])
     with torch.no_grad():
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+    gc.collect()
+    libc.malloc_trim(0)  # hand freed pages back, so RSS counts what is still held
     return {"text": tok.decode(gen), "generated_tokens": len(gen), "model_bytes": model_bytes(model),
             "rss_growth_bytes": proc.memory_info().rss - rss_before,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
