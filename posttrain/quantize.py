@@ -19,6 +19,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 import environments
+from posttrain import loadcheck
 from posttrain.chat import render_ids
 from posttrain.config import PipelineConfig, QuantizeConfig
 from posttrain.curate import load_tasks
@@ -114,8 +115,9 @@ def linear_bytes(path: Path, names: list[str]) -> int:
 
 
 def load_check(path: str | Path, prompt: str) -> dict:
-    """Load `path` in a fresh Python process, generate, and report its peak memory (posttrain/loadcheck.py)."""
-    res = subprocess.run([sys.executable, "-m", "posttrain.loadcheck", str(path), prompt], capture_output=True,
+    """Load `path` in a fresh Python process, generate, and report its memory (posttrain/loadcheck.py; imported
+    here so that its code is part of this stage's cache key)."""
+    res = subprocess.run([sys.executable, "-m", loadcheck.__name__, str(path), prompt], capture_output=True,
                          text=True, timeout=600)
     if res.returncode:
         raise RuntimeError(f"loading {path} in a fresh process failed:\n{res.stderr[-2000:]}")
