@@ -10,61 +10,9 @@ from pathlib import Path
 
 from posttrain import report_html, tracking
 from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest
-from posttrain.config import ConfigError, PipelineConfig
+from posttrain.config import PipelineConfig
+from posttrain.gates import check_gates, validate_gates
 from posttrain.stages import ORDER, RunContext
-
-
-class GateFailure(RuntimeError):
-    """A regression gate failed: the run is marked failed and its model is not registered."""
-
-
-def suite_names(cfg: PipelineConfig) -> list[str]:
-    import environments
-    domains = environments.names(cfg.world.environments)
-    return [*domains, *(f"{d}:nothink" for d in domains), *(f"long_context@{L}" for L in cfg.eval_lengths())]
-
-
-def validate_gates(cfg: PipelineConfig) -> None:
-    """Refuse gates on unknown suites or checkpoints before any work is done."""
-    from posttrain.evaluate import CHECKPOINTS
-    g, known = cfg.gates, suite_names(cfg)
-    for field in ("checkpoint", "baseline"):
-        if getattr(g, field) not in CHECKPOINTS:
-            raise ConfigError(f"gates.{field}: {getattr(g, field)!r} is not an evaluated checkpoint "
-                              f"(known: {', '.join(CHECKPOINTS)})")
-    for kind in ("min", "max_drop"):
-        for suite in getattr(g, kind):
-            if suite != "*" and suite not in known:
-                raise ConfigError(f"gates.{kind}.{suite}: no such suite (known: *, {', '.join(known)})")
-
-
-def check_gates(cfg: PipelineConfig, scores: dict[str, dict[str, float]]) -> dict:
-    """Each configured gate on the gated checkpoint's greedy test scores, with a message naming suite and threshold."""
-    g, checks = cfg.gates, []
-    got = scores[g.checkpoint]
-    for kind in ("min", "max_drop"):
-        for key, limit in getattr(g, kind).items():
-            for suite in (list(got) if key == "*" else [key]):
-                if kind == "min":
-                    ok = got[suite] >= limit
-                    msg = (f"{g.checkpoint} scored {got[suite]:.3f} on {suite}, "
-                           f"{'at or above' if ok else 'below'} gates.min.{key} = {limit}")
-                else:
-                    base = scores[g.baseline][suite]
-                    ok = base - got[suite] <= limit + 1e-9
-                    msg = (f"{g.checkpoint} scored {got[suite]:.3f} on {suite}, {base - got[suite]:+.3f} below "
-                           f"{g.baseline} ({base:.3f}); gates.max_drop.{key} = {limit}")
-                checks.append({"suite": suite, "gate": f"{kind}.{key}", "threshold": limit, "score": got[suite],
-                               "passed": ok, "message": msg})
-    return {"checkpoint": g.checkpoint, "baseline": g.baseline, "passed": all(c["passed"] for c in checks),
-            "checks": checks}
-
-
-def enforce_gates(report: dict) -> None:
-    failed = [c["message"] for c in report.get("gates", {}).get("checks", []) if not c["passed"]]
-    if failed:
-        raise GateFailure("regression gate failed: " + "; ".join(failed)
-                          + f" (report: {report.get('report_html', '')})")
 
 
 def home_dir() -> Path:

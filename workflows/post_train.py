@@ -12,6 +12,7 @@ from pathlib import Path
 import flyte
 
 from posttrain import pipeline
+from posttrain.gates import enforce_gates
 from posttrain.artifacts import ArtifactRef
 from posttrain.config import load_config
 from posttrain.stages import CHAINS, CROSS_ORDER, DOMAIN_STAGES, STAGES, RunContext, ref_from_dict, stage_name
@@ -82,7 +83,7 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
         from posttrain.report_html import body
         await flyte.report.replace.aio(body(report, Path(report["report_html"]).parent))
         await flyte.report.flush.aio()
-    pipeline.enforce_gates(report)
+    enforce_gates(report)
     return refs
 
 

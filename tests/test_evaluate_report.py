@@ -3,7 +3,7 @@ import pytest
 
 from posttrain import report_html
 from posttrain.config import ConfigError, load_config
-from posttrain.pipeline import check_gates, enforce_gates, GateFailure, validate_gates
+from posttrain.gates import GateFailure, check_gates, enforce_gates, validate_gates
 
 SUITES = ["reasoning", "agentic", "reasoning:nothink", "agentic:nothink", "long_context@64", "long_context@128"]
 
