@@ -134,7 +134,7 @@ def _gates(g: dict | None) -> str:
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px;text-align:right}th{background:#f4f4f4}
-tr.ok td:first-child{color:#080;font-weight:bold}tr.bad td:first-child{color:#b00;font-weight:bold}
+tr.ok td,tr.bad td{text-align:left}tr.ok td:first-child{color:#080;font-weight:bold}tr.bad td:first-child{color:#b00;font-weight:bold}
 img{max-width:100%;border:1px solid #eee;margin:.3em 0}"""
 
 
