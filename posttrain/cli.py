@@ -62,9 +62,9 @@ def print_report(report: dict) -> None:
         print("\nconsolidation (test score, recovery of the specialist's gain over sft)\n"
               + ctable(report["consolidation"]))
     if report.get("pass_at_k"):
-        pk = {ck: {f"{s} {k}": v for s, kv in ss.items() for k, v in kv.items()} for ck, ss in report["pass_at_k"].items()}
+        from posttrain.report_html import passk_rows
         print(f"\nsampled answers ({report['sampling']['samples']} per task, T {report['sampling']['temperature']})\n"
-              + table(pk))
+              + table(passk_rows(report["pass_at_k"])))
     if report.get("quantization"):
         q = report["quantization"]
         print(f"\nquantized: linear weights {q['bytes_ratio_vs_bf16']:.1%} of bf16, {q['disk_bytes'] / 2**20:.2f} MiB "

@@ -83,22 +83,20 @@ def _cell(v: float) -> str:
     return f'<td style="background:hsl({hue},60%,85%)">{v:.2f}</td>'
 
 
-def _score_table(scores: dict) -> str:
-    suites = list(next(iter(scores.values())))
-    head = "".join(f"<th>{html.escape(s)}</th>" for s in suites)
-    rows = "".join(f"<tr><th>{html.escape(c)}</th>{''.join(_cell(ss[s]) for s in suites)}</tr>"
-                   for c, ss in scores.items())
-    return f"<table><tr><th>checkpoint</th>{head}</tr>{rows}</table>"
+def _table(rows: dict[str, dict[str, float]]) -> str:
+    cols = list(next(iter(rows.values())))
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join(f"<tr><th>{html.escape(r)}</th>{''.join(_cell(vs[c]) for c in cols)}</tr>" for r, vs in rows.items())
+    return f"<table><tr><th>checkpoint</th>{head}</tr>{body}</table>"
+
+
+def passk_rows(passk: dict) -> dict[str, dict[str, float]]:
+    """report.json's pass_at_k as one row per checkpoint, a column per suite and k."""
+    return {c: {f"{s} {k}": v for s, kv in p.items() for k, v in kv.items()} for c, p in passk.items()}
 
 
 def _passk_table(passk: dict) -> str:
-    if not passk:
-        return "<p>No sampled evaluation (eval.samples = 0).</p>"
-    cols = [(s, k) for s, kv in next(iter(passk.values())).items() for k in kv]
-    head = "".join(f"<th>{html.escape(s)}<br>{k}</th>" for s, k in cols)
-    rows = "".join(f"<tr><th>{html.escape(c)}</th>{''.join(_cell(p[s][k]) for s, k in cols)}</tr>"
-                   for c, p in passk.items())
-    return f"<table><tr><th>checkpoint</th>{head}</tr>{rows}</table>"
+    return _table(passk_rows(passk)) if passk else "<p>No sampled evaluation (eval.samples = 0).</p>"
 
 
 def _quant_table(q: dict) -> str:
@@ -150,7 +148,7 @@ def body(report: dict, folder: Path) -> str:
     head = (f"<p>run <code>{html.escape(report['run_id'])}</code>, profile {html.escape(report['profile'])}</p>"
             if "run_id" in report else "")
     return (f"<h1>posttrain evaluation</h1>{head}{_gates(report.get('gates'))}"
-            f"<h2>Test scores (greedy; <code>:nothink</code> = thinking off)</h2>{_score_table(report['eval'])}"
+            f"<h2>Test scores (greedy; <code>:nothink</code> = thinking off)</h2>{_table(report['eval'])}"
             f"<h2>Sampled answers ({_sampling(report)}), pass@k</h2>{_passk_table(report.get('pass_at_k', {}))}"
             f"<h2>Plots</h2>{imgs}<h2>Quantization (W4A8)</h2>{_quant_table(report.get('quantization', {}))}")
 

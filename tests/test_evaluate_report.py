@@ -34,7 +34,7 @@ def test_report_page_has_table_plots_and_quantization(tmp_path):
         assert (tmp_path / name).stat().st_size > 5000
 
 
-@pytest.mark.skipif(report_html.chromium() is None, reason="no Chromium on this machine (bench/report renders it)")
+@pytest.mark.skipif(report_html.chromium() is None, reason="no Chromium on this machine (`apt-get install chromium`; make bench B=quantize also renders it)")
 def test_report_renders_in_headless_chromium(tmp_path):
     import matplotlib.image as mpimg
     png = report_html.screenshot(report_html.write(synthetic(), tmp_path), tmp_path / "shot.png")
