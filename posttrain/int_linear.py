@@ -60,7 +60,11 @@ def load_compressed(path: str | Path):
     config = AutoConfig.from_pretrained(path)
     qc = config.quantization_config
     del config.quantization_config  # keep transformers from decompressing to float weights itself
-    act_bits = {_check_scheme(path, n, s)[1] for n, s in qc["config_groups"].items()}
+    bits = {n: _check_scheme(path, n, s) for n, s in qc["config_groups"].items()}
+    packed_bits = {bits[n][0] for n, s in qc["config_groups"].items() if s.get("format") == "pack-quantized"}
+    act_bits = max(a for _, a in bits.values())
+    if len(packed_bits) > 1:
+        raise ValueError(f"{path / 'config.json'}: pack-quantized groups of different widths {sorted(packed_bits)}")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     tensors = load_file(str(path / "model.safetensors"))
     replaced = set()
@@ -69,10 +73,10 @@ def load_compressed(path: str | Path):
             continue
         if f"{name}.weight_packed" in tensors:
             shape = torch.Size(tensors[f"{name}.weight_shape"].tolist())
-            q = unpack_from_int32(tensors[f"{name}.weight_packed"], 4, shape)
+            q = unpack_from_int32(tensors[f"{name}.weight_packed"], min(packed_bits), shape)
         else:
             q = tensors[f"{name}.weight"]
-        model.set_submodule(name, IntLinear(q, tensors[f"{name}.weight_scale"], max(act_bits)))
+        model.set_submodule(name, IntLinear(q, tensors[f"{name}.weight_scale"], act_bits))
         replaced.add(name)
     rest = {k: v.float() for k, v in tensors.items() if k.rsplit(".", 1)[0] not in replaced}
     missing, unexpected = model.load_state_dict(rest, strict=False)
