@@ -75,11 +75,11 @@ def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig) -> dict[str, tupl
     found, result = targets(model, qcfg), {}
     for layer in tqdm(model.model.layers, desc="gptq" if qcfg.method == "gptq" else "rtn"):
         mine = {n: m for n, (m, _, _) in found.items() if any(m is x for x in layer.modules())}
-        tracker = HessianTracker(mine)
         if qcfg.method == "gptq":
+            tracker = HessianTracker(mine)
             for i in range(0, len(rows), 8):
                 model(rows[i:i + 8])
-        hessians = tracker.close()
+            hessians = tracker.close()
         for name, m in mine.items():
             _, bits, g = found[name]
             q, s = (gptq(m.weight, hessians[name], bits, g, SCALE_DTYPE, qcfg.dampening) if qcfg.method == "gptq"
