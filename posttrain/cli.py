@@ -18,6 +18,7 @@ EPILOG = """examples:
   posttrain rerun opd --from latest --set opd.steps=40 --downstream
   posttrain lineage posttrain-tiny@1             # chain back to the raw corpus, digests re-verified
   posttrain report                               # eval table of the latest run
+  posttrain figures --seeds 0 1 2                # the default over 3 seeds: means and spreads (figures.md)
   posttrain export-env agentic --split test      # agentic-test.jsonl for other evaluators
   posttrain lm-eval quantize --tasks posttrain_reasoning_chat --chat   # lm-eval-harness, local task files
   posttrain ui                                   # MLflow UI on http://127.0.0.1:5000
@@ -37,9 +38,11 @@ def _run_flyte(task, cfg, remote: bool, **kwargs) -> dict | None:
     import flyte
 
     from posttrain.artifacts import git_sha
-    if not remote:
+    if not remote:  # the run id is chosen here so Ray's internal log lines can go to the run's folder
+        from posttrain.pipeline import home_dir, new_run_id
         from posttrain.raysupport import ensure_ray
-        ensure_ray(cfg.runtime)
+        kwargs["run_id"] = new_run_id()
+        ensure_ray(cfg.runtime, home_dir() / "runs" / kwargs["run_id"] / "ray.log")
     _flyte_init(remote)
     if remote:
         run = flyte.with_runcontext(mode="remote", version=git_sha()).run(task, **kwargs)
@@ -77,7 +80,16 @@ def print_report(report: dict) -> None:
         print(f"\nregistered model: {report['registered_model']}  (audit: posttrain lineage {report['registered_model']})")
 
 
+def _check_stages(names: list[str], flag: str) -> None:
+    """Refuse an unknown stage name before any work (an unknown --force would otherwise be ignored)."""
+    from posttrain.stages import STAGES
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        raise ConfigError(f"{flag}: unknown stage {', '.join(map(repr, unknown))}; stages: {', '.join(STAGES)}")
+
+
 def cmd_run(a: argparse.Namespace) -> int:
+    _check_stages(a.force, "--force")
     cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
     if a.workflow == "cross_stage":
         from workflows.cross_stage import cross_stage as task
@@ -92,9 +104,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 def cmd_rerun(a: argparse.Namespace) -> int:
     from posttrain.config import apply_overrides, config_from_dict
     from posttrain.pipeline import load_run
-    from posttrain.stages import STAGES
-    if a.stage not in STAGES:
-        raise ConfigError(f"unknown stage {a.stage!r}; stages: {', '.join(STAGES)}")
+    _check_stages([a.stage], "rerun")
     _, old = load_run(a.from_run)
     cfg = config_from_dict(apply_overrides(old.model_dump(mode="json"), a.set), f"--set {a.set}")
     from workflows.post_train import rerun
@@ -129,7 +139,7 @@ def cmd_export_env(a: argparse.Namespace) -> int:
     w = cfg.world
     n = a.n or {"train": w.n_train, "val": w.n_val, "test": w.n_test}[a.split]
     out = a.out or f"{a.name}-{a.split}.jsonl"
-    count = export_jsonl(environments.get(a.name).generate(a.split, n, cfg.seed, **w.knobs()), out)
+    count = export_jsonl(environments.get(a.name).generate(a.split, n, w.seed, **w.knobs()), out)
     print(f"wrote {count} {a.name} {a.split} tasks to {out}")
     return 0
 
@@ -152,6 +162,14 @@ def cmd_lm_eval(a: argparse.Namespace) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
         print(f"wrote {a.out}")
+    return 0
+
+
+def cmd_figures(a: argparse.Namespace) -> int:
+    from posttrain.figures import figures
+    if not a.runs:
+        load_config(a.profile, [*a.set, "seed=0"])  # a bad profile or override fails before the first run
+    figures(a.profile, a.seeds, a.set, a.runs)
     return 0
 
 
@@ -217,6 +235,17 @@ def parser() -> argparse.ArgumentParser:
     le.add_argument("--batch-size", type=int, default=16)
     le.add_argument("--out", default="", help="write the results as JSON here")
     le.set_defaults(fn=cmd_lm_eval)
+    fg = sub.add_parser("figures", help="the pipeline over several seeds: means and spreads per checkpoint and suite",
+                        description="Runs the profile once per seed (seed varies everything downstream of curate; "
+                        "world.seed keeps the data) and writes .posttrain/figures.json and figures.md: scores "
+                        "(mean, min, max), specialist gains, the generalist's retention, the quantization drop, "
+                        "thinking on vs off with tokens, seconds per stage, and which claims hold.")
+    fg.add_argument("--profile", default="tiny")
+    fg.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (default: 0 1 2)")
+    fg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every seed's run")
+    fg.add_argument("--runs", nargs="+", default=[], metavar="RUN",
+                    help="only aggregate these finished runs (run ids, run folders or report.json paths)")
+    fg.set_defaults(fn=cmd_figures)
     ui = sub.add_parser("ui", help="MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     ui.set_defaults(fn=cmd_ui)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -21,20 +21,31 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Ranges, checked when a profile or override loads: a bad value fails before any stage runs, not in the stage
+AtLeast0 = Annotated[int, Field(ge=0)]
+AtLeast1 = Annotated[int, Field(ge=1)]
+Share = Annotated[float, Field(ge=0, le=1)]
+Positive = Annotated[float, Field(gt=0)]      # learning rates, sampling temperatures (the loss divides by them)
+NonNegative = Annotated[float, Field(ge=0)]
+
+
 class WorldConfig(_Strict):
     """The generated task world (see environments/)."""
-    n_train: int = 3000
-    n_val: int = 64
-    n_test: int = 128
-    max_operand: int = 9
-    n_ops: int = 2
-    agentic_numbers: int = 3
+    # the data's seed: raw corpus, curation, every split and the test sets; the top-level `seed` drives
+    # training only, so `posttrain figures` varies training over seeds on the same data
+    seed: int = 0
+    n_train: Annotated[int, Field(ge=2)] = 3000  # 3/4 to the sft set, the rest to the RL prompts: both need one
+    n_val: AtLeast1 = 64
+    n_test: AtLeast1 = 128
+    max_operand: AtLeast0 = 9
+    n_ops: AtLeast1 = 2
+    agentic_numbers: AtLeast1 = 3
     # your own environments: name -> module with generate() and verify() (see README)
     environments: dict[str, str] = Field(default_factory=dict)
 
     def knobs(self) -> dict:
         """The difficulty knobs every generator receives (each takes what it knows, ignores the rest)."""
-        return self.model_dump(exclude={"n_train", "n_val", "n_test", "environments"})
+        return self.model_dump(exclude={"seed", "n_train", "n_val", "n_test", "environments"})
 
 
 class CurateConfig(_Strict):
@@ -42,44 +53,63 @@ class CurateConfig(_Strict):
     text_field: str = "text"
     id_field: str = "id"
     source_field: str = "source"
-    raw_docs: int = 6000
-    shingle_size: int = 5                # word/punct tokens per MinHash shingle
-    near_dup_threshold: float = 0.6      # estimated Jaccard at or above which two documents are duplicates
-    num_perm: int = 128
-    min_chars: int = 20
-    max_chars: int = 20000
-    min_alpha_ratio: float = 0.3
-    max_symbol_ratio: float = 0.1
-    repeat_ngram: int = 5                # Gopher-style: share of characters in repeated word n-grams
-    max_repeat_share: float = 0.5
-    max_boilerplate_share: float = 0.5   # share of sentences that are cookie banners, "click here", ...
-    mixture: dict[str, float] = Field(default_factory=dict)  # source -> pretrain weight (2: twice, 0.5: half)
+    raw_docs: AtLeast1 = 6000
+    shingle_size: AtLeast1 = 5           # word/punct tokens per MinHash shingle
+    near_dup_threshold: Share = 0.6      # estimated Jaccard at or above which two documents are duplicates
+    num_perm: AtLeast1 = 128
+    min_chars: AtLeast0 = 20
+    max_chars: AtLeast1 = 20000
+    min_alpha_ratio: Share = 0.3
+    max_symbol_ratio: Share = 0.1
+    repeat_ngram: AtLeast1 = 5           # Gopher-style: share of characters in repeated word n-grams
+    max_repeat_share: Share = 0.5
+    max_boilerplate_share: Share = 0.5   # share of sentences that are cookie banners, "click here", ...
+    # source -> pretrain weight (2: twice, 0.5: half, 0: dropped)
+    mixture: dict[str, NonNegative] = Field(default_factory=dict)
     on_bad_row: Literal["fail", "quarantine"] = "quarantine"
+
+    @model_validator(mode="after")
+    def _check(self) -> "CurateConfig":
+        if self.min_chars > self.max_chars:  # every document would be filtered out
+            raise ValueError(f"curate.min_chars: must be <= curate.max_chars (got {self.min_chars} > {self.max_chars})")
+        return self
 
 
 class TokenizerConfig(_Strict):
-    vocab_size: int = 512
+    # byte-level BPE: the 256 byte tokens come first, below that the setting would be silently ignored
+    vocab_size: Annotated[int, Field(ge=256)] = 512
 
 
 class ModelConfig(_Strict):
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None      # grouped-query attention; None: one key/value head per query head
-    intermediate_size: int = 384
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 128
+    hidden_size: AtLeast1 = 128
+    num_layers: AtLeast1 = 4
+    num_heads: AtLeast1 = 4
+    num_kv_heads: AtLeast1 | None = None  # grouped-query attention; None: one key/value head per query head
+    intermediate_size: AtLeast1 = 384
+    rope_theta: Positive = 10000.0
+    max_position_embeddings: AtLeast1 = 128
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        # attention reshapes hidden_size into heads, and RoPE rotates pairs of each head's dimensions
+        if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads % 2:
+            raise ValueError(f"model.hidden_size: must be num_heads x an even head size "
+                             f"(got {self.hidden_size} with {self.num_heads} heads)")
+        if self.num_kv_heads and self.num_heads % self.num_kv_heads:  # each key/value head serves a group
+            raise ValueError(f"model.num_kv_heads: must divide model.num_heads "
+                             f"(got {self.num_kv_heads} and {self.num_heads})")
+        return self
 
 
 class TrainConfig(_Strict):
-    steps: int = 300
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    warmup: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    steps: AtLeast1 = 300
+    batch_size: AtLeast1 = 16
+    seq_len: AtLeast1 = 128
+    lr: Positive = 3e-3
+    warmup: AtLeast0 = 20
+    min_lr_ratio: Share = 0.1
+    weight_decay: NonNegative = 0.01
+    grad_clip: Positive = 1.0
 
 
 class BaseConfig(TrainConfig):
@@ -87,37 +117,37 @@ class BaseConfig(TrainConfig):
 
 
 class RampStage(_Strict):
-    seq_len: int
-    tokens: int                  # training-token budget; steps = tokens / (batch_size * grad_accum * seq_len)
-    lr: float = 1e-3
-    warmup: int = 10
-    min_lr_ratio: float = 0.1
-    rope_theta: float            # RoPE base for this stage (raised with the length: "ABF")
+    seq_len: AtLeast1
+    tokens: AtLeast1             # training-token budget; steps = tokens / (batch_size * grad_accum * seq_len)
+    lr: Positive = 1e-3
+    warmup: AtLeast0 = 10
+    min_lr_ratio: Share = 0.1
+    rope_theta: Positive         # RoPE base for this stage (raised with the length: "ABF")
     rope_scaling: dict[str, str | float] = Field(default_factory=dict)  # e.g. {rope_type: yarn, factor: 4.0}
-    long_share: float = Field(0.3, ge=0, le=1)  # share of rows holding long-context documents
+    long_share: Share = 0.3      # share of rows holding long-context documents
 
 
 class RampConfig(_Strict):
-    batch_size: int = 8          # rows of seq_len tokens per micro-batch
-    grad_accum: int = 1
-    weight_decay: float = 0.1
+    batch_size: AtLeast1 = 8     # rows of seq_len tokens per micro-batch
+    grad_accum: AtLeast1 = 1
+    weight_decay: NonNegative = 0.1
     mask_documents: bool = True  # attention stays inside each packed document; positions restart
     activation_checkpointing: bool = False
     attention: str = "sdpa"      # a transformers attention implementation or one from posttrain.attention.register
-    long_docs: int = 2000        # distinct long-context documents per stage, lengths spread up to seq_len
-    long_loss_weight: float = 8.0  # weight of a long document's answer tokens against a pretraining token
+    long_docs: AtLeast0 = 2000   # distinct long-context documents per stage, lengths spread up to seq_len
+    long_loss_weight: NonNegative = 8.0  # weight of a long document's answer tokens against a pretraining token
     stages: list[RampStage] = Field(default_factory=lambda: [
         RampStage(seq_len=256, tokens=245_760, rope_theta=20000.0),
         RampStage(seq_len=512, tokens=491_520, rope_theta=40000.0, long_share=0.5)])
 
     @model_validator(mode="after")
-    def _ladder(self):
+    def _ladder(self) -> "RampConfig":
         lens = [s.seq_len for s in self.stages]
         if not lens or lens != sorted(set(lens)):
-            raise ValueError(f"stages must have strictly increasing seq_len (got {lens})")
-        for s in self.stages:
+            raise ValueError(f"ramp.stages: must have strictly increasing seq_len (got {lens})")
+        for k, s in enumerate(self.stages):
             if s.tokens < self.batch_size * self.grad_accum * s.seq_len:
-                raise ValueError(f"stage {s.seq_len}: tokens {s.tokens} is less than one step "
+                raise ValueError(f"ramp.stages.{k}.tokens: {s.tokens} is less than one step "
                                  f"({self.batch_size} x {self.grad_accum} x {s.seq_len})")
         return self
 
@@ -126,48 +156,59 @@ class RampConfig(_Strict):
 
 
 class SFTConfig(TrainConfig):
-    steps: int = 1500
-    seq_len: int = 512
-    lr: float = 2e-3
-    nothink_share: float = 0.25
-    preserve_thinking_share: float = 0.5
+    # the same ranges as TrainConfig's: a redefined field keeps only its own annotation
+    steps: AtLeast1 = 1500
+    seq_len: AtLeast1 = 512
+    lr: Positive = 2e-3
+    nothink_share: Share = 0.25
+    preserve_thinking_share: Share = 0.5
     # share of demonstrations from a lazy teacher (each environment's `shortcut`: no worked steps, a
     # forgotten constraint): imperfect SFT data, as real data is, which RL against the verifier repairs
-    shortcut_share: float = 0.0
-    grad_accum: int = 1           # micro-batches per optimizer step (each batch_size rows)
-    workers: int = 1              # Ray Train data-parallel workers (each takes rows rank::workers)
-    checkpoint_every: int = 100   # steps between resumable checkpoints (weights, optimizer, RNG, step)
+    shortcut_share: Share = 0.0
+    grad_accum: AtLeast1 = 1      # micro-batches per optimizer step (each batch_size rows)
+    workers: AtLeast1 = 1         # Ray Train data-parallel workers (each takes rows rank::workers)
+    checkpoint_every: AtLeast0 = 100  # steps between resumable checkpoints (0: only the last step)
     packing: bool = False         # rows of seq_len packed with whole conversations (batch_size = rows per step);
                                   # off: batches of batch_size conversations, bucketed by length
+
+    @model_validator(mode="after")
+    def _check(self) -> "SFTConfig":
+        if self.workers > self.batch_size:  # a worker with no row of the batch would have nothing to train on
+            raise ValueError(f"sft.workers: must be <= sft.batch_size (got {self.workers} > {self.batch_size})")
+        return self
 
 
 class RLConfig(_Strict):
     """One specialist's RL. `per_domain` overrides any field for one specialist (e.g. agentic: ppo)."""
     algorithm: Literal["grpo", "ppo"] = "grpo"
-    steps: int = 100
-    prompts_per_step: int = 16
-    group_size: int = 8                  # samples per prompt; GRPO normalises rewards within a group
-    lr: float = 3e-5
-    temperature: float = 1.0
-    max_new_tokens: int = 48
-    max_turns: int = 3
-    clip_eps: float = 0.2                # PPO ratio clip (ratio = current / behaviour policy)
-    is_lower: float = 0.5                # double-sided importance sampling: a token whose ratio leaves
+    steps: AtLeast1 = 100
+    # 0 is the OPD loop's (distillation only) and unit tests'; the pipeline's rl stages need >= 1 (PipelineConfig)
+    prompts_per_step: AtLeast0 = 16
+    group_size: AtLeast1 = 8             # samples per prompt; GRPO normalises rewards within a group
+    lr: NonNegative = 3e-5               # 0 (a frozen policy) only in unit tests; PipelineConfig requires > 0
+    temperature: Positive = 1.0          # the trainer divides the logits by it, as the sampler did
+    max_new_tokens: AtLeast1 = 48
+    max_turns: AtLeast1 = 3
+    clip_eps: Positive = 0.2             # PPO ratio clip (ratio = current / behaviour policy)
+    is_lower: NonNegative = 0.5          # double-sided importance sampling: a token whose ratio leaves
     is_upper: float = 2.0                # [is_lower, is_upper] is masked from the loss
     loss_agg: Literal["token", "sequence"] = "token"
-    kl_coef: float = 0.0                 # KL to the reference (the sft checkpoint); 0: no reference model
-    entropy_coef: float = 0.0
-    max_staleness: int = 1               # k: samples more than k policy versions old are dropped; 0 = synchronous
-    rollout_workers: int = 1
-    worker_cpus: float = 0.25            # Ray CPUs each rollout worker reserves
-    critic_lr: float = 3e-4              # ppo: the value model (the policy's backbone with a scalar head)
-    gae_gamma: float = 1.0
-    gae_lambda: float = 0.95
-    value_clip: float = 0.2
-    ppo_epochs: int = 1                  # passes over each rollout batch
-    micro_batch_cells: int = 2048        # completion tokens (padding included) per length-sorted micro-batch
-    val_every: int = 10                  # greedy validation accuracy every n steps (0: only before and after)
-    checkpoint_every: int = 10
+    kl_coef: NonNegative = 0.0           # KL to the reference (the sft checkpoint); 0: no reference model
+    entropy_coef: NonNegative = 0.0
+    max_staleness: AtLeast0 = 1          # k: samples more than k policy versions old are dropped; 0 = synchronous
+    rollout_workers: AtLeast1 = 1
+    worker_cpus: NonNegative = 0.25      # Ray CPUs each rollout worker reserves
+    critic_lr: Positive = 3e-4           # ppo: the value model (the policy's backbone with a scalar head)
+    gae_gamma: Share = 1.0
+    gae_lambda: Share = 0.95
+    value_clip: Positive = 0.2
+    ppo_epochs: AtLeast1 = 1             # passes over each rollout batch
+    micro_batch_cells: AtLeast1 = 2048   # completion tokens (padding included) per length-sorted micro-batch
+    val_every: AtLeast0 = 10             # greedy validation accuracy every n steps (0: only before and after)
+    # and/or at the first step past every n student tokens generated: the same validation points, in
+    # tokens, for methods whose steps differ in size (RL against OPD in bench/opd)
+    val_every_tokens: AtLeast0 = 0
+    checkpoint_every: AtLeast0 = 10
     per_domain: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -176,8 +217,6 @@ class RLConfig(_Strict):
             raise ValueError(f"rl.is_lower < 1 < rl.is_upper must hold (got {self.is_lower}, {self.is_upper})")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError("rl.group_size must be at least 2 for grpo (its baseline is the group mean)")
-        if self.max_staleness < 0 or self.rollout_workers < 1:
-            raise ValueError("rl.max_staleness must be >= 0 and rl.rollout_workers >= 1")
         for domain in self.per_domain:
             self.for_domain(domain)  # an override naming an unknown key or a bad value fails here, with its name
         return self
@@ -186,37 +225,36 @@ class RLConfig(_Strict):
         base = self.model_dump(exclude={"per_domain"})
         try:
             return RLConfig.model_validate({**base, **self.per_domain.get(domain, {})})
-        except ValidationError as e:
-            raise ValueError("; ".join(
-                f"rl.per_domain.{domain}.{'.'.join(map(str, x['loc']))}: "
-                + ("unknown key" if x["type"] == "extra_forbidden" else x["msg"]) for x in e.errors())) from None
+        except ValidationError as e:  # keys named as in the profile: rl.per_domain.<domain>.<key>
+            where = f"rl.per_domain.{domain}."
+            # a field's error gets the prefix; _check's own message names rl.<key>, re-rooted here
+            raise ValueError("; ".join(_error_line(x, where) if x["loc"] else
+                                       where + _error_line(x).removeprefix("rl.") for x in e.errors())) from None
 
 
 class OPDConfig(_Strict):
     """Multi-teacher on-policy distillation: the student samples, each prompt's teacher (the specialist of
     its domain, unless `route` says otherwise) scores the student's own tokens."""
     student: Literal["sft", "rl-reasoning", "rl-agentic", "rl-general"] = "sft"
-    steps: int = 60
-    prompts_per_step: int = 24           # per step, split evenly across the domains
-    lr: float = 5e-5
-    temperature: float = 1.0
-    max_new_tokens: int = 48
+    steps: AtLeast1 = 60
+    prompts_per_step: AtLeast1 = 24      # per step, split evenly across the domains
+    lr: Positive = 5e-5
+    temperature: Positive = 1.0          # the distillation loss divides the student's logits by it
+    max_new_tokens: AtLeast1 = 48
     loss: Literal["sampled", "topk", "full"] = "sampled"  # sampled: only teacher logprobs of sampled tokens
-    top_k: int = 16
-    reward_weight: float = 0.0           # > 0 mixes the task reward in (reward minus its domain's batch mean)
+    top_k: AtLeast1 = 16
+    reward_weight: NonNegative = 0.0     # > 0 mixes the task reward in (reward minus its domain's batch mean)
     route: dict[str, str] = Field(default_factory=dict)   # prompt domain -> teacher domain (default: itself)
-    max_staleness: int = 1
-    teacher_cpus: float = 0.2            # Ray CPUs each teacher actor reserves
-    val_every: int = 10
-    checkpoint_every: int = 10
+    max_staleness: AtLeast0 = 1
+    teacher_cpus: NonNegative = 0.2      # Ray CPUs each teacher actor reserves
+    val_every: AtLeast0 = 10
+    checkpoint_every: AtLeast0 = 10
 
     @model_validator(mode="after")
     def _check(self) -> "OPDConfig":
         bad = {k: v for k, v in self.route.items() if v not in ("reasoning", "agentic", "general")}
         if bad:
             raise ValueError(f"opd.route: teachers are the specialists reasoning, agentic, general (got {bad})")
-        if self.prompts_per_step < 1 or self.top_k < 1 or self.max_staleness < 0:
-            raise ValueError("opd.prompts_per_step and opd.top_k must be >= 1, opd.max_staleness >= 0")
         return self
 
 
@@ -224,10 +262,10 @@ class CrossStageConfig(_Strict):
     """The GLM-5 recipe (workflows/cross_stage.py): sequential RL stages (reasoning, then agentic, then general),
     each distilling from the earlier stages' checkpoints on their domains' prompts; and the same stages
     without distillation as the baseline. RL settings are `rl`'s (with its per-domain overrides)."""
-    distill_prompts_per_step: int = 16   # earlier domains' prompts per step, split evenly
-    distill_coef: float = 1.0
+    distill_prompts_per_step: AtLeast0 = 16  # earlier domains' prompts per step, split evenly (0: no distillation)
+    distill_coef: NonNegative = 1.0
     loss: Literal["sampled", "topk", "full"] = "sampled"
-    eval_n: int = 0                      # test tasks per domain in the comparison (0: the whole test split)
+    eval_n: AtLeast0 = 0                 # test tasks per domain in the comparison (0: the whole test split)
 
 
 class QuantizeConfig(_Strict):
@@ -236,19 +274,19 @@ class QuantizeConfig(_Strict):
     mlp_bits: Literal[4] = 4
     attn_bits: Literal[8] = 8
     act_bits: Literal[8] = 8
-    group_size: int = 128                # int4 weights share a scale per group of input columns
+    group_size: AtLeast1 = 128           # int4 weights share a scale per group of input columns
     method: Literal["gptq", "rtn"] = "gptq"  # GPTQ: error-compensating rounding on calibration activations
-    calib_samples: int = 128             # curated SFT conversations the calibration activations come from
-    calib_seq_len: int = 512
-    dampening: float = 0.01              # GPTQ: share of the mean Hessian diagonal added before inverting
+    calib_samples: AtLeast1 = 128        # curated SFT conversations the calibration activations come from
+    calib_seq_len: AtLeast1 = 512
+    dampening: NonNegative = 0.01        # GPTQ: share of the mean Hessian diagonal added before inverting
 
 
 class EvalConfig(_Strict):
-    n_per_suite: int = 64                # long-context tasks per length (domain suites: the whole test split)
-    max_new_tokens: int = 48
-    batch_size: int = 64
-    samples: int = 4                     # sampled answers per task for pass@k (0: greedy only)
-    temperature: float = 0.6             # for the sampled answers
+    n_per_suite: AtLeast1 = 64           # long-context tasks per length (domain suites: the whole test split)
+    max_new_tokens: AtLeast1 = 48
+    batch_size: AtLeast1 = 64
+    samples: AtLeast0 = 4                # sampled answers per task for pass@k (0: greedy only)
+    temperature: NonNegative = 0.6       # for the sampled answers (0: greedy, every sample the same)
 
     def batch_size_at(self, length: int) -> int:
         """Prompts per batch at a context length: attention scores are batch x heads x length^2, so
@@ -266,14 +304,14 @@ class GatesConfig(_Strict):
 
 
 class RuntimeConfig(_Strict):
-    ray_num_cpus: int = 2
-    torch_threads: int = 2
-    object_store_mb: int = 256
+    ray_num_cpus: AtLeast1 = 2
+    torch_threads: AtLeast1 = 2
+    object_store_mb: AtLeast1 = 256
 
 
 class PipelineConfig(_Strict):
     profile: str = "tiny"
-    seed: int = 0
+    seed: Annotated[int, Field(ge=0, lt=2**32)] = 0  # numpy's seed range (seed_all)
     world: WorldConfig = WorldConfig()
     curate: CurateConfig = CurateConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
@@ -289,6 +327,36 @@ class PipelineConfig(_Strict):
     gates: GatesConfig = GatesConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     registered_model: str = "posttrain-tiny"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PipelineConfig":
+        """Rules across sections, checked at load so a run does not fail stages later. Each message starts with
+        the key to change."""
+        m, errors = self.model, []
+        if not self.base.init_from:  # the model is built from `model` (a checkpoint brings its own shapes)
+            if self.base.seq_len > m.max_position_embeddings:
+                errors.append(f"base.seq_len: must be <= model.max_position_embeddings (got {self.base.seq_len} > "
+                              f"{m.max_position_embeddings}); longer contexts are the ramp's")
+            # quantize.targets refuses it only after every stage trained: the MLP's inputs are
+            # hidden_size (gate, up) and intermediate_size (down) columns wide
+            g = self.quantize.group_size
+            if m.hidden_size % g or m.intermediate_size % g:
+                errors.append(f"quantize.group_size: must divide model.hidden_size and model.intermediate_size "
+                              f"(got {g} for {m.hidden_size} and {m.intermediate_size})")
+        # the ramp extends the context: each stage sets max_position_embeddings to its seq_len
+        first = self.ramp.stages[0].seq_len
+        if first < m.max_position_embeddings:
+            errors.append(f"ramp.stages.0.seq_len: must be >= model.max_position_embeddings "
+                          f"(got {first} < {m.max_position_embeddings})")
+        # RLConfig also carries the OPD loop (no RL prompts) and unit tests (lr 0); an rl stage needs both
+        for d in ["", *self.rl.per_domain]:
+            r, key = (self.rl.for_domain(d), f"rl.per_domain.{d}") if d else (self.rl, "rl")
+            for name, ok, rule in (("lr", r.lr > 0, "> 0"), ("prompts_per_step", r.prompts_per_step >= 1, ">= 1")):
+                if not ok and (not d or name in self.rl.per_domain[d]):
+                    errors.append(f"{key}.{name}: must be {rule} (got {getattr(r, name)!r})")
+        if errors:
+            raise ValueError("\n  ".join(errors))
+        return self
 
     def digest(self, *sections: str) -> str:
         """sha256 of the whole config, or of only the named sections ("eval" or a key path "eval.batch_size")."""
@@ -333,15 +401,24 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> 
     return data
 
 
+_RULES = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+
+
+def _error_line(e: dict, prefix: str = "") -> str:
+    """One pydantic error as `key: rule (got value)`."""
+    key = prefix + ".".join(str(x) for x in e["loc"])
+    if e["type"] == "extra_forbidden":
+        return f"{key}: unknown key"
+    if e["type"] == "value_error":  # a validator's own message; ours start with their key path and say what they got
+        msg = e["msg"].removeprefix("Value error, ")
+        return msg if msg.startswith(key) else f"{key}: {msg}"
+    rule, bound = _RULES.get(e["type"]), next(iter(e.get("ctx", {}).values()), None)
+    msg = f"must be {rule} {f'{bound:g}' if isinstance(bound, float) else bound}" if rule else e["msg"]
+    return f"{key}: {msg} (got {e.get('input')!r})"
+
+
 def _format_validation(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config in {source}:"]
-    for e in err.errors():
-        key = ".".join(str(x) for x in e["loc"])
-        if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
-        else:
-            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
-    return "\n".join(lines)
+    return "\n".join([f"invalid config in {source}:", *(f"  {_error_line(e)}" for e in err.errors())])
 
 
 def profile_path(profile: str) -> Path:

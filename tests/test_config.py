@@ -36,3 +36,61 @@ def test_wrong_type_and_bad_override_fail_before_work(tmp_path):
 def test_unknown_profile_lists_known_ones():
     with pytest.raises(ConfigError, match="unknown profile 'huge'.*smoke"):
         load_config("huge")
+
+
+# Ranges and cross-section rules: a bad value fails at load, naming its key and the rule, before any stage runs
+
+def test_a_count_below_its_range_names_key_rule_and_value():
+    with pytest.raises(ConfigError, match=r"eval\.samples: must be >= 0 \(got -1\)"):
+        load_config("smoke", ["eval.samples=-1"])
+    with pytest.raises(ConfigError, match=r"base\.steps: must be >= 1 \(got 0\)"):
+        load_config("smoke", ["base.steps=0"])
+
+
+def test_a_share_outside_0_1_is_refused():
+    with pytest.raises(ConfigError, match=r"sft\.nothink_share: must be <= 1 \(got 1\.5\)"):
+        load_config("smoke", ["sft.nothink_share=1.5"])
+    with pytest.raises(ConfigError, match=r"curate\.mixture\.web: must be >= 0"):
+        load_config("smoke", ["curate.mixture={web: -1}"])
+
+
+def test_learning_rates_and_temperatures_must_be_positive():
+    with pytest.raises(ConfigError, match=r"opd\.lr: must be > 0 \(got -0\.001\)"):
+        load_config("smoke", ["opd.lr=-0.001"])
+    with pytest.raises(ConfigError, match=r"rl\.lr: must be > 0 \(got 0\.0\)"):
+        load_config("smoke", ["rl.lr=0"])  # RLConfig alone allows 0 (unit tests); an rl stage does not
+    with pytest.raises(ConfigError, match=r"rl\.temperature: must be > 0"):
+        load_config("smoke", ["rl.temperature=0"])
+
+
+def test_lengths_must_agree_across_sections():
+    with pytest.raises(ConfigError, match=r"base\.seq_len: must be <= model\.max_position_embeddings \(got 128 > 64\)"):
+        load_config("smoke", ["base.seq_len=128"])
+    with pytest.raises(ConfigError, match=r"ramp\.stages\.0\.seq_len: must be >= model\.max_position_embeddings"):
+        load_config("smoke", ["ramp.stages=[{seq_len: 32, tokens: 100000, rope_theta: 1.0e4}]"])
+    with pytest.raises(ConfigError, match=r"quantize\.group_size: must divide model\.hidden_size"):
+        load_config("smoke", ["quantize.group_size=24"])
+    with pytest.raises(ConfigError, match=r"model\.num_kv_heads: must divide model\.num_heads"):
+        load_config("smoke", ["model.num_kv_heads=3"])
+    # a checkpoint brings its own shapes: the model section's rules on base and quantize do not apply
+    assert load_config("smoke", ["base.init_from=/some/ckpt", "base.seq_len=128"]).base.seq_len == 128
+
+
+def test_per_domain_overrides_are_range_checked_with_their_key():
+    with pytest.raises(ConfigError, match=r"rl\.per_domain\.agentic\.temperature: must be > 0 \(got 0\)"):
+        load_config("smoke", ["rl.per_domain.agentic.temperature=0"])
+    with pytest.raises(ConfigError, match=r"rl\.per_domain\.agentic\.lr: must be > 0"):
+        load_config("smoke", ["rl.per_domain.agentic.lr=0"])
+    with pytest.raises(ConfigError, match=r"rl\.per_domain\.general\.group_size must be at least 2 for grpo"):
+        load_config("smoke", ["rl.per_domain.general.group_size=1"])
+
+
+def test_cli_refuses_an_unknown_stage_or_value_before_any_work(tmp_path, monkeypatch, capsys):
+    from posttrain.cli import main
+    monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path))
+    assert main(["run", "--profile", "smoke", "--force", "sft", "--force", "nosuchstage"]) == 2
+    err = capsys.readouterr().err
+    assert "--force: unknown stage 'nosuchstage'" in err and "stages: raw, curate, base" in err and "'sft'" not in err
+    assert main(["run", "--profile", "smoke", "--set", "eval.samples=-1"]) == 2
+    assert "eval.samples: must be >= 0 (got -1)" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
