@@ -61,6 +61,26 @@ def git_sha() -> str:
         return "nogit"
 
 
+_FILE_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def sha256_file_cached(path: Path) -> str:
+    """sha256_file, remembered per (path, size, mtime_ns): a multi-GB checkpoint is read once per process."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FILE_DIGESTS:
+        _FILE_DIGESTS[key] = sha256_file(path)
+    return _FILE_DIGESTS[key]
+
+
+def dir_digest(folder: Path | str) -> str:
+    """sha256 over the relative path and content of every file under `folder`. `.cache` is left out:
+    `huggingface-cli download --local-dir` keeps download metadata there that changes on a no-op refetch."""
+    folder = Path(folder)
+    return sha256_json({str(p.relative_to(folder)): sha256_file_cached(p) for p in sorted(folder.rglob("*"))
+                        if p.is_file() and ".cache" not in p.relative_to(folder).parts})
+
+
 def file_digests(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): sha256_file(p)
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}

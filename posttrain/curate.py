@@ -52,7 +52,7 @@ def make_raw(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         for f in files:
             shutil.copy(f, out / Path(f).name)
         return {"metrics": {"files": len(files)}}
-    planted = generate_raw(out, c.raw_docs, cfg.seed, cfg.world)
+    planted = generate_raw(out, c.raw_docs, cfg.world.seed, cfg.world)
     (out / "planted.json").write_text(json.dumps(planted, indent=1))
     return {"metrics": {f"planted_{k}": v for k, v in planted.items()}}
 
@@ -66,7 +66,7 @@ def _quarantine_row(rid: str, text: str, reason: str, detail: str, source: str) 
 
 def _test_items(cfg: PipelineConfig) -> dict[str, list]:
     w = cfg.world
-    return {d: environments.get(d).generate("test", w.n_test, cfg.seed, **w.knobs())
+    return {d: environments.get(d).generate("test", w.n_test, cfg.world.seed, **w.knobs())
             for d in environments.names(w.environments)}
 
 
@@ -74,7 +74,7 @@ def scan_file(cfg: PipelineConfig, path: Path, index: int, work: Path, targets: 
     """Pass 1 over one input file (see the module docstring); returns its counts."""
     c = cfg.curate
     work.mkdir(parents=True)
-    hasher = MinHasher(c.num_perm, c.near_dup_threshold, cfg.seed)
+    hasher = MinHasher(c.num_perm, c.near_dup_threshold, cfg.world.seed)
     words = WordHashes()
     keys = {"gidx": open(work / "gidx.bin", "wb"), "exact": open(work / "exact.bin", "wb"),
             "sigs": open(work / "sigs.bin", "wb"),
@@ -235,7 +235,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     work = out / ".work"
     shards = [work / f"file-{i:05d}" for i in range(len(files))]
     scans = map_tasks(scan_file, [(cfg, f, i, s, targets) for i, (f, s) in enumerate(zip(files, shards))], "curate scan")
-    bands = MinHasher(c.num_perm, c.near_dup_threshold, cfg.seed).bands
+    bands = MinHasher(c.num_perm, c.near_dup_threshold, cfg.world.seed).bands
     removed, reason, dup_of = global_dedup(shards, bands, c.num_perm, c.near_dup_threshold)
     file_of = (removed >> np.uint64(ROW_BITS)).astype(np.int64)
     calls = []
@@ -318,9 +318,9 @@ def _write_splits(cfg: PipelineConfig, tests: dict[str, list], out: Path, valida
     counts, task_ids = {}, []
     for d, test in tests.items():
         env = environments.get(d)
-        train = env.generate("train", w.n_train, cfg.seed, **w.knobs())
+        train = env.generate("train", w.n_train, cfg.world.seed, **w.knobs())
         n_sft = int(len(train) * 0.75)
-        sets = {"sft": train[:n_sft], "rl": train[n_sft:], "val": env.generate("val", w.n_val, cfg.seed, **w.knobs()),
+        sets = {"sft": train[:n_sft], "rl": train[n_sft:], "val": env.generate("val", w.n_val, cfg.world.seed, **w.knobs()),
                 "test": test}
         task_ids += [{"task_id": t.id, "set": f"{name}-{d}"} for name, ts in sets.items() for t in ts]
         for name, tasks in sets.items():

@@ -42,7 +42,7 @@ def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) 
     for L in cfg.eval_lengths():
         def count(t):
             return len(render_ids(tok, t.messages(), add_generation_prompt=True)) + cfg.eval.max_new_tokens // 2
-        out[f"long_context@{L}"] = (long_context.fit_to_length("test", n, cfg.seed, L, count), True)
+        out[f"long_context@{L}"] = (long_context.fit_to_length("test", n, cfg.world.seed, L, count), True)
     return out
 
 

@@ -55,7 +55,7 @@ def long_documents(tok, seq_len: int, n: int, seed: int, weight: float = 1.0) ->
 
 def eval_sets(cfg: PipelineConfig, tok) -> dict[int, list[Task]]:
     """long_context test tasks per ladder length, sized so prompt + answer fit the length."""
-    return {L: long_context.fit_to_length("test", cfg.eval.n_per_suite, cfg.seed, L,
+    return {L: long_context.fit_to_length("test", cfg.eval.n_per_suite, cfg.world.seed, L,
                                           lambda t: prose_len(tok, t, cfg.eval.max_new_tokens // 2))
             for L in cfg.eval_lengths()}
 

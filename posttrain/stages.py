@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain import tracking
-from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, git_sha, sha256_json, verify, verify_ref, \
-    write_manifest
-from posttrain.codehash import code_digest
+from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, dir_digest, git_sha, sha256_json, verify, \
+    verify_ref, write_manifest
+from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, _at as config_at, config_from_dict
 
 
@@ -45,12 +45,13 @@ def inputs_of(chain: str, domain: str) -> tuple[str, ...]:
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in [
-    Stage("raw", "posttrain.curate:make_raw", (), ("seed", "world", "curate"), num_cpus=1, threads=1),
+    Stage("raw", "posttrain.curate:make_raw", (), ("world", "curate"), num_cpus=1, threads=1),
     # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
-    Stage("curate", "posttrain.curate:run", ("raw",), ("seed", "world", "curate"), num_cpus=0.1, threads=1),
+    Stage("curate", "posttrain.curate:run", ("raw",), ("world", "curate"), num_cpus=0.1, threads=1),
     Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base")),
-    Stage("ramp", "posttrain.ramp:run", ("base", "curate"), ("seed", "model", "ramp", "eval.n_per_suite", "eval.max_new_tokens",
-                                                                "eval.batch_size"), resumable=True),
+    Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
+          ("seed", "world.seed", "model", "ramp", "eval.n_per_suite", "eval.max_new_tokens", "eval.batch_size"),
+          resumable=True),
     # sft's own Ray task only waits on its Ray Train workers
     Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), num_cpus=0.1, resumable=True),
     # 3 x (0.4 + one 0.25-CPU rollout worker) fits the 2 CPUs, so the three specialists run at once
@@ -61,7 +62,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in [
           threads=1, resumable=True),
     Stage("quantize", "posttrain.quantize:run", ("opd", "curate"), ("seed", "quantize")),
     Stage("evaluate", "posttrain.evaluate:run", ("base", "ramp", "sft", *DOMAIN_STAGES, "opd", "quantize", "curate"),
-          ("seed", "eval", "rl", "model", "ramp")),
+          ("seed", "world.seed", "eval", "rl", "model", "ramp")),
     # workflows/cross_stage.py: the GLM-5 chain with distillation (xs-) and without (seq-), both after rl-reasoning
     *[Stage(stage_name(c, d), "posttrain.cross_stage:run", inputs_of(c, d), ("seed", "rl", "cross_stage", "opd"),
             (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True)
@@ -101,9 +102,14 @@ class StageFailed(RuntimeError):
 
 
 def cache_key(stage: Stage, cfg: PipelineConfig, code: str, inputs: dict[str, ArtifactRef]) -> str:
-    return sha256_json({"stage": stage.name, "config": cfg.digest(*stage.sections), "code": code,
-                        "params": list(stage.params),
-                        "inputs": {k: v.sha256 for k, v in sorted(inputs.items())}})
+    body = {"stage": stage.name, "config": cfg.digest(*stage.sections), "code": code, "params": list(stage.params),
+            "inputs": {k: v.sha256 for k, v in sorted(inputs.items())}}
+    if "base" in stage.sections and cfg.base.init_from:  # the config holds only its path: hash what it holds
+        if not Path(cfg.base.init_from).is_dir():
+            raise StageFailed(f"{stage.name}: base.init_from {cfg.base.init_from!r} is not a directory "
+                              f"(expected a local Hugging Face checkpoint dir)")
+        body["init_from"] = dir_digest(cfg.base.init_from)
+    return sha256_json(body)
 
 
 def _small_files(folder: Path) -> list[Path]:
@@ -116,7 +122,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     from posttrain.raysupport import ensure_ray, submit
 
     stage, cfg, t0 = STAGES[name], ctx.cfg(), time.time()
-    code = code_digest(stage.fn.split(":")[0])
+    code = stage_code_digest(stage.fn.split(":")[0], cfg)
     missing = set(stage.inputs) - set(inputs)
     if missing:
         raise StageFailed(f"{name}: missing inputs {sorted(missing)}")
