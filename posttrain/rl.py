@@ -27,7 +27,8 @@ from posttrain.config import PipelineConfig, RLConfig
 from posttrain.critic import ValueModel
 from posttrain.curate import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
-from posttrain.rl_loss import entropy, gae, group_advantages, kl_to_reference, policy_loss, value_loss
+from posttrain.rl_loss import entropy, explained_variance, gae, group_advantages, kl_to_reference, policy_loss, \
+    value_loss
 from posttrain.rl_batch import completion_batch, micro_batches, prefix_forward
 from posttrain.opd_loss import distill_backward
 from posttrain.rollout import run_episodes
@@ -87,7 +88,7 @@ def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, cri
     if not samples:  # distillation only
         opt.zero_grad(set_to_none=True)
         stats = extra() if extra else {}
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
         opt.step()
         return stats
     rewards = torch.tensor([s.reward for s in samples])
@@ -144,18 +145,26 @@ def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, cri
                 stats[k] = stats.get(k, 0.0) + v * mask.sum().item() / trained
         if extra:
             stats.update(extra())
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
         opt.step()
         if critic is not None:
             copt.zero_grad(set_to_none=True)
-            vl_total = 0.0
+            vl_total = clip_frac = 0.0
+            values = []
             for (_, sub), b, v_old, ret in zip(chunks, batches, old_vs, returns):
-                vl = value_loss(critic(sub, pad_id), v_old, ret, b["mask"], r.value_clip, n_tokens)
+                v = critic(sub, pad_id)
+                vl, vst = value_loss(v, v_old, ret, b["mask"], r.value_clip, n_tokens)
                 vl.backward()
                 vl_total += vl.item()
-            torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+                clip_frac += vst["value_clip_frac"] * b["mask"].sum().item() / trained
+                values.append(v.detach())
+            stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0).item()
             copt.step()
-            stats["value_loss"] = vl_total
+            stats["value_loss"], stats["value_clip_frac"] = vl_total, clip_frac
+            # of the values this pass trained on (before its update), over the whole batch
+            stats["explained_variance"] = explained_variance(
+                torch.cat([v[b["mask"] > 0] for v, b in zip(values, batches)]),
+                torch.cat([x[b["mask"] > 0] for x, b in zip(returns, batches)]))
     return stats
 
 
@@ -299,7 +308,8 @@ def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed
             for k, v in row.items():
                 hist.setdefault(k, []).append(v)
             done = step + 1
-            if r.val_every and done % r.val_every == 0 or done == r.steps:
+            if r.val_every and done % r.val_every == 0 or done == r.steps or _passed(
+                    hist["student_tokens"], r.val_every_tokens):
                 validate(done)
             bar.set_postfix(reward=f"{row['reward']:.3f}", val=f"{hist['val_score'][-1][1]:.3f}", refresh=False)
             if ckpt and r.checkpoint_every and done % r.checkpoint_every == 0 and done < r.steps:
@@ -321,6 +331,12 @@ def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed
         if teachers:
             teachers.close()
     return policy, tok, st
+
+
+def _passed(cumulative: list[float], every: int) -> bool:
+    """Whether the last step's cumulative count crossed a multiple of `every` (0: never)."""
+    before = cumulative[-2] if len(cumulative) > 1 else 0
+    return bool(every) and cumulative[-1] // every > before // every
 
 
 def kill_step(stage: str) -> int:

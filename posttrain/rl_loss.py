@@ -74,11 +74,23 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Ten
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float, n_tokens: float | None = None) -> torch.Tensor:
-    """PPO's clipped value loss: the worse of the unclipped and the clipped-to-old prediction."""
+               clip: float, n_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped value loss: the worse of the unclipped and the clipped-to-old prediction. The clip
+    binds only once the critic has moved since `old_values` were taken (a second `rl.ppo_epochs` pass)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
-    err = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
-    return 0.5 * (err * mask).sum() / (n_tokens or mask.sum().clamp(min=1))
+    unclipped_err, clipped_err = (values - returns) ** 2, (clipped - returns) ** 2
+    err = torch.maximum(unclipped_err, clipped_err)
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        stats = {"value_clip_frac": (((clipped_err > unclipped_err).float() * mask).sum() / n).item()}
+    return 0.5 * (err * mask).sum() / (n_tokens or mask.sum().clamp(min=1)), stats
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns): 1 is a perfect critic, 0 one that predicts only the mean,
+    below 0 worse than that (NaN when the returns do not vary)."""
+    var = returns.var(unbiased=False)
+    return float("nan") if var == 0 else (1 - (returns - values).var(unbiased=False) / var).item()
 
 
 def entropy(logp_all: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
