@@ -19,11 +19,15 @@ def home_dir() -> Path:
     return Path(os.environ.get("POSTTRAIN_HOME", Path.cwd() / ".posttrain")).resolve()
 
 
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
 def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None = None,
           force: list[str] | None = None) -> RunContext:
     validate_gates(cfg)
     home = home_dir()
-    run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    run_id = run_id or new_run_id()
     run_dir = home / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import ray
 
 from posttrain.config import RuntimeConfig
 
 
-def ensure_ray(rt: RuntimeConfig) -> None:
-    """Start (or join) Ray with declared CPUs, no dashboard and a small object store."""
+def ensure_ray(rt: RuntimeConfig, log_path: str | Path | None = None) -> None:
+    """Start (or join) Ray with declared CPUs, no dashboard and a small object store. With `log_path`,
+    Ray's own internals go to that file instead of the terminal (see `route_worker_logs`)."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -17,9 +20,46 @@ def ensure_ray(rt: RuntimeConfig) -> None:
     address = os.environ.get("RAY_ADDRESS")
     if address:  # on a KubeRay cluster the RayJob sets this
         ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=rt.ray_num_cpus, include_dashboard=False, object_store_memory=rt.object_store_mb << 20,
+                 log_to_driver=True, configure_logging=False)
+    if log_path:
+        route_worker_logs(Path(log_path))
+
+
+# Ray Train's helper actors and Ray's C++ log lines (glog: "[date time,ms E pid tid] file.cc:line: ...") say
+# nothing a user can act on; worker lines of our own (progress bars, stage messages) stay on the terminal.
+_INTERNAL_ACTORS = {"TrainController", "PlacementGroupCleaner", "PreemptionWatcher"}
+_INTERNAL_LINE = re.compile(
+    r"^\[\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\]|\.cc:\d+:|Failed to query Ray Train Controller|"
+    r"Reporting training result|Checkpoint successfully created|Setting up process group|Moving model to device|"
+    r"Wrapping provided model|training worker group|world_rank=")
+
+
+def route_worker_logs(path: Path) -> None:
+    """Forward worker output to the terminal as Ray does, except Ray's internals, which go to `path`.
+
+    Ray has no public filter for forwarded worker logs, so this swaps the driver's print handler on its
+    stdstream dispatcher (ray._private.worker, Ray 2.x); if that API is gone, Ray's default stays."""
+    from ray._private import worker as ray_worker
+    dispatcher = getattr(ray_worker, "global_worker_stdstream_dispatcher", None)
+    if dispatcher is None or not hasattr(ray_worker, "print_to_stdstream"):
         return
-    ray.init(num_cpus=rt.ray_num_cpus, include_dashboard=False, object_store_memory=rt.object_store_mb << 20,
-             log_to_driver=True, configure_logging=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(path, "a", buffering=1)  # noqa: SIM115 - open for the life of the driver
+
+    def handle(data: dict) -> None:
+        internal = (data.get("actor_name") or data.get("task_name") or "") in _INTERNAL_ACTORS
+        keep = [] if internal else [x for x in data["lines"] if not _INTERNAL_LINE.search(x)]
+        origin = f"({data.get('actor_name') or data.get('task_name') or ''} pid={data.get('pid')})"
+        for line in data["lines"]:
+            if internal or _INTERNAL_LINE.search(line):
+                log.write(f"{origin} {line}\n")
+        if keep:
+            ray_worker.print_to_stdstream({**data, "lines": keep}, ignore_prefix=False)
+
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("posttrain_print_logs", handle)
 
 
 def _call(fn_path: str, threads: int, *args, **kwargs):

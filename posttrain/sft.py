@@ -1,11 +1,13 @@
 """sft: chat-template demonstrations with thinking on or off per conversation; assistant-only loss."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,7 +144,16 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
         scaling_config=ScalingConfig(num_workers=s.workers, use_gpu=torch.cuda.is_available()),
         run_config=RunConfig(name="sft", storage_path=str(storage), failure_config=FailureConfig(max_failures=0),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
-    result = trainer.fit()
+    # Ray Train's fit() installs a SIGINT handler holding the controller actor's handle, which keeps the
+    # controller alive after training; restoring the handler lets it go with the trainer
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        result = trainer.fit()
+    finally:
+        if threading.current_thread() is threading.main_thread():  # where fit() could install it
+            signal.signal(signal.SIGINT, sigint)
+        del trainer
+        gc.collect()
     with result.checkpoint.as_directory() as d:
         state = torch.load(Path(d) / STATE, weights_only=False)
     model.load_state_dict(state["model"])
