@@ -5,8 +5,9 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROFILE ?= tiny
 B       ?=
+SEEDS   ?= 0 1 2
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench figures clean
 
 install: $(STAMP)
 
@@ -30,6 +31,10 @@ $(VENV)/.bench-installed: $(STAMP)
 
 bench: $(VENV)/.bench-installed
 	$(BIN)/python -m bench $(B)
+
+# the profile over several training seeds: .posttrain/figures.json and figures.md (the README's tables)
+figures: install
+	$(BIN)/posttrain figures --profile $(PROFILE) --seeds $(SEEDS)
 
 clean:
 	rm -rf .posttrain

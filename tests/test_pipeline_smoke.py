@@ -33,8 +33,18 @@ def stage_runs(home: Path, parent: str) -> dict:
 @pytest.fixture(scope="module")
 def first(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
-    posttrain(home, "run", "--profile", "smoke")
+    p = posttrain(home, "run", "--profile", "smoke")
+    (home / "console.txt").write_text(p.stdout + p.stderr)
     return home, json.loads((home / "latest" / "report.json").read_text())
+
+
+def test_console_shows_progress_but_not_rays_internals(first):
+    home, report = first
+    console = (home / "console.txt").read_text()
+    assert "sft:" in console and "rl-general:" in console  # stage progress still reaches the user
+    for internal in ("(TrainController", "(PlacementGroupCleaner", "core_worker.cc", "Reporting training result"):
+        assert internal not in console, internal
+    assert (home / "runs" / report["run_id"] / "ray.log").exists()  # they went here
 
 
 def test_report_has_every_checkpoint_and_suite(first):
@@ -165,7 +175,8 @@ def test_sft_resumes_exactly_after_sigkill(first, tmp_path):
 
 def _kill_then_resume(first, stage: str, *sets: str) -> tuple[dict, dict]:
     """Rerun `stage` with a SIGKILL right after its step-1 checkpoint, then rerun it again; returns the
-    uninterrupted run's history and the resumed one's."""
+    uninterrupted run's history and the resumed one's, and checks the resumed weights are the uninterrupted
+    run's, byte for byte."""
     home, report = first
     args = ("rerun", stage, "--from", report["run_id"], *(x for kv in sets for x in ("--set", kv)))
     p = posttrain(home, *args, check=False, env={"POSTTRAIN_KILL_AT": f"{stage}:1"})
@@ -173,18 +184,22 @@ def _kill_then_resume(first, stage: str, *sets: str) -> tuple[dict, dict]:
     p = posttrain(home, *args)
     assert "resuming at step 1 of 2" in p.stdout + p.stderr
     resumed = json.loads((home / "latest" / "report.json").read_text())["stages"][stage]["artifact"]
-    before = json.loads((Path(report["stages"][stage]["artifact"]) / "history.json").read_text())
+    original = Path(report["stages"][stage]["artifact"])
+    assert (Path(resumed) / "model.safetensors").read_bytes() == (original / "model.safetensors").read_bytes()
+    before = json.loads((original / "history.json").read_text())
     return before, json.loads((Path(resumed) / "history.json").read_text())
 
 
 def test_rl_specialist_resumes_exactly_after_sigkill(first):
     """SIGKILL a specialist right after its step-1 checkpoint (weights, optimizer, RNG, request cursor,
     rollout buffer); the rerun continues at step 1, and every step's reward and loss is the
-    uninterrupted run's: none lost, none repeated."""
+    uninterrupted run's: none lost, none repeated. (Whether two smoke steps reward anything depends on the
+    samples: a group-normalised loss is 0 at ratio 1 while its gradient is not, and an all-equal group has
+    neither; so resume is judged by exact equality, not by a loss being non-zero.)"""
     before, after = _kill_then_resume(first, "rl-general", "rl.checkpoint_every=1")
-    for key in ("reward", "loss", "masked_fraction", "kl_behaviour", "staleness_mean", "val_score"):
+    for key in ("reward", "loss", "grad_norm", "masked_fraction", "kl_behaviour", "staleness_mean", "val_score"):
         assert after[key] == before[key], key
-    assert len(after["reward"]) == 2 and any(after["reward"]) and any(after["loss"])  # it learned something
+    assert len(after["reward"]) == 2
 
 
 def test_opd_resumes_exactly_after_sigkill(first):

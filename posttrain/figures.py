@@ -1,0 +1,187 @@
+"""`posttrain figures`: the pipeline over several training seeds on the same data, and what each stage did,
+as means with their spread. The README's tables are pasted from the `figures.md` this writes.
+
+`seed` varies everything downstream of curate (initial weights, data order, sampling); `world.seed` (the
+data, the splits, the test sets) stays the profile's, so raw and curate run once and are cached after.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+
+from posttrain.artifacts import atomic_write_text
+
+DOMAINS = ("reasoning", "agentic", "general")
+# what the embedded default must show in the mean over seeds (issue 17): the bar each claim is held to
+CLAIMS = {"thinking_delta": 0.10, "gain": 0.05, "retention": 0.90, "quant_drop_max": 0.02}
+THINKING_DOMAINS = ("reasoning", "agentic")  # where thinking must pay: general's constraints need no steps
+
+
+def run_seeds(profile: str, seeds: list[int], overrides: list[str]) -> list[Path]:
+    """One `posttrain run` per seed, in this POSTTRAIN_HOME; returns each run's report.json."""
+    reports = []
+    for i, seed in enumerate(seeds):
+        print(f"== figures: seed {seed} ({i + 1} of {len(seeds)})", flush=True)
+        args = [sys.executable, "-m", "posttrain.cli", "run", "--profile", profile,
+                *(x for kv in [*overrides, f"seed={seed}"] for x in ("--set", kv))]
+        p = subprocess.run(args, env=os.environ.copy())
+        if p.returncode != 0:
+            raise RuntimeError(f"posttrain figures: the run for seed {seed} failed (exit {p.returncode}); "
+                               f"command: {' '.join(args[1:])}")
+        from posttrain.pipeline import home_dir
+        run_id = json.loads((home_dir() / "latest" / "report.json").read_text())["run_id"]
+        reports.append(home_dir() / "runs" / run_id / "report.json")
+    return reports
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": round(mean(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
+def aggregate(reports: list[dict]) -> dict:
+    """figures.json from finished runs' reports (each with `eval` and `stages`)."""
+    if not reports:
+        raise ValueError("no reports to aggregate")
+    ev = [r["eval"] for r in reports]
+    cks = [c for c in ev[0] if all(c in e for e in ev)]
+    out: dict = {"seeds": [r.get("seed") for r in reports], "runs": [r["run_id"] for r in reports],
+                 "profile": reports[0]["profile"],
+                 "eval": {c: {s: _spread([e[c][s] for e in ev]) for s in ev[0][c] if all(s in e[c] for e in ev)}
+                          for c in cks}}
+
+    def m(ck: str, suite: str) -> float:
+        return out["eval"][ck][suite]["mean"]
+
+    doms = [d for d in DOMAINS if f"specialist/{d}" in out["eval"] and "sft" in out["eval"]]
+    per_seed_gain = {d: [e[f"specialist/{d}"][d] - e["sft"][d] for e in ev] for d in doms}
+    out["gain"] = {d: round(mean(g), 4) for d, g in per_seed_gain.items()}
+    out["gain_spread"] = {d: _spread(g) for d, g in per_seed_gain.items()}
+    if "generalist" in out["eval"]:
+        # the generalist's mean gain over the specialist's: a ratio of means, since a per-seed ratio of two
+        # small gains can be anything
+        out["retention"] = {d: round((m("generalist", d) - m("sft", d)) / g, 4) if g > 0 else None
+                            for d, g in out["gain"].items()}
+        out["retention_per_seed"] = {d: [round((e["generalist"][d] - e["sft"][d]) / x, 4) if x > 0 else None
+                                         for e, x in zip(ev, per_seed_gain[d])] for d in doms}
+    if {"generalist", "quantized"} <= set(out["eval"]):
+        drops = {s: round(m("generalist", s) - m("quantized", s), 4) for s in out["eval"]["quantized"]
+                 if s in out["eval"]["generalist"]}
+        out["quant_drop"] = drops
+        out["quant_drop_max"] = max(drops.values())
+    if "sft" in out["eval"]:
+        sft = out["eval"]["sft"]
+        out["thinking_delta"] = {d: round(mean(e["sft"][d] - e["sft"][f"{d}:nothink"] for e in ev), 4)
+                                 for d in DOMAINS if d in sft and f"{d}:nothink" in sft}
+        tok = [r.get("tokens", {}).get("sft", {}) for r in reports]
+        out["thinking_tokens"] = {d: {"on": round(mean(t[d] for t in tok), 1),
+                                      "off": round(mean(t[f"{d}:nothink"] for t in tok), 1)}
+                                  for d in out["thinking_delta"] if all(d in t and f"{d}:nothink" in t for t in tok)}
+    # a cached stage did no work in that run: its seconds come from the runs that computed it
+    secs: dict[str, list[float]] = {}
+    for r in reports:
+        for s, v in r["stages"].items():
+            if not v.get("cached"):
+                secs.setdefault(s, []).append(v["seconds"])
+    out["wall_seconds"] = {s: round(mean(v), 1) for s, v in secs.items()}
+    out["wall_seconds"]["run"] = round(mean(r["wall_seconds"] for r in reports), 1)
+    out["claims"] = claims(out)
+    out["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+    return out
+
+
+def claims(f: dict) -> list[dict]:
+    """Each claim about the embedded default with the mean it rests on and whether it holds."""
+    rows = []
+    for d, v in f.get("thinking_delta", {}).items():
+        if d in THINKING_DOMAINS:
+            rows.append({"claim": f"sft: thinking on beats off on {d} by >= {CLAIMS['thinking_delta']:.2f}",
+                         "value": v, "holds": v >= CLAIMS["thinking_delta"]})
+    for d, v in f.get("gain", {}).items():
+        rows.append({"claim": f"specialist/{d} gains >= {CLAIMS['gain']:.2f} over sft on {d}", "value": v,
+                     "holds": v >= CLAIMS["gain"]})
+    for d, v in f.get("retention", {}).items():
+        rows.append({"claim": f"generalist keeps >= {CLAIMS['retention']:.0%} of the {d} gain", "value": v,
+                     "holds": v is not None and v >= CLAIMS["retention"]})
+    if "quant_drop_max" in f:
+        rows.append({"claim": f"quantized within {CLAIMS['quant_drop_max']:.2f} of the generalist on every suite",
+                     "value": f["quant_drop_max"], "holds": f["quant_drop_max"] <= CLAIMS["quant_drop_max"]})
+    return rows
+
+
+def markdown(f: dict) -> str:
+    n = len(f["seeds"])
+    cks = list(f["eval"])
+    suites = list(f["eval"][cks[0]])
+    cell = (lambda v: f"{v['mean']:.3f}" if n == 1 else f"{v['mean']:.3f} ({v['min']:.2f}-{v['max']:.2f})")
+    lines = [f"# figures: profile {f['profile']}, seeds {f['seeds']}", "",
+             f"Machine: {f['machine']}. Runs: {', '.join(f['runs'])}. Test scores: mean over seeds "
+             f"(min-max); greedy, thinking on unless the suite says `:nothink`.", "",
+             "| checkpoint | " + " | ".join(suites) + " |", "|" + "---|" * (len(suites) + 1)]
+    lines += [f"| {c} | " + " | ".join(cell(f["eval"][c][s]) if s in f["eval"][c] else "" for s in suites) + " |"
+              for c in cks]
+    if f.get("gain"):
+        lines += ["", "| domain | specialist gain over sft (min-max) | generalist retention (per seed) |",
+                  "|---|---|---|"]
+        for d, g in f["gain"].items():
+            sp, ret = f["gain_spread"][d], f.get("retention", {}).get(d)
+            per = ", ".join("-" if x is None else f"{x:.2f}" for x in f.get("retention_per_seed", {}).get(d, []))
+            lines.append(f"| {d} | {g:+.3f} ({sp['min']:+.2f} to {sp['max']:+.2f}) | "
+                         f"{'-' if ret is None else f'{ret:.0%}'} ({per}) |")
+    if f.get("thinking_delta"):
+        lines += ["", "| sft, thinking on vs off | score delta | tokens on | tokens off |", "|---|---|---|---|"]
+        for d, v in f["thinking_delta"].items():
+            t = f.get("thinking_tokens", {}).get(d, {})
+            lines.append(f"| {d} | {v:+.3f} | {t.get('on', '-')} | {t.get('off', '-')} |")
+    if "quant_drop_max" in f:
+        worst = max(f["quant_drop"], key=f["quant_drop"].get)
+        lines += ["", f"Quantization: largest mean drop, generalist to quantized, {f['quant_drop_max']:+.3f} ({worst})."]
+    lines += ["", "| stage | mean seconds |", "|---|---|"]
+    lines += [f"| {s} | {v:.0f} |" for s, v in f["wall_seconds"].items()]
+    if f.get("claims"):
+        lines += ["", "| claim (mean over seeds) | value | holds |", "|---|---|---|"]
+        lines += [f"| {c['claim']} | {'-' if c['value'] is None else round(c['value'], 3)} | "
+                  f"{'yes' if c['holds'] else 'NO'} |" for c in f["claims"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(f: dict, home: Path) -> tuple[Path, Path]:
+    home.mkdir(parents=True, exist_ok=True)
+    js, md = home / "figures.json", home / "figures.md"
+    atomic_write_text(js, json.dumps(f, indent=1))
+    atomic_write_text(md, markdown(f))
+    return js, md
+
+
+def figures(profile: str, seeds: list[int], overrides: list[str], runs: list[str]) -> dict:
+    """Run (or, with `runs`, only collect) the seeds' pipelines and write figures.json / figures.md."""
+    from posttrain.pipeline import home_dir
+    t0 = time.time()
+    paths = [_report_path(r) for r in runs] if runs else run_seeds(profile, seeds, overrides)
+    reports = []
+    for p in paths:
+        r = json.loads(p.read_text())
+        cfg = p.parent / "config.json"
+        r["seed"] = json.loads(cfg.read_text())["seed"] if cfg.exists() else None
+        reports.append(r)
+    f = aggregate(reports)
+    js, md = write(f, home_dir())
+    print(markdown(f))
+    print(f"wrote {js} and {md} ({time.time() - t0:.0f} s)")
+    return f
+
+
+def _report_path(run: str) -> Path:
+    """A run id under this POSTTRAIN_HOME, a run folder, or a report.json path."""
+    from posttrain.pipeline import home_dir
+    p = Path(run)
+    for cand in (p, p / "report.json", home_dir() / "runs" / run / "report.json"):
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(f"no report for run {run!r} (looked for {p}, {p / 'report.json'} and "
+                            f"{home_dir() / 'runs' / run / 'report.json'})")

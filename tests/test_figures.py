@@ -1,0 +1,73 @@
+"""`posttrain figures`: aggregation over seeds, and determinism of the synchronous path (the reason figures
+over seeds mean something: the same seed gives the same numbers)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from posttrain.figures import aggregate, markdown
+from tests.test_pipeline_smoke import posttrain
+
+
+def _report(seed: int, sft: float, spec: float, gen: float, quant: float, nothink: float) -> dict:
+    ev = {"sft": {}, "generalist": {}, "quantized": {}}
+    for d in ("reasoning", "agentic", "general"):
+        ev["sft"].update({d: sft, f"{d}:nothink": nothink})
+        ev[f"specialist/{d}"] = {d: spec}
+        ev["generalist"].update({d: gen, f"{d}:nothink": nothink})
+        ev["quantized"].update({d: quant, f"{d}:nothink": nothink})
+    tokens = {"sft": {k: (20.0 if ":" not in k else 5.0) for k in ev["sft"]}}
+    return {"run_id": f"r{seed}", "profile": "tiny", "seed": seed, "wall_seconds": 100.0 + seed, "eval": ev,
+            "tokens": tokens, "stages": {"curate": {"seconds": 9.0, "cached": seed > 0},
+                                         "sft": {"seconds": 10.0 + seed, "cached": False}}}
+
+
+def test_aggregate_gives_means_spreads_gains_retention_and_claims():
+    f = aggregate([_report(0, 0.40, 0.60, 0.58, 0.57, 0.20), _report(1, 0.50, 0.70, 0.70, 0.69, 0.30)])
+    assert f["seeds"] == [0, 1]
+    assert f["eval"]["sft"]["reasoning"] == {"mean": 0.45, "min": 0.4, "max": 0.5}
+    assert f["gain"] == {d: 0.2 for d in ("reasoning", "agentic", "general")}
+    # ratio of the mean gains: (0.64 - 0.45) / 0.2
+    assert f["retention"]["agentic"] == pytest.approx(0.95)
+    assert f["retention_per_seed"]["agentic"] == [pytest.approx(0.9), pytest.approx(1.0)]
+    assert f["quant_drop_max"] == pytest.approx(0.01)
+    assert f["thinking_delta"]["reasoning"] == pytest.approx(0.2)
+    assert f["thinking_tokens"]["reasoning"] == {"on": 20.0, "off": 5.0}
+    assert f["wall_seconds"]["curate"] == 9.0  # from the run that computed it, not the cached one
+    assert f["wall_seconds"]["sft"] == 10.5
+    assert all(c["holds"] for c in f["claims"])
+    weak = aggregate([_report(0, 0.40, 0.42, 0.42, 0.38, 0.35)])
+    failing = {c["claim"] for c in weak["claims"] if not c["holds"]}
+    assert any("thinking on beats off on reasoning" in c for c in failing)
+    assert any("gains >= 0.05" in c for c in failing) and any("within 0.02" in c for c in failing)
+    assert "| NO |" in markdown(weak)
+
+
+def _weights(report: dict) -> dict[str, str]:
+    """Each stage's weight digests, from its manifest."""
+    out = {}
+    for stage, v in report["stages"].items():
+        files = dict(json.loads((Path(v["artifact"]) / "manifest.json").read_text())["files"])
+        out.update({f"{stage}/{k}": d for k, d in files.items() if k.endswith(".safetensors")})
+    return out
+
+
+def test_synchronous_path_gives_the_same_report_twice(tmp_path):
+    """Same seed, same machine, rl.max_staleness=0 and opd.max_staleness=0, two fresh homes: every score,
+    every generated-token count and every stage's weights are identical, so `posttrain figures` over the two
+    runs shows no spread. (Timings differ, and so do run ids.)"""
+    sync = ("--set", "rl.max_staleness=0", "--set", "opd.max_staleness=0")
+    reports = []
+    for name in ("a", "b"):
+        posttrain(tmp_path / name, "run", "--profile", "smoke", *sync)
+        reports.append(json.loads((tmp_path / name / "latest" / "report.json").read_text()))
+    a, b = reports
+    for key in ("eval", "tokens", "pass_at_k"):
+        assert a[key] == b[key], key
+    assert _weights(a) == _weights(b) and len(_weights(a)) >= 9
+    runs = [str(tmp_path / n / "runs" / r["run_id"]) for n, r in zip("ab", reports)]
+    posttrain(tmp_path / "figures", "figures", "--runs", *runs)
+    f = json.loads((tmp_path / "figures" / "figures.json").read_text())
+    assert f["seeds"] == [0, 0]
+    assert all(v["min"] == v["max"] for suites in f["eval"].values() for v in suites.values())
+    assert (tmp_path / "figures" / "figures.md").read_text().startswith("# figures: profile smoke")
