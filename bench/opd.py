@@ -1,23 +1,36 @@
 """bench/opd, from the sft checkpoint and specialists of the latest `make run` (`BENCH_OPD_RUN` names
 another run's report).
 
-(a) Our on-policy distillation (the default sampled-token form; `_full`: the full reverse KL, TRL's form)
-against TRL's (`trl.DistillationTrainer`, the on-policy GKD trainer, with beta = 1: reverse KL): same
-student (sft), teacher (the specialist of BENCH_OPD_DOMAIN), prompts, batch
-(16 prompts, one completion each, up to 48 new tokens, temperature 1), lr and machine, STEPS optimizer
-steps, no validation on either side. Figures: steps per second, and the reverse KL(student || teacher)
-after the run, measured the same way for both: the exact per-token KL over the vocabulary on completions
-each final student samples for 64 held-out val prompts (fixed seed), averaged over tokens.
+(a) Our on-policy distillation (the default sampled-token form; `_full`: the full reverse KL over the
+vocabulary, TRL's form: `steps_ratio_vs_trl_full` is the like-for-like ratio) against TRL's
+(`trl.DistillationTrainer`, the on-policy GKD trainer, with beta = 1: reverse KL): same student (sft), teacher
+(the specialist of BENCH_OPD_DOMAIN), prompts, batch (16 prompts, one completion each, up to 48 new tokens),
+sampling and loss temperature 1 on both sides (set explicitly: the tiny profile's OPD samples at 0.6), lr and
+machine, STEPS optimizer steps, no validation on either side. Figures: steps per second, and the reverse
+KL(student || teacher) after the run, measured the same way for both: the exact per-token KL over the
+vocabulary on completions each final student samples for 64 held-out val prompts (fixed seed), averaged
+over tokens.
+Settings on each side: ours fp32, no activation checkpointing, plain temperature sampling. TRL set
+explicitly and recorded as `trl_config`: `bf16=False`, `gradient_checkpointing=False` (its defaults are
+True; bf16 is ~3x slower on this CPU), `top_p=1.0`, `top_k=0` (plain temperature sampling, as ours), and
+the full-vocabulary reverse KL (`trl_loss_top_k` = 0, TRL's "full vocabulary"): TRL 1.16's stable
+`DistillationConfig` has no `loss_top_k` at all (its trainer always sums the divergence over every
+vocabulary chunk, `trl/kernels/chunked_divergence.py`); the `loss_top_k=1`, `top_p=0.95` defaults belong
+to the experimental IW-OPD / server-distillation configs. Should the installed config grow a
+`loss_top_k`, it is set to 0.
 
-(b) Token efficiency, per domain: the RL specialist trained from sft as the tiny profile trains it
-(its validation accuracy every 10 steps) against single-teacher OPD from the same sft with that specialist
-as teacher (every 5 steps, 16 prompts a step), in the full reverse-KL form and the sampled-token form;
-validation on 192 generated val-split tasks for both. Figure: student tokens generated until validation
-first reaches 95% of the specialist's final score, RL over OPD; the headline is the full form on the
-domain where the ratio is smallest.
+(b) Token efficiency, per domain: the RL specialist trained from sft as the tiny profile trains it against
+single-teacher OPD from the same sft with that specialist as teacher (16 prompts a step), in the full
+reverse-KL form and the sampled-token form; validation on 192 generated val-split tasks for both, at the
+same granularity in student tokens: after the first step at or past every `val_every_student_tokens`
+(BENCH_OPD_VAL_EVERY_TOKENS, default 2048: about one RL step) student tokens generated, the same N for RL
+and OPD, plus the start and the last step. Figure: student tokens generated until validation first
+reaches 95% of the specialist's final score, RL over OPD; the headline is the full form on the domain
+where the ratio is smallest.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,9 +39,16 @@ import time
 from pathlib import Path
 
 STEPS = int(os.environ.get("BENCH_OPD_STEPS", 20))
+TEMPERATURE = 1.0  # (a): sampling and loss temperature on both sides
 DOMAIN = os.environ.get("BENCH_OPD_DOMAIN", "reasoning")  # single-turn, as TRL's trainer takes it
 EFF_DOMAINS = os.environ.get("BENCH_OPD_EFF_DOMAINS", "reasoning,agentic,general").split(",")
 OPD_STEPS = int(os.environ.get("BENCH_OPD_EFF_STEPS", 100))
+RL_STEPS = int(os.environ.get("BENCH_OPD_RL_STEPS", 0))  # (b)'s RL specialist: 0 = the tiny profile's steps
+# (b): validate every N student tokens on both sides (the same N), not every k steps
+VAL_EVERY_TOKENS = int(os.environ.get("BENCH_OPD_VAL_EVERY_TOKENS", 2048))
+# TRL's best settings on this machine, set explicitly: fp32 without activation checkpointing (TRL 1.16 defaults
+# to bf16 and gradient checkpointing), plain temperature sampling as ours (no nucleus, no top-k filter)
+TRL_BEST = {"bf16": False, "gradient_checkpointing": False, "top_p": 1.0, "top_k": 0}
 PROMPTS, MAX_NEW, LR = 16, 48, 2e-4
 # (b)'s OPD forms and their lr: the full reverse KL (the headline) and the sampled-token form at the tiny
 # profile's lr; 100 steps of 16 prompts
@@ -57,9 +77,10 @@ def _loop_config(**over):
     return loop_config(cfg).model_copy(update={"checkpoint_every": 0, **over})
 
 
-def _ours_opd(domain: str, steps: int, val_every: int, save: str = "", loss: str = "sampled", lr: float = LR
-              ) -> dict:
-    """Single-teacher OPD from sft (child process: its own Ray, its own clock)."""
+def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", loss: str = "sampled", lr: float = LR,
+              temperature: float | None = None) -> dict:
+    """Single-teacher OPD from sft (child process: its own Ray, its own clock). `val_every_tokens` 0: no
+    validation (start and end only); `temperature` None: the tiny profile's."""
     import ray
     import torch
 
@@ -71,9 +92,10 @@ def _ours_opd(domain: str, steps: int, val_every: int, save: str = "", loss: str
     torch.set_num_threads(1)  # trainer, rollout worker and teacher: one thread each on the 2 cores
     ensure_ray(RuntimeConfig())
     art = _inputs()
-    r = _loop_config(steps=steps, val_every=val_every, lr=lr)
+    r = _loop_config(steps=steps, val_every=0, val_every_tokens=val_every_tokens, lr=lr,
+                     **({"temperature": temperature} if temperature is not None else {}))
     pool = load_tasks(art["curate"], "rl", domain)
-    val = _val(domain) if val_every else pool[:2]
+    val = _val(domain) if val_every_tokens else pool[:2]
     distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS, mode=loss)
     policy, tok, st = specialist(r, art["sft"], [], val, seed=0, label=f"bench opd {domain}", distill=distill)
     ray.shutdown()
@@ -81,10 +103,11 @@ def _ours_opd(domain: str, steps: int, val_every: int, save: str = "", loss: str
         save_checkpoint(policy, tok, Path(save))
     h = st.history
     return {"wall_s": h["wall_s"][-1], "val": h["val_score"], "tokens": h["student_tokens"],
-            "teacher_tokens": h["teacher_tokens"][-1], "reverse_kl": h["reverse_kl"]}
+            "teacher_tokens": h["teacher_tokens"][-1], "reverse_kl": h["reverse_kl"],
+            "temperature": r.temperature, "max_staleness": r.max_staleness}
 
 
-def _ours_rl(domain: str) -> dict:
+def _ours_rl(domain: str, val_every_tokens: int) -> dict:
     import ray
     import torch
 
@@ -95,9 +118,11 @@ def _ours_rl(domain: str) -> dict:
     torch.set_num_threads(1)
     ensure_ray(RuntimeConfig())
     art = _inputs()
-    r = load_config("tiny").rl.for_domain(domain).model_copy(update={"val_every": 10, "checkpoint_every": 0})
-    _, _, st = specialist(r, art["sft"], load_tasks(art["curate"], "rl", domain), _val(domain), seed=0,
-                          label=f"bench rl {domain}")
+    r = load_config("tiny").rl.for_domain(domain).model_copy(
+        update={"val_every": 0, "val_every_tokens": val_every_tokens, "checkpoint_every": 0,
+                **({"steps": RL_STEPS} if RL_STEPS else {})})
+    _, _, st = specialist(r, art["sft"], load_tasks(art["curate"], "rl", domain),
+                          _val(domain), seed=0, label=f"bench rl {domain}")
     ray.shutdown()
     h = st.history
     return {"wall_s": h["wall_s"][-1], "val": h["val_score"], "tokens": h["student_tokens"]}
@@ -116,9 +141,13 @@ def _trl(steps: int, save: str) -> dict:
     tasks = load_tasks(art["curate"], "rl", DOMAIN)
     rows = [{"prompt": tok.apply_chat_template(t.messages(), tokenize=False, add_generation_prompt=True,
                                                enable_thinking=True)} for t in tasks]
-    args = DistillationConfig(output_dir=str(OUT / "opd-trl"), per_device_train_batch_size=PROMPTS,
-                              max_completion_length=MAX_NEW, learning_rate=LR, beta=1.0, temperature=1.0,
-                              max_steps=steps, use_cpu=True, bf16=False, gradient_checkpointing=False,
+    # full-vocabulary reverse KL: TRL 1.16's DistillationConfig has no loss_top_k (always the whole vocabulary);
+    # where a TRL config has one, 0 means the full vocabulary
+    full_vocab = {"loss_top_k": 0} if "loss_top_k" in {f.name for f in dataclasses.fields(DistillationConfig)} else {}
+    args = DistillationConfig(**TRL_BEST, **full_vocab,
+                              output_dir=str(OUT / "opd-trl"), per_device_train_batch_size=PROMPTS,
+                              max_completion_length=MAX_NEW, learning_rate=LR, beta=1.0, temperature=TEMPERATURE,
+                              max_steps=steps, use_cpu=True,
                               logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_dropout=True,
                               lr_scheduler_type="constant", warmup_steps=0, adam_beta2=0.95, weight_decay=0.0)
     student = AutoModelForCausalLM.from_pretrained(art["sft"], dtype=torch.float32)
@@ -130,7 +159,14 @@ def _trl(steps: int, save: str) -> dict:
     wall = time.perf_counter() - t
     trainer.model.save_pretrained(save)
     tok.save_pretrained(save)
-    return {"wall_s": wall, "loss": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+    config = {k: getattr(args, k) for k in (
+        "bf16", "fp16", "gradient_checkpointing", "activation_checkpointing", "top_p", "top_k", "temperature",
+        "beta", "max_completion_length", "use_vllm", "torch_compile",
+    )}
+    config |= {"loss_top_k": getattr(args, "loss_top_k", 0), "loss_top_k_setting": bool(full_vocab),
+               "loss_support": "full vocabulary"}  # as it ran
+    return {"wall_s": wall, "loss": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "trl_config": config}
 
 
 def reverse_kl_on_own_samples(student_dir: str, teacher_dir: str, n: int = 64) -> float:
@@ -173,8 +209,8 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     art = _inputs()
     teacher = art[f"rl-{DOMAIN}"]
-    ours = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-student")
-    full = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-full-student", "full")  # TRL's loss form
+    ours = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-student", "sampled", LR, TEMPERATURE)
+    full = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-full-student", "full", LR, TEMPERATURE)  # TRL's form
     trl = _child("trl", STEPS, OUT / "opd-trl-student")
     fig = {"domain": DOMAIN, "steps": STEPS, "prompts_per_step": PROMPTS,
            "steps_per_s": STEPS / ours["wall_s"], "steps_per_s_trl": STEPS / trl["wall_s"],
@@ -184,16 +220,23 @@ def main() -> None:
            "steps_per_s_full": STEPS / full["wall_s"],
            "reverse_kl_after_n_full": reverse_kl_on_own_samples(str(OUT / "opd-ours-full-student"), teacher)}
     fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]
+    fig["steps_ratio_vs_trl_full"] = fig["steps_per_s_full"] / fig["steps_per_s_trl"]  # same loss on both sides
+    fig |= {"trl_config": trl["trl_config"], "trl_loss_top_k": trl["trl_config"]["loss_top_k"],
+            "trl_top_p": trl["trl_config"]["top_p"], "trl_bf16": trl["trl_config"]["bf16"],
+            "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
+            "ours_config": {"bf16": False, "gradient_checkpointing": False, "top_p": 1.0,
+                            "temperature": ours["temperature"], "max_staleness": ours["max_staleness"]},
+            "val_every_student_tokens": VAL_EVERY_TOKENS}
     curves = {}
     for d in EFF_DOMAINS:
-        rl = _child("rl", d)
+        rl = _child("rl", d, VAL_EVERY_TOKENS)
         target = 0.95 * rl["val"][-1][1]
         rl_t = tokens_to(rl, target)
         fig |= {f"specialist_val_{d}": rl["val"][-1][1], f"sft_val_{d}": rl["val"][0][1],
                 f"rl_student_tokens_to_95pct_{d}": rl_t}
         curves[d] = {"rl": rl, "target": target}
         for form, lr in EFF_FORMS.items():
-            opd = _child("opd", d, OPD_STEPS, 5, "", form, lr)
+            opd = _child("opd", d, OPD_STEPS, VAL_EVERY_TOKENS, "", form, lr)
             opd_t = tokens_to(opd, target)  # teacher tokens scored = student tokens: each is scored once
             sfx = "" if form == "full" else f"_{form}"
             fig |= {f"opd_student_tokens_to_95pct_{d}{sfx}": opd_t,
@@ -208,7 +251,8 @@ def main() -> None:
     (OUT / "opd.json").write_text(json.dumps({**fig, "curves": curves}, indent=1))
     _plot(curves, OUT / "opd.png")
     for k, v in fig.items():
-        print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
+        if not isinstance(v, dict):
+            print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
 
 
 def _plot(curves: dict, path: Path) -> None:
@@ -234,7 +278,7 @@ if __name__ == "__main__":
     if what == "opd":
         result = _ours_opd(rest[0], int(rest[1]), int(rest[2]), *rest[3:5], *map(float, rest[5:]))
     elif what == "rl":
-        result = _ours_rl(rest[0])
+        result = _ours_rl(rest[0], int(rest[1]))
     else:
         result = _trl(int(rest[0]), rest[1])
     (OUT / f"opd-{what}.json").write_text(json.dumps(result))

@@ -10,6 +10,14 @@ episodes of the val split every 8 steps, inside the wall time of both.
 x 8 samples, one update per batch), loss settings (the tiny profile's aggregation, clip, temperature, lr,
 no KL) and machine. Figures: optimizer steps per second (no validation on either side) and the mean batch
 reward of the last 5 of n steps.
+Like for like: TRL is synchronous (generate, then update), so the comparison is our synchronous loop
+(rl.max_staleness=0, same deployment as (a)): `steps_ratio_vs_trl_sync`. Our asynchronous loop (k=1) against
+the same TRL run stays beside it as its own figure (`steps_per_s`, `steps_ratio_vs_trl`).
+Settings on each side: ours fp32, no activation checkpointing. TRL at its best on this machine, set
+explicitly and recorded as `trl_config` (TRL 1.16 defaults to bf16 and gradient checkpointing; bf16 is ~3x
+slower on this CPU): `bf16=False`, `gradient_checkpointing=False`; sampling top_p=1, top_k=0 (plain
+temperature sampling, as ours). `BENCH_RL_TRL_DEFAULTS=1` adds TRL at its own defaults (bf16, checkpointing),
+labelled `_trl_defaults`.
 """
 from __future__ import annotations
 
@@ -27,6 +35,9 @@ VAL_TASKS = 200  # the general world holds 236 distinct val problems
 VAL_EVERY = 8
 ASYNC_DOMAIN = os.environ.get("BENCH_RL_ASYNC_DOMAIN", "general")
 DOMAIN = os.environ.get("BENCH_RL_DOMAIN", "general")  # GRPO, as TRL's GRPOTrainer
+TRL_DEFAULTS = os.environ.get("BENCH_RL_TRL_DEFAULTS", "0") == "1"
+# TRL's best settings on this machine, set explicitly (TRL 1.16 defaults: bf16=True, gradient_checkpointing=True)
+TRL_BEST = {"bf16": False, "gradient_checkpointing": False}
 OUT = Path(".posttrain/bench")
 
 
@@ -70,7 +81,7 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
             "masked_fraction": h["masked_fraction"], "dropped": st.dropped, "staleness": st.staleness}
 
 
-def _trl(steps: int) -> dict:
+def _trl(steps: int, defaults: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,7 +102,9 @@ def _trl(steps: int) -> dict:
         # decode ourselves: TRL's `completions` drop special tokens, and with them the think block's tags
         return [verify(tasks[i], tok.decode(ids, skip_special_tokens=False))[0] for i, ids in zip(idx, completion_ids)]
 
-    args = GRPOConfig(output_dir=str(OUT / "rl-trl"), per_device_train_batch_size=r.prompts_per_step * r.group_size,
+    # defaults: bf16 and gradient checkpointing left at TRL's own defaults (the labelled side figure)
+    args = GRPOConfig(**({} if defaults else TRL_BEST), top_p=1.0, top_k=0,
+                      output_dir=str(OUT / "rl-trl"), per_device_train_batch_size=r.prompts_per_step * r.group_size,
                       num_generations=r.group_size, max_completion_length=r.max_new_tokens, learning_rate=r.lr,
                       beta=0.0, temperature=r.temperature, epsilon=r.clip_eps, max_steps=steps,
                       loss_type="grpo" if r.loss_agg == "sequence" else "dapo",  # = our aggregation
@@ -104,7 +117,12 @@ def _trl(steps: int) -> dict:
     trainer.train()
     wall = time.perf_counter() - t
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
-    return {"wall_s": wall, "reward": rewards}
+    config = {k: getattr(args, k) for k in (
+        "bf16", "fp16", "gradient_checkpointing", "activation_checkpointing", "top_p", "top_k", "temperature",
+        "loss_type", "beta", "epsilon", "num_iterations", "num_generations", "max_completion_length", "use_vllm",
+        "torch_compile",
+    )}  # as it ran
+    return {"wall_s": wall, "reward": rewards, "trl_config": config}
 
 
 def _child(what: str, *args) -> dict:
@@ -140,8 +158,10 @@ def main() -> None:
     sync_wall, async_wall = _time_to(sync_val, sync_wall_curve, target), _time_to(async_val, async_wall_curve, target)
     sync, asyn = syncs[0], asyns[0]
     cmp = _child("ours", 1, TRL_STEPS, 0)  # no validation: TRL runs none either
+    cmp_sync = _child("ours", 0, TRL_STEPS, 0)  # synchronous, as TRL is: the like-for-like comparison
     trl = _child("trl", TRL_STEPS)
-    n = 5  # reward after n steps: the mean of the last 5 steps' batch rewards
+    trl_d = _child("trl", TRL_STEPS, "defaults") if TRL_DEFAULTS else None
+    n = min(5, TRL_STEPS)  # reward after n steps: the mean of the last 5 steps' batch rewards
     fig = {
         "async_domain": ASYNC_DOMAIN, "trl_domain": DOMAIN, "target_val_accuracy": target,
         "sync_wall_s": sync_wall, "async_wall_s": async_wall,
@@ -159,7 +179,18 @@ def main() -> None:
         "seeds": SEEDS, "val_sync": sync_val, "val_async": async_val, "val_wall_sync": sync_wall_curve,
         "val_wall_async": async_wall_curve,
     }
-    fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]
+    fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]  # ours async (k=1) over TRL
+    fig |= {"steps_per_s_sync": TRL_STEPS / cmp_sync["train_wall_s"],
+            "reward_after_n_sync": sum(cmp_sync["reward"][-n:]) / n,
+            "trl_config": trl["trl_config"], "trl_bf16": trl["trl_config"]["bf16"],
+            "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
+            "ours_config": {"bf16": False, "gradient_checkpointing": False, "max_staleness_sync": 0,
+                            "max_staleness_async": 1, "temperature": _rl_config({}).temperature}}
+    fig["steps_ratio_vs_trl_sync"] = fig["steps_per_s_sync"] / fig["steps_per_s_trl"]  # the headline vs TRL
+    if trl_d:  # TRL at its own defaults (bf16, gradient checkpointing): a side figure, not the comparison
+        fig |= {"trl_defaults_config": trl_d["trl_config"], "steps_per_s_trl_defaults": TRL_STEPS / trl_d["wall_s"],
+                "reward_after_n_trl_defaults": sum(trl_d["reward"][-n:]) / n}
+        fig["steps_ratio_vs_trl_defaults_sync"] = fig["steps_per_s_sync"] / fig["steps_per_s_trl_defaults"]
     (OUT / "rl.json").write_text(json.dumps(fig, indent=1))
     _plot(fig, OUT / "rl.png")
     for k, v in fig.items():
@@ -184,5 +215,5 @@ def _plot(fig: dict, path: Path) -> None:
 
 if __name__ == "__main__":
     what, *rest = sys.argv[1:]
-    result = _ours(*map(int, rest[:4]), *rest[4:]) if what == "ours" else _trl(int(rest[0]))
+    result = _ours(*map(int, rest[:4]), *rest[4:]) if what == "ours" else _trl(int(rest[0]), rest[1:] == ["defaults"])
     (OUT / f"rl-{what}.json").write_text(json.dumps(result))

@@ -1,6 +1,21 @@
 """bench/sft: our SFT loop against TRL's SFTTrainer: same tiny model and initial weights, same batches in
 the same order (TRL gets a sequential sampler over our batch order), same optimizer settings and schedule,
-assistant-only loss on both. Each side runs in its own process so peak RSS is its own.
+assistant-only loss on both, no validation on either side. Each side runs in its own process so peak RSS
+is its own.
+
+Settings on each side: ours fp32, no activation checkpointing (the pipeline's SFT). TRL at its best on
+this machine, set explicitly (TRL 1.16 defaults to bf16 and gradient checkpointing; bf16 is ~3x slower on
+this CPU and checkpointing recomputes activations): `bf16=False`, `gradient_checkpointing=False`, recorded
+as `trl_config`. Beside it, labelled `_trl_defaults`, TRL with its own defaults (bf16, checkpointing) on the
+unpacked batches (`BENCH_SFT_TRL_DEFAULTS=0` skips it).
+
+Ours is measured twice on the unpacked batches: the bare loop (`posttrain.train.train`, in process) and
+through the path the pipeline uses, Ray Train (`posttrain.sft._worker` under a `TorchTrainer`, one worker,
+the profile's threads, fed the same batch order; no periodic checkpoints, only the final state report).
+`throughput_ratio_vs_trl_raytrain` is the Ray Train figure over TRL's; its clock is the training loop
+inside the worker (Ray start-up, model loading and the final state report to Ray Train excluded, as TRL's
+side loads before its clock and saves nothing); `raytrain_checkpoint_seconds` is that report and
+`raytrain_fit_seconds` the whole `fit()`.
 
 Packed variant: the same conversations packed into rows of seq_len, ours best-fit decreasing with
 document masks, TRL's `packing=True` (best-fit decreasing, padding-free); the conversations of the
@@ -15,12 +30,16 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 STEPS = int(os.environ.get("BENCH_SFT_STEPS", 60))
+TRL_DEFAULTS = os.environ.get("BENCH_SFT_TRL_DEFAULTS", "1") != "0"
+# TRL's best settings on this machine, set explicitly (TRL 1.16 defaults: bf16=True, gradient_checkpointing=True)
+TRL_BEST = {"bf16": False, "gradient_checkpointing": False}
 OUT = Path(".posttrain/bench")
 WORK = OUT / "sft-work"
 
@@ -105,7 +124,72 @@ def _ours(packed: bool = False) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
-def _trl(packed: bool = False) -> dict:
+def _raytrain_worker(config: dict) -> None:
+    """posttrain.sft's Ray Train worker as the pipeline runs it, fed the bench's batch order, its loop timed."""
+    import ray.train
+
+    import posttrain.sft as sft
+    from posttrain.train import pad_examples
+    s = config["cfg"].sft
+
+    def bench_batches(cfg, tok, examples):  # the same batches, in the same order, as the other sides
+        return lambda i: pad_examples(examples[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
+
+    inner = sft.train
+
+    def timed_train(*args, checkpoint, **kwargs):
+        ckpt_s = [0.0]
+
+        def timed_checkpoint(st: dict) -> None:  # the state report to Ray Train: timed apart (TRL saves nothing)
+            t = time.perf_counter()
+            checkpoint(st)
+            ckpt_s[0] += time.perf_counter() - t
+
+        t = time.perf_counter()
+        hist = inner(*args, checkpoint=timed_checkpoint, **kwargs)
+        if ray.train.get_context().get_world_rank() == 0:
+            Path(config["timing"]).write_text(json.dumps({
+                "seconds": time.perf_counter() - t - ckpt_s[0], "checkpoint_seconds": ckpt_s[0], "loss": hist["loss"],
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
+        return hist
+
+    sft._batches, sft.train = bench_batches, timed_train
+    sft._worker(config)
+
+
+def _raytrain(packed: bool = False) -> dict:
+    """Ours through Ray Train: the TorchTrainer call of posttrain.sft.run, with the bench's model and batches."""
+    import ray
+    import torch
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from posttrain.raysupport import ensure_ray
+    cfg = _cfg()
+    cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"checkpoint_every": 0})})
+    s = cfg.sft
+    assert not packed and s.grad_accum == 1, "the Ray Train side runs the unpacked batches, one micro-batch a step"
+    order = torch.load(WORK / "order.pt")
+    timing = (WORK / "raytrain.json").resolve()
+    timing.unlink(missing_ok=True)
+    shutil.rmtree(WORK / "ray", ignore_errors=True)  # Ray Train would resume from an earlier run's checkpoint
+    ensure_ray(cfg.runtime)
+    trainer = TorchTrainer(
+        _raytrain_worker,
+        train_loop_config={"cfg": cfg, "init": str((WORK / "init").resolve()), "examples": order, "val": [],
+                           "threads": max(1, cfg.runtime.torch_threads // s.workers), "timing": str(timing)},
+        scaling_config=ScalingConfig(num_workers=s.workers, use_gpu=False),
+        run_config=RunConfig(name="bench-sft", storage_path=str((WORK / "ray").resolve()),
+                             failure_config=FailureConfig(max_failures=0)))
+    t = time.perf_counter()
+    trainer.fit()
+    fit_seconds = time.perf_counter() - t
+    ray.shutdown()
+    res = json.loads(timing.read_text())
+    return {**res, "fit_seconds": fit_seconds, "tokens": _tokens(order), "workers": s.workers}
+
+
+def _trl(packed: bool = False, defaults: bool = False) -> dict:
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
     from trl import SFTConfig, SFTTrainer
@@ -120,7 +204,8 @@ def _trl(packed: bool = False) -> dict:
             return SequentialSampler(self.train_dataset)
 
     # packed: TRL's best-fit-decreasing packing, padding-free (one flat row per batch, positions restart)
-    args = SFTConfig(output_dir=str(WORK / "trl"), max_steps=STEPS,
+    # defaults: bf16 and gradient checkpointing left at TRL's own defaults (the labelled side figure)
+    args = SFTConfig(**({} if defaults else TRL_BEST), output_dir=str(WORK / "trl"), max_steps=STEPS,
                      per_device_train_batch_size=_packed_rows(order, s.seq_len) if packed else s.batch_size,
                      packing=packed,
                      learning_rate=s.lr, warmup_steps=s.warmup, lr_scheduler_type="cosine_with_min_lr",
@@ -135,23 +220,31 @@ def _trl(packed: bool = False) -> dict:
     loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     n_rows = STEPS * _packed_rows(order, s.seq_len)
     tokens = sum(len(x) for x in trainer.train_dataset[:n_rows]["input_ids"]) if packed else _tokens(order)
-    return {"seconds": seconds, "loss": loss, "tokens": tokens}
+    config = {k: getattr(args, k) for k in (
+        "bf16", "fp16", "gradient_checkpointing", "activation_checkpointing", "packing", "packing_strategy",
+        "use_liger_kernel", "torch_compile",
+    )}  # as the trainer ran; padding-free is the trainer's decision (bfd packing turns it on)
+    config["padding_free"] = getattr(trainer, "padding_free", args.padding_free)
+    return {"seconds": seconds, "loss": loss, "tokens": tokens, "trl_config": config}
 
 
 def _child(side: str) -> dict:
     p = subprocess.run([sys.executable, "-m", "bench.sft", *side.split()], capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"bench.sft {side} failed:\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    # the result is the last JSON line (Ray may forward worker output to stdout before it)
+    return json.loads(next(x for x in reversed(p.stdout.strip().splitlines()) if x.startswith("{")))
 
 
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     _prepare()
     ours, trl = _child("_ours"), _child("_trl")
+    ray_ours = _child("_raytrain")
     ours_p, trl_p = _child("_ours packed"), _child("_trl packed")
+    trl_d = _child("_trl defaults") if TRL_DEFAULTS else None
     peak = _peak_matmul_flops()
-    k = 10
+    k = min(10, STEPS)  # loss after n: the mean of the last k steps
     tps, tps_trl = ours["tokens"] / ours["seconds"], trl["tokens"] / trl["seconds"]
     fig = {
         "steps": STEPS, "tokens_per_s": round(tps, 1), "tokens_per_s_trl": round(tps_trl, 1),
@@ -161,22 +254,41 @@ def main() -> None:
         "mfu": round(6 * ours["params"] * tps / peak, 4), "mfu_trl": round(6 * ours["params"] * tps_trl / peak, 4),
         "peak_matmul_gflops": round(peak / 1e9, 1), "params": ours["params"],
         "loss_first": round(ours["loss"][0], 4), "loss_first_trl": round(trl["loss"][0], 4),
+        "trl_config": trl["trl_config"], "trl_bf16": trl["trl_config"]["bf16"],
+        "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
     }
+    tps_ray = ray_ours["tokens"] / ray_ours["seconds"]
+    fig |= {"tokens_per_s_raytrain": round(tps_ray, 1),
+            "throughput_ratio_vs_trl_raytrain": round(tps_ray / tps_trl, 3),
+            "loss_after_n_raytrain": round(sum(ray_ours["loss"][-k:]) / k, 4),
+            "peak_rss_mb_raytrain": ray_ours["peak_rss_mb"], "raytrain_fit_seconds": round(ray_ours["fit_seconds"], 2),
+            "raytrain_checkpoint_seconds": round(ray_ours["checkpoint_seconds"], 3),
+            "raytrain_workers": ray_ours["workers"]}
     tps_p, tps_trl_p = ours_p["tokens"] / ours_p["seconds"], trl_p["tokens"] / trl_p["seconds"]
     fig |= {"tokens_per_s_packed": round(tps_p, 1), "tokens_per_s_trl_packed": round(tps_trl_p, 1),
             "throughput_ratio_vs_trl_packed": round(tps_p / tps_trl_p, 3),
             "loss_after_n_packed": round(sum(ours_p["loss"][-k:]) / k, 4),
             "loss_after_n_trl_packed": round(sum(trl_p["loss"][-k:]) / k, 4),
-            "peak_rss_mb_packed": ours_p["peak_rss_mb"], "peak_rss_mb_trl_packed": trl_p["peak_rss_mb"]}
+            "peak_rss_mb_packed": ours_p["peak_rss_mb"], "peak_rss_mb_trl_packed": trl_p["peak_rss_mb"],
+            "trl_config_packed": trl_p["trl_config"]}
+    if trl_d:  # TRL at its own defaults (bf16, gradient checkpointing): a side figure, not the comparison
+        tps_d = trl_d["tokens"] / trl_d["seconds"]
+        fig |= {"trl_defaults_config": trl_d["trl_config"], "tokens_per_s_trl_defaults": round(tps_d, 1),
+                "throughput_ratio_vs_trl_defaults": round(tps / tps_d, 3),
+                "loss_after_n_trl_defaults": round(sum(trl_d["loss"][-k:]) / k, 4),
+                "peak_rss_mb_trl_defaults": trl_d["peak_rss_mb"]}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "sft.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("_ours", "_trl"):
-        res = {"_ours": _ours, "_trl": _trl}[sys.argv[1]](packed=sys.argv[2:] == ["packed"])
-        res["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if len(sys.argv) > 1 and sys.argv[1] in ("_ours", "_trl", "_raytrain"):
+        from bench import sft as me  # by module name: Ray pickles `_raytrain_worker` by reference, not from __main__
+        flags = sys.argv[2:]
+        kwargs = {"packed": "packed" in flags, **({"defaults": True} if "defaults" in flags else {})}
+        res = getattr(me, sys.argv[1])(**kwargs)
+        res.setdefault("peak_rss_mb", round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
         print(json.dumps(res))
     else:
         main()
