@@ -1,6 +1,7 @@
 """The step API, token in, token out: `reset()` gives the prompt's token ids; `step(ids)` takes the
 model's own token ids, parses a tool call from them, runs it in the episode's sandbox and returns
-the observation as token ids to append. Nothing the model produced is ever re-tokenised."""
+the observation as token ids to append, exactly as the checkpoint's template renders a tool response
+(posttrain.chat). Nothing the model produced is ever re-tokenised."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ import environments
 from environments.base import Task
 from environments.agentic import parse_tool_call
 from environments.sandbox import Judge, Workspace, path_judge
+from posttrain.chat import chat_format, render_ids, tool_response_ids
 
 
 @dataclass
@@ -39,9 +41,8 @@ class Episode:
     _ws: Workspace | None = None
 
     def reset(self) -> list[int]:
-        self.prompt_ids = list(self.tok.apply_chat_template(
-            self.task.messages(), tokenize=True, add_generation_prompt=True, enable_thinking=self.enable_thinking,
-            return_dict=True)["input_ids"])
+        self.prompt_ids = render_ids(self.tok, self.task.messages(), add_generation_prompt=True,
+                                     enable_thinking=self.enable_thinking)
         env = environments.get(self.task.domain)
         if hasattr(env, "open_workspace"):  # environments with tools
             self._ws = env.open_workspace(self.task, self.judge)
@@ -54,17 +55,16 @@ class Episode:
     def step(self, action_ids: list[int], logprobs: list[float] | None = None) -> Step:
         if self.done:
             raise RuntimeError(f"episode {self.task.id} is over")
-        end_id = self.tok.convert_tokens_to_ids("<|end|>")
+        stops = chat_format(self.tok).stop_ids
         self.ids += action_ids
         self.gen_mask += [1] * len(action_ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(action_ids)
         self.turns += 1
-        self.last_turn = self.tok.decode(action_ids, skip_special_tokens=False)
+        stopped = bool(action_ids) and action_ids[-1] in stops
+        self.last_turn = self.tok.decode(action_ids[:-1] if stopped else action_ids, skip_special_tokens=False)
         call = parse_tool_call(self.last_turn) if self._ws else None
-        if call and self.turns < self.max_turns and action_ids and action_ids[-1] == end_id:
-            obs = self._ws.call(*call)
-            suffix = "<|tool|>" + obs + "<|end|><|assistant|>" + ("" if self.enable_thinking else "<think></think>")
-            obs_ids = self.tok(suffix, add_special_tokens=False)["input_ids"]
+        if call and self.turns < self.max_turns and stopped:
+            obs_ids = tool_response_ids(self.tok, self._ws.call(*call), enable_thinking=self.enable_thinking)
             self.ids += obs_ids
             self.gen_mask += [0] * len(obs_ids)
             self.logprobs += [0.0] * len(obs_ids)

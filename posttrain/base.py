@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.chat import train_tokenizer
+from posttrain.chat import doc_end_id, train_tokenizer
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_pretrain_texts
 from posttrain.model import build_model, load_checkpoint, n_params, save_checkpoint, seed_all
@@ -21,7 +21,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     texts = load_pretrain_texts(inputs["curate"])
     tok = train_tokenizer(texts, cfg.tokenizer.vocab_size)
     model = build_model(cfg.model, tok)
-    eos = tok.convert_tokens_to_ids("<|eos|>")
+    eos = doc_end_id(tok)
     docs = tok(texts, add_special_tokens=False)["input_ids"]
     rows = pack_stream(docs, cfg.base.seq_len, tok.bos_token_id, eos)
     n_val = max(1, len(rows) // 20)

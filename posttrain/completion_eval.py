@@ -10,6 +10,7 @@ import torch
 
 import environments
 from environments.base import Task
+from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.rollout import sample
 
 
@@ -24,13 +25,13 @@ def extract_answer(completion: str, thinking: bool) -> str:
 def completion_scores(model, tok, tasks: list[Task], *, thinking: bool = True, max_new_tokens: int = 48,
                       batch_size: int = 64) -> tuple[list[float], list[int]]:
     """Per task: verifier reward in [0, 1] and generated tokens."""
-    eos = tok.convert_tokens_to_ids("<|eos|>")
-    prompts = [[tok.bos_token_id, *tok(t.prose_prompt(thinking), add_special_tokens=False)["input_ids"]]
+    eos = doc_end_id(tok)
+    prompts = [[*bos_ids(tok), *tok(t.prose_prompt(thinking), add_special_tokens=False)["input_ids"]]
                for t in tasks]
     outs = []
     for i in range(0, len(prompts), batch_size):
         outs += sample(model, prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=0.0,
-                       stop_ids={eos}, pad_id=tok.pad_token_id)
+                       stop_ids={eos}, pad_id=pad_id(tok))
     rewards = [environments.get(t.domain).verify(t, extract_answer(tok.decode(ids, skip_special_tokens=True),
                                                                    thinking))[0]
                for t, (ids, _) in zip(tasks, outs)]

@@ -163,8 +163,9 @@ class SFTConfig(TrainConfig):
     nothink_share: Share = 0.25
     preserve_thinking_share: Share = 0.5
     # share of demonstrations from a lazy teacher (each environment's `shortcut`: no worked steps, a
-    # forgotten constraint): imperfect SFT data, as real data is, which RL against the verifier repairs
-    shortcut_share: Share = 0.0
+    # forgotten constraint): imperfect SFT data, as real data is, which RL against the verifier repairs.
+    # One share for every domain, or domain -> share (domains not named: 0)
+    shortcut_share: Share | dict[str, Share] = 0.0
     grad_accum: AtLeast1 = 1      # micro-batches per optimizer step (each batch_size rows)
     workers: AtLeast1 = 1         # Ray Train data-parallel workers (each takes rows rank::workers)
     checkpoint_every: AtLeast0 = 100  # steps between resumable checkpoints (0: only the last step)
@@ -176,6 +177,10 @@ class SFTConfig(TrainConfig):
         if self.workers > self.batch_size:  # a worker with no row of the batch would have nothing to train on
             raise ValueError(f"sft.workers: must be <= sft.batch_size (got {self.workers} > {self.batch_size})")
         return self
+
+    def shortcut_for(self, domain: str) -> float:
+        s = self.shortcut_share
+        return s.get(domain, 0.0) if isinstance(s, dict) else s
 
 
 class RLConfig(_Strict):
@@ -348,6 +353,11 @@ class PipelineConfig(_Strict):
         if first < m.max_position_embeddings:
             errors.append(f"ramp.stages.0.seq_len: must be >= model.max_position_embeddings "
                           f"(got {first} < {m.max_position_embeddings})")
+        if isinstance(self.sft.shortcut_share, dict):
+            import environments
+            known = [*environments.DOMAINS, *self.world.environments]
+            if unknown := sorted(set(self.sft.shortcut_share) - set(known)):
+                errors.append(f"sft.shortcut_share: unknown domains {unknown} (known: {', '.join(known)})")
         # RLConfig also carries the OPD loop (no RL prompts) and unit tests (lr 0); an rl stage needs both
         for d in ["", *self.rl.per_domain]:
             r, key = (self.rl.for_domain(d), f"rl.per_domain.{d}") if d else (self.rl, "rl")

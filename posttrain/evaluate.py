@@ -14,7 +14,7 @@ import torch
 
 import environments
 from environments import long_context
-from posttrain.chat import render_ids
+from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
@@ -113,13 +113,15 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     from posttrain import report_html
     tok = AutoTokenizer.from_pretrained(inputs["sft"])
     chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
-    result = {"eval": {}, "tokens": {}, "pass_at_k": {},
+    result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {},
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
     for ck, stage in CHECKPOINTS.items():
         completion = ck in BASE_MODELS
         s, t, p = evaluate_checkpoint(cfg, inputs[stage], completion_suites if completion else chat_suites,
                                       completion, cfg.eval.samples)
         result["eval"][ck], result["tokens"][ck] = s, t
+        if not completion:  # which template, thinking support and tool format the checkpoint was scored with
+            result["chat_format"][ck] = chat_format(AutoTokenizer.from_pretrained(inputs[stage])).summary()
         if p:
             result["pass_at_k"][ck] = p
         print(f"[evaluate] {ck}: {s}", flush=True)

@@ -16,7 +16,7 @@ import torch
 
 
 def main(path: str, prompt: str, max_new_tokens: int = 48) -> dict:
-    from posttrain.chat import render_ids
+    from posttrain.chat import pad_id, render_ids
     from posttrain.int_linear import load_any, model_bytes
     proc, libc = psutil.Process(), ctypes.CDLL("libc.so.6")
     libc.malloc_trim(0)
@@ -25,7 +25,7 @@ def main(path: str, prompt: str, max_new_tokens: int = 48) -> dict:
     ids = torch.tensor([render_ids(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)])
     with torch.no_grad():
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+                             do_sample=False, pad_token_id=pad_id(tok))[0, ids.shape[1]:]
     gc.collect()
     libc.malloc_trim(0)  # hand freed pages back, so RSS counts what is still held
     return {"text": tok.decode(gen), "generated_tokens": len(gen), "model_bytes": model_bytes(model),

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from environments import long_context
 from environments.base import Task
 from posttrain import attention
+from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig, RampStage
 from posttrain.curate import load_pretrain_texts
@@ -44,10 +45,10 @@ def long_documents(tok, seq_len: int, n: int, seed: int, weight: float = 1.0) ->
     tasks = [t for i, L in enumerate(buckets)
              for t in long_context.fit_to_length("train", n // len(buckets), seed * 1000 + i, L,
                                                  lambda t: prose_len(tok, t))]
-    eos = tok.convert_tokens_to_ids("<|eos|>")
+    eos, bos = doc_end_id(tok), bos_ids(tok)
     out = []
     for t in tasks:
-        prompt = [tok.bos_token_id, *tok(t.prose_prompt(), add_special_tokens=False)["input_ids"]]
+        prompt = [*bos, *tok(t.prose_prompt(), add_special_tokens=False)["input_ids"]]
         answer = [*tok(t.prose()[len(t.prose_prompt()):], add_special_tokens=False)["input_ids"], eos]
         out.append((prompt + answer, [0.0] * len(prompt) + [weight] * len(answer)))
     return out
@@ -130,7 +131,7 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
     long_rows = pack(long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight), st.seq_len)
     name, steps = f"ramp@{st.seq_len}", r.steps(st)
     with peak_memory() as peak:
-        hist = train(model, _sampler(cfg, k, short_rows, long_rows, st, tok.pad_token_id), steps=steps, lr=st.lr,
+        hist = train(model, _sampler(cfg, k, short_rows, long_rows, st, pad_id(tok)), steps=steps, lr=st.lr,
                      warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
                      weight_decay=r.weight_decay, desc=name)
     if r.activation_checkpointing:
@@ -148,13 +149,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     seed_all(cfg.seed)
     r = cfg.ramp
     model, tok = load_checkpoint(inputs["base"])
-    eos = tok.convert_tokens_to_ids("<|eos|>")
-    docs = [[tok.bos_token_id, *d, eos]
+    eos, bos = doc_end_id(tok), bos_ids(tok)
+    docs = [[*bos, *d, eos]
             for d in tok(load_pretrain_texts(inputs["curate"]), add_special_tokens=False)["input_ids"]]
     n_val = max(1, len(docs) // 50)
     val_docs, docs = docs[:n_val], docs[n_val:]
     short_val = collate(pack([(d, [1] * len(d)) for d in val_docs], cfg.model.max_position_embeddings)[:32],
-                        tok.pad_token_id)
+                        pad_id(tok))
     sets = eval_sets(cfg, tok)
     curves = {"pre-ramp": long_context_accuracy(cfg, model, tok, sets)}
     metrics = {"pre_ramp.short_val_loss": round(eval_loss(model, [short_val]), 4),

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from environments.base import Task
+from posttrain.chat import pad_id
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.critic import ValueModel
 from posttrain.curate import load_tasks
@@ -282,10 +283,10 @@ def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed
             policy.train()
             t_train = time.perf_counter()
             extra = (lambda: distill_backward(
-                policy, dbatch, tok.pad_token_id, mode=distill.mode, coef=distill.coef,
+                policy, dbatch, pad_id(tok), mode=distill.mode, coef=distill.coef,
                 reward_weight=distill.reward_weight, temperature=r.temperature, clip_eps=r.clip_eps,
                 is_lower=r.is_lower, is_upper=r.is_upper, max_cells=r.micro_batch_cells)) if dbatch else None
-            stats = train_step(r, policy, opt, batch, tok.pad_token_id, critic, copt, ref, extra)
+            stats = train_step(r, policy, opt, batch, pad_id(tok), critic, copt, ref, extra)
             train_s = time.perf_counter() - t_train
             policy.eval()
             workers.push(policy.state_dict(), step + 1)

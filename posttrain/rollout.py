@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from environments.base import Task
 from environments.episode import Episode
 from environments.sandbox import path_judge
+from posttrain.chat import chat_format
 
 
 def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
@@ -74,7 +75,7 @@ def run_episodes(model, tok, tasks: list[Task], *, enable_thinking: bool = True,
     `model` is a torch model or an engine with `generate(prompts, **sampling)` (posttrain.rollout_workers)."""
     generate = (lambda prompts, **kw: sample(model, prompts, **kw)) if isinstance(model, torch.nn.Module) \
         else model.generate
-    end_id = tok.convert_tokens_to_ids("<|end|>")
+    fmt = chat_format(tok)
     episodes = [Episode(t, tok, enable_thinking=enable_thinking, max_turns=max_turns, judge=judge) for t in tasks]
     try:
         for e in episodes:
@@ -85,8 +86,8 @@ def run_episodes(model, tok, tasks: list[Task], *, enable_thinking: bool = True,
             for s in range(0, len(active), batch_size):
                 chunk = active[s:s + batch_size]
                 results += generate([episodes[i].prompt_ids + episodes[i].ids for i in chunk],
-                                  max_new_tokens=max_new_tokens, temperature=temperature, stop_ids={end_id},
-                                  pad_id=tok.pad_token_id, generator=generator)
+                                  max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=set(fmt.stop_ids),
+                                  pad_id=fmt.pad_id, generator=generator)
             active = [i for i, (new, lp) in zip(active, results) if not episodes[i].step(new, lp).done]
     finally:
         for e in episodes:

@@ -17,7 +17,7 @@ import torch
 import environments
 from environments import long_context
 from environments.base import Task
-from posttrain.chat import render_with_mask
+from posttrain.chat import ChatFormatError, chat_format, pad_id, render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
@@ -42,8 +42,24 @@ def build_examples(cfg: PipelineConfig, tok, tasks: list[Task], seed: int) -> li
     demonstration for `shortcut_share`."""
     rng, lazy = random.Random(seed), random.Random(seed + 1)  # own stream: the mode mix stays as it was
     s = cfg.sft
-    return [render_with_mask(tok, conversation(t, rng.random() >= s.nothink_share, lazy.random() < s.shortcut_share),
-                             preserve_thinking=rng.random() < s.preserve_thinking_share) for t in tasks]
+    out = []
+    for t in tasks:
+        thinking = rng.random() >= s.nothink_share
+        out.append(render_with_mask(tok, conversation(t, thinking, lazy.random() < s.shortcut_for(t.domain)),
+                                    enable_thinking=thinking, preserve_thinking=rng.random() < s.preserve_thinking_share))
+    return out
+
+
+def check_masks(examples: list[tuple[list[int], list[int]]], tok, node: str = "sft") -> None:
+    """Stop before training when the template leaves nothing to learn: an all-zero loss mask trains nothing,
+    and a run that 'finishes' on it would be a silent no-op."""
+    empty = sum(not any(m) for _, m in examples)
+    if empty == len(examples):
+        raise ChatFormatError(f"{node}: every loss mask is empty with the checkpoint's chat template "
+                              f"({chat_format(tok).template}, from {getattr(tok, 'name_or_path', '?')}): no "
+                              f"assistant turn renders as a continuation of its generation prompt")
+    if empty:
+        print(f"[{node}] {empty} of {len(examples)} conversations have no trainable assistant turn", flush=True)
 
 
 def _long_tasks(tok, split: str, n: int, seed: int, max_len: int) -> list[Task]:
@@ -66,7 +82,7 @@ def _batches(cfg: PipelineConfig, tok, examples: list) -> Callable[[int], dict]:
 
         def next_packed(i: int) -> dict:
             rng = random.Random(cfg.seed * 31 + i)
-            return collate([rows[rng.randrange(len(rows))] for _ in range(s.batch_size)], tok.pad_token_id)
+            return collate([rows[rng.randrange(len(rows))] for _ in range(s.batch_size)], pad_id(tok))
         return next_packed
     buckets: dict[int, list] = {}
     for ex in examples:
@@ -77,7 +93,7 @@ def _batches(cfg: PipelineConfig, tok, examples: list) -> Callable[[int], dict]:
         rng = random.Random(cfg.seed * 31 + i)
         bucket = buckets[rng.choices(keys, weights=[len(buckets[k]) for k in keys])[0]]
         return pad_examples([bucket[rng.randrange(len(bucket))] for _ in range(s.batch_size)],
-                            tok.pad_token_id, s.seq_len)
+                            pad_id(tok), s.seq_len)
     return next_batch
 
 
@@ -104,7 +120,7 @@ def _worker(config: dict) -> None:
     def next_batch(i: int) -> dict:  # this worker's rows of the global batch
         return {k: v[rank::world] for k, v in global_batch(i).items()}
 
-    val_batches = [pad_examples(config["val"][i:i + s.batch_size], tok.pad_token_id, s.seq_len)
+    val_batches = [pad_examples(config["val"][i:i + s.batch_size], pad_id(tok), s.seq_len)
                    for i in range(0, len(config["val"]), s.batch_size)]
 
     def checkpoint(st: dict) -> None:
@@ -119,6 +135,7 @@ def _worker(config: dict) -> None:
 
     train(model, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
           weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="sft", grad_accum=s.grad_accum,
+          zero_loss_hint=f"chat template {chat_format(tok).template}",
           eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, s.steps // 5),
           state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every)
 
@@ -135,7 +152,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     long_tasks = _long_tasks(tok, "train", len(train_tasks) // 6, cfg.seed, s.seq_len)
     train_tasks += long_tasks
     val_tasks = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]
+    tooled = [d for d in domains if hasattr(environments.get(d), "open_workspace")]
+    if tooled and chat_format(tok).tool_format == "none":
+        raise ChatFormatError(f"sft: the chat template of {inputs['ramp']} ({chat_format(tok).template}) renders no "
+                              f"tool calls, and {', '.join(tooled)} need them: use a checkpoint whose template renders "
+                              f"`tool_calls` (Hermes <tool_call> or Llama-3 JSON)")
     examples = build_examples(cfg, tok, train_tasks, cfg.seed)
+    check_masks(examples, tok)
     val = build_examples(cfg, tok, val_tasks, cfg.seed + 1)
     storage = Path(scratch or tempfile.mkdtemp(prefix="sft-")).resolve()
     trainer = TorchTrainer(

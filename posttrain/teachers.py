@@ -15,6 +15,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from posttrain.chat import pad_id
 from posttrain.model import load_checkpoint
 from posttrain.rl_batch import micro_batches, prefix_forward
 
@@ -26,7 +27,7 @@ class Teacher:
         torch.set_num_threads(threads)
         self.model, tok = load_checkpoint(checkpoint)
         self.model.eval()
-        self.pad_id, self.max_cells = tok.pad_token_id, max_cells
+        self.pad_id, self.max_cells = pad_id(tok), max_cells
 
     def ready(self) -> bool:
         return True

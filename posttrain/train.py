@@ -35,15 +35,20 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.0) -> torch.optim.O
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
 
 
+ZERO_LOSS_STEPS = 3
+
+
 def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0.1,
           weight_decay: float = 0.0, grad_clip: float = 1.0, desc: str = "train",
           eval_fn: Callable[[], float] | None = None, eval_every: int = 0, grad_accum: int = 1,
           state: dict | None = None, checkpoint: Callable[[dict], None] | None = None,
-          checkpoint_every: int = 0) -> dict[str, list[float]]:
+          checkpoint_every: int = 0, zero_loss_hint: str = "") -> dict[str, list[float]]:
     """Run `steps` optimizer steps; return the history (loss per step, eval loss when asked).
 
     Each step takes `grad_accum` micro-batches `next_batch(step * grad_accum + i)`: the data order is a
     function of the step, so resuming from `state` (what `checkpoint` was given) continues exactly.
+    A loss of exactly 0 over the first steps means nothing is being trained (an empty loss mask): it stops,
+    naming `desc` and `zero_loss_hint`.
     """
     opt = make_optimizer(model, lr, weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, steps, warmup, min_lr_ratio))
@@ -68,6 +73,10 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
         opt.step()
         sched.step()
         hist["loss"].append(total)
+        if len(hist["loss"]) == min(steps, ZERO_LOSS_STEPS) and not any(hist["loss"]):
+            raise RuntimeError(f"{desc}: the loss was exactly 0 at each of the first {len(hist['loss'])} steps, so "
+                               f"nothing trains (every loss-mask position empty?)"
+                               + (f"; {zero_loss_hint}" if zero_loss_hint else ""))
         hist["lr"].append(sched.get_last_lr()[0])
         bar.set_postfix(loss=f"{total:.3f}", refresh=False)
         if eval_fn and eval_every and ((step + 1) % eval_every == 0 or step == steps - 1):

@@ -41,7 +41,7 @@ def test_one_rendering_path_in_every_mode(tok, tmp_path, thinking, preserve):
     for d in environments.DOMAINS:
         for task in environments.get(d).generate("train", 20, 1):
             conv = conversation(task, thinking)
-            ids, mask = render_with_mask(tok, conv, preserve_thinking=preserve)
+            ids, mask = render_with_mask(tok, conv, enable_thinking=thinking, preserve_thinking=preserve)
             assert ids == list(auto.apply_chat_template(conv, tokenize=True, return_dict=True,
                                                         preserve_thinking=preserve)["input_ids"])
             for k, m in enumerate(conv):
@@ -49,5 +49,16 @@ def test_one_rendering_path_in_every_mode(tok, tmp_path, thinking, preserve):
                     prompt = render_ids(auto, conv[:k], add_generation_prompt=True, enable_thinking=thinking,
                                         preserve_thinking=preserve)
                     assert ids[:len(prompt)] == prompt
-                    # thinking off: the empty think block is in the prompt and trained as the reply's start
-                    assert mask[len(prompt) - 1] == (0 if thinking else 1)
+                    # the reply is trained from its first generated token; thinking off, the empty think block
+                    # is the prompt's, so it is not a target (a target would teach thinking-on to skip thinking)
+                    assert (mask[len(prompt) - 1], mask[len(prompt)]) == (0, 1)
+
+
+def test_prefix_masks_equal_the_generation_markers_where_both_apply(tok):
+    """Our template's `{% generation %}` markers and prefix rendering agree wherever the turn is generated in
+    thinking mode (thinking off, the prompt supplies the empty think block, which the markers would train)."""
+    for d in environments.DOMAINS:
+        for task in environments.get(d).generate("train", 10, 2):
+            conv = conversation(task, True)
+            marked = tok.apply_chat_template(conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            assert render_with_mask(tok, conv) == (list(marked["input_ids"]), list(marked["assistant_masks"]))
