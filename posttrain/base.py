@@ -8,13 +8,14 @@ import torch
 from posttrain.chat import doc_end_id, train_tokenizer
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_pretrain_texts
-from posttrain.model import build_model, load_checkpoint, n_params, save_checkpoint, seed_all
+from posttrain.model import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
 from posttrain.train import eval_loss, pack_stream, row_sampler, summarize, train
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     seed_all(cfg.seed)
     if cfg.base.init_from:  # a real model: take the user's local HF checkpoint as the base
+        check_folder(cfg.base.init_from)
         model, tok = load_checkpoint(cfg.base.init_from)
         save_checkpoint(model, tok, out)
         return {"metrics": {"params": n_params(model)}, "params": {"init_from": cfg.base.init_from}}

@@ -88,9 +88,21 @@ def _check_stages(names: list[str], flag: str) -> None:
         raise ConfigError(f"{flag}: unknown stage {', '.join(map(repr, unknown))}; stages: {', '.join(STAGES)}")
 
 
+def _check_init_from(cfg) -> None:
+    """A local base.init_from that could not be loaded fails here, not in a stage minutes later."""
+    from posttrain.model import CheckpointError, check_folder
+    if cfg.base.init_from:
+        try:
+            check_folder(cfg.base.init_from)
+        except CheckpointError as e:
+            raise ConfigError(f"base.init_from: {e}") from None
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     _check_stages(a.force, "--force")
     cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
+    if not a.remote:  # a remote run's path is the cluster's
+        _check_init_from(cfg)
     if a.workflow == "cross_stage":
         from workflows.cross_stage import cross_stage as task
     else:

@@ -427,8 +427,29 @@ def _error_line(e: dict, prefix: str = "") -> str:
     return f"{key}: {msg} (got {e.get('input')!r})"
 
 
+def _is_branch(part: Any) -> bool:
+    """A union member's tag in an error's location (`constrained-float`, `dict[str,constrained-float]`)."""
+    return isinstance(part, str) and ("[" in part or part.startswith("constrained-"))
+
+
+def _without_branches(errors: list[dict]) -> list[dict]:
+    """A value of a union type (a share, or domain -> share) fails each branch; keep the branch the value
+    was meant for: the errors that are not 'wrong type' when there are any."""
+    out = []
+    for e in errors:
+        loc = tuple(p for p in e["loc"] if not _is_branch(p))
+        wrong_type = e["type"].endswith(("_type", "_parsing"))
+        branched = loc != tuple(e["loc"])
+        siblings = [x for x in errors if x is not e and tuple(p for p in x["loc"] if not _is_branch(p))[:len(loc)] == loc]
+        if branched and wrong_type and any(not x["type"].endswith(("_type", "_parsing")) for x in siblings):
+            continue
+        out.append({**e, "loc": loc})
+    return out
+
+
 def _format_validation(err: ValidationError, source: str) -> str:
-    return "\n".join([f"invalid config in {source}:", *(f"  {_error_line(e)}" for e in err.errors())])
+    return "\n".join([f"invalid config in {source}:",
+                       *(f"  {_error_line(e)}" for e in _without_branches(err.errors()))])
 
 
 def profile_path(profile: str) -> Path:

@@ -1,6 +1,7 @@
 """Tiny Llama preset, and checkpoints as plain Hugging Face folders (fp32 on CPU)."""
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -30,14 +31,78 @@ def build_model(cfg: ModelConfig, tok) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).float()
 
 
+SAVE_DTYPE = "posttrain_dtype"  # set at load: the dtype family the checkpoint's chain is written in
+MAX_SHARD = "2GB"                # safetensors shards past this size, with an index
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be used; the message names the folder and what is missing."""
+
+
+def check_folder(path: str | Path) -> None:
+    """Fail before any work on a folder that is not a loadable Hugging Face chat checkpoint: config, a known
+    architecture, weights (single or sharded), a tokenizer with a chat template, embeddings for every token."""
+    from transformers import AutoConfig
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: not a directory")
+    missing = [n for n, ok in [("config.json", (p / "config.json").is_file()),
+                               ("weights (*.safetensors)", any(p.glob("*.safetensors"))),
+                               ("a tokenizer (tokenizer.json)", (p / "tokenizer.json").is_file())] if not ok]
+    if missing:
+        raise CheckpointError(f"{p}: missing {', '.join(missing)}")
+    try:
+        config = AutoConfig.from_pretrained(p)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{p}: unknown architecture in config.json ({e})") from None
+    tok_config = json.loads((p / "tokenizer_config.json").read_text()) if (p / "tokenizer_config.json").is_file() else {}
+    if not tok_config.get("chat_template") and not (p / "chat_template.jinja").is_file():
+        raise CheckpointError(f"{p}: no chat template (neither tokenizer_config.json's chat_template nor "
+                              f"chat_template.jinja); sft, rl and evaluation render conversations with it")
+    tok = AutoTokenizer.from_pretrained(p)
+    rows = _embedding_rows(p)
+    if rows is not None and (rows != config.vocab_size or len(tok) > rows):
+        raise CheckpointError(f"{p}: shapes do not match: the embedding has {rows} rows, config.json says "
+                              f"vocab_size {config.vocab_size}, the tokenizer has {len(tok)} tokens")
+
+
+def _embedding_rows(p: Path) -> int | None:
+    from safetensors import safe_open
+    for f in sorted(p.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for key in st.keys():
+                if key.endswith("embed_tokens.weight"):
+                    return st.get_slice(key).get_shape()[0]
+    return None
+
+
 def load_checkpoint(path: str | Path) -> tuple[LlamaForCausalLM, object]:
-    """Load model + tokenizer with the plain Auto classes, as any HF user would."""
+    """Load model + tokenizer with the plain Auto classes, as any HF user would: fp32 to train on CPU, single or
+    sharded safetensors. The checkpoint's own dtype is remembered, so `save_checkpoint` writes the same family."""
     tok = AutoTokenizer.from_pretrained(path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tok
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    saved = json.loads((Path(path) / "config.json").read_text())
+    setattr(model.config, SAVE_DTYPE, saved.get("dtype") or saved.get("torch_dtype") or "float32")
+    return model, tok
 
 
-def save_checkpoint(model, tok, out: str | Path) -> None:
-    model.save_pretrained(out, safe_serialization=True)
+def save_checkpoint(model, tok, out: str | Path, max_shard_size: str = MAX_SHARD) -> None:
+    """Save in the dtype family of the checkpoint the chain started from (bf16 in, bf16 out), sharded past
+    `max_shard_size`."""
+    name = model.config.__dict__.pop(SAVE_DTYPE, "float32")  # runtime only: config.json's dtype says it
+    dtype = getattr(torch, str(name), None)
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+    state = None
+    if dtype != torch.float32:
+        cast: dict[int, torch.Tensor] = {}  # tied weights stay one tensor
+        state = {k: cast.setdefault(v.data_ptr(), v.detach().to(dtype)) for k, v in model.state_dict().items()}
+    model.save_pretrained(out, safe_serialization=True, state_dict=state, max_shard_size=max_shard_size)
+    if state is not None:  # config.json says what the files hold
+        cfg_path = Path(out) / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    setattr(model.config, SAVE_DTYPE, name)
     tok.save_pretrained(out)
 
 

@@ -94,3 +94,13 @@ def test_cli_refuses_an_unknown_stage_or_value_before_any_work(tmp_path, monkeyp
     assert main(["run", "--profile", "smoke", "--set", "eval.samples=-1"]) == 2
     assert "eval.samples: must be >= 0 (got -1)" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_lazy_teacher_share_per_domain():
+    cfg = load_config("tiny", ["sft.shortcut_share={reasoning: 0.3}"])
+    assert (cfg.sft.shortcut_for("reasoning"), cfg.sft.shortcut_for("general")) == (0.3, 0.0)
+    assert load_config("smoke", ["sft.shortcut_share=0.2"]).sft.shortcut_for("agentic") == 0.2
+    with pytest.raises(ConfigError, match=r"sft.shortcut_share: unknown domains \['maths'\]"):
+        load_config("smoke", ["sft.shortcut_share={maths: 0.5}"])
+    with pytest.raises(ConfigError, match=r"sft\.shortcut_share\.agentic: must be <= 1 \(got 1\.5\)\n?$"):
+        load_config("smoke", ["sft.shortcut_share={agentic: 1.5}"])  # the dict's error only, not the float's
