@@ -23,7 +23,7 @@ run: install
 	$(BIN)/posttrain run --profile $(PROFILE)
 
 test: install
-	$(BIN)/python -m pytest -x -q
+	$(BIN)/python -m pytest -x -q --durations=15  # the slowest tests, for keeping the suite short
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install -q -e ".[test,bench]"
