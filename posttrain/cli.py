@@ -37,7 +37,9 @@ def _run_flyte(task, cfg, remote: bool, **kwargs) -> dict | None:
     """Run a workflow task; locally the lean Ray instance is started first, with the run's resources."""
     import flyte
 
+    from posttrain import tracking
     from posttrain.artifacts import git_sha
+    tracking.configure(cfg.tracking.uri)  # before Ray starts: its workers inherit the environment
     if not remote:  # the run id is chosen here so Ray's internal log lines can go to the run's folder
         from posttrain.pipeline import home_dir, new_run_id
         from posttrain.raysupport import ensure_ray
@@ -187,7 +189,10 @@ def cmd_figures(a: argparse.Namespace) -> int:
 
 def cmd_ui(a: argparse.Namespace) -> int:
     from posttrain.pipeline import home_dir
-    from posttrain.tracking import tracking_uri
+    from posttrain.tracking import server_uri, tracking_uri
+    if server_uri():
+        print(f"runs are tracked on {server_uri()} (MLFLOW_TRACKING_URI): open its UI there")
+        return 0
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     args = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(home_dir()),
             "--registry-store-uri", tracking_uri(home_dir()), "--host", "127.0.0.1", "--port", str(a.port),

@@ -308,6 +308,12 @@ class GatesConfig(_Strict):
     baseline: str = "generalist"
 
 
+class TrackingConfig(_Strict):
+    # MLflow tracking server for params, metrics, inputs, artifacts and the Model Registry, e.g.
+    # http://mlflow.internal:5000; empty: a local sqlite store in POSTTRAIN_HOME. MLFLOW_TRACKING_URI wins.
+    uri: str = ""
+
+
 class RuntimeConfig(_Strict):
     ray_num_cpus: AtLeast1 = 2
     torch_threads: AtLeast1 = 2
@@ -331,6 +337,7 @@ class PipelineConfig(_Strict):
     eval: EvalConfig = EvalConfig()
     gates: GatesConfig = GatesConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    tracking: TrackingConfig = TrackingConfig()
     registered_model: str = "posttrain-tiny"
 
     @model_validator(mode="after")
@@ -374,7 +381,8 @@ class PipelineConfig(_Strict):
         if sections:
             data = {k: _at(data, k) for k in sections}
         else:
-            data.pop("runtime")  # where it runs does not change what it computes
+            data.pop("runtime")  # where it runs and where it is tracked do not change what it computes
+            data.pop("tracking")
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def eval_lengths(self) -> list[int]:

@@ -46,6 +46,6 @@ def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
                 continue
             walk(found, digest, depth + 1)
 
-    walk(Path(mv.source), mv.tags.get("sha256"), 1)
+    walk(Path(mv.tags.get("posttrain.artifact") or mv.source), mv.tags.get("sha256"), 1)
     say("lineage verified: every artifact matches its manifest" if ok else "lineage FAILED verification")
     return ok

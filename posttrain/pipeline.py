@@ -26,6 +26,7 @@ def new_run_id() -> str:
 def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None = None,
           force: list[str] | None = None) -> RunContext:
     validate_gates(cfg)
+    tracking.configure(cfg.tracking.uri)
     home = home_dir()
     run_id = run_id or new_run_id()
     run_dir = home / "runs" / run_id

@@ -122,6 +122,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     from posttrain.raysupport import ensure_ray, submit
 
     stage, cfg, t0 = STAGES[name], ctx.cfg(), time.time()
+    tracking.configure(cfg.tracking.uri)  # a remote task's pod starts with only the config
     code = stage_code_digest(stage.fn.split(":")[0], cfg)
     missing = set(stage.inputs) - set(inputs)
     if missing:

@@ -6,6 +6,7 @@ siblings started under asyncio.gather would otherwise get the wrong parent.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -16,13 +17,27 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunT
 EXPERIMENT = "posttrain"
 
 
+def server_uri() -> str:
+    """The tracking server (or any store MLflow takes) from MLFLOW_TRACKING_URI, which the CLI sets from the
+    profile's `tracking.uri` when the environment has none; empty: the local store."""
+    return os.environ.get("MLFLOW_TRACKING_URI", "")
+
+
+def configure(uri: str) -> None:
+    """The profile's `tracking.uri`, for this process and the Ray workers it starts (the environment wins)."""
+    if uri:
+        os.environ.setdefault("MLFLOW_TRACKING_URI", uri)
+
+
 def tracking_uri(home: str | Path) -> str:
-    return f"sqlite:///{Path(home).resolve()}/mlflow.db"
+    return server_uri() or f"sqlite:///{Path(home).resolve()}/mlflow.db"
 
 
 def client(home: str | Path) -> MlflowClient:
-    Path(home).mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=tracking_uri(home), registry_uri=tracking_uri(home))
+    if not server_uri():
+        Path(home).mkdir(parents=True, exist_ok=True)
+    uri = tracking_uri(home)
+    return MlflowClient(tracking_uri=uri, registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or uri)
 
 
 def experiment_id(c: MlflowClient, home: str | Path) -> str:
@@ -30,6 +45,8 @@ def experiment_id(c: MlflowClient, home: str | Path) -> str:
     if exp:
         return exp.experiment_id
     try:
+        if server_uri():  # artifacts go to the server's artifact store
+            return c.create_experiment(EXPERIMENT)
         return c.create_experiment(EXPERIMENT, artifact_location=(Path(home).resolve() / "mlruns").as_uri())
     except Exception:  # created concurrently
         return c.get_experiment_by_name(EXPERIMENT).experiment_id
@@ -84,4 +101,8 @@ def register_model(home: str, name: str, source: str, run_id: str, tags: dict[st
         c.get_registered_model(name)
     except Exception:
         c.create_registered_model(name, description="posttrain pipeline output; lineage: `posttrain lineage`")
+    tags = {**tags, "posttrain.artifact": source}  # where lineage finds the artifact and its manifest
+    if server_uri():  # a server takes only sources inside a run's artifacts: the model goes to its store
+        c.log_artifacts(run_id, source, "model")
+        source = f"runs:/{run_id}/model"
     return str(c.create_model_version(name, source=source, run_id=run_id, tags=tags).version)

@@ -104,3 +104,19 @@ def test_lazy_teacher_share_per_domain():
         load_config("smoke", ["sft.shortcut_share={maths: 0.5}"])
     with pytest.raises(ConfigError, match=r"sft\.shortcut_share\.agentic: must be <= 1 \(got 1\.5\)\n?$"):
         load_config("smoke", ["sft.shortcut_share={agentic: 1.5}"])  # the dict's error only, not the float's
+
+
+def test_tracking_uri_from_the_profile_unless_the_environment_says(tmp_path, monkeypatch):
+    import os
+
+    from posttrain import tracking
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "x")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # absent now, and restored as it was after the test
+    assert tracking.tracking_uri(tmp_path).startswith("sqlite:///")
+    cfg = load_config("smoke", ["tracking.uri=http://mlflow.internal:5000"])
+    assert cfg.digest() == load_config("smoke").digest()  # where it is tracked does not change what it computes
+    tracking.configure(cfg.tracking.uri)
+    assert tracking.tracking_uri(tmp_path) == "http://mlflow.internal:5000" == os.environ["MLFLOW_TRACKING_URI"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:1")
+    tracking.configure(cfg.tracking.uri)
+    assert tracking.tracking_uri(tmp_path) == "http://env:1"
