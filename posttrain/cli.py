@@ -105,6 +105,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
     if not a.remote:  # a remote run's path is the cluster's
         _check_init_from(cfg)
+    from posttrain.pipeline import check_domains
+    check_domains(cfg)
     if a.workflow == "cross_stage":
         from workflows.cross_stage import cross_stage as task
     else:

@@ -360,11 +360,6 @@ class PipelineConfig(_Strict):
         if first < m.max_position_embeddings:
             errors.append(f"ramp.stages.0.seq_len: must be >= model.max_position_embeddings "
                           f"(got {first} < {m.max_position_embeddings})")
-        if isinstance(self.sft.shortcut_share, dict):
-            import environments
-            known = [*environments.DOMAINS, *self.world.environments]
-            if unknown := sorted(set(self.sft.shortcut_share) - set(known)):
-                errors.append(f"sft.shortcut_share: unknown domains {unknown} (known: {', '.join(known)})")
         # RLConfig also carries the OPD loop (no RL prompts) and unit tests (lr 0); an rl stage needs both
         for d in ["", *self.rl.per_domain]:
             r, key = (self.rl.for_domain(d), f"rl.per_domain.{d}") if d else (self.rl, "rl")

@@ -8,9 +8,11 @@ import time
 import uuid
 from pathlib import Path
 
+import environments
+
 from posttrain import report_html, tracking
 from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest
-from posttrain.config import PipelineConfig
+from posttrain.config import ConfigError, PipelineConfig
 from posttrain.gates import check_gates, validate_gates
 from posttrain.stages import ORDER, RunContext
 
@@ -23,9 +25,17 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
+def check_domains(cfg: PipelineConfig) -> None:
+    """Per-domain settings name domains of this run's world (before any work)."""
+    known = [*environments.DOMAINS, *cfg.world.environments]
+    if isinstance(cfg.sft.shortcut_share, dict) and (unknown := sorted(set(cfg.sft.shortcut_share) - set(known))):
+        raise ConfigError(f"sft.shortcut_share: unknown domains {unknown} (known: {', '.join(known)})")
+
+
 def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None = None,
           force: list[str] | None = None) -> RunContext:
     validate_gates(cfg)
+    check_domains(cfg)
     tracking.configure(cfg.tracking.uri)
     home = home_dir()
     run_id = run_id or new_run_id()

@@ -100,8 +100,10 @@ def test_lazy_teacher_share_per_domain():
     cfg = load_config("tiny", ["sft.shortcut_share={reasoning: 0.3}"])
     assert (cfg.sft.shortcut_for("reasoning"), cfg.sft.shortcut_for("general")) == (0.3, 0.0)
     assert load_config("smoke", ["sft.shortcut_share=0.2"]).sft.shortcut_for("agentic") == 0.2
+    from posttrain.pipeline import check_domains  # at the run's start (the config knows no environments)
     with pytest.raises(ConfigError, match=r"sft.shortcut_share: unknown domains \['maths'\]"):
-        load_config("smoke", ["sft.shortcut_share={maths: 0.5}"])
+        check_domains(load_config("smoke", ["sft.shortcut_share={maths: 0.5}"]))
+    check_domains(load_config("smoke", ["sft.shortcut_share={counting: 0.5}", "world.environments={counting: m}"]))
     with pytest.raises(ConfigError, match=r"sft\.shortcut_share\.agentic: must be <= 1 \(got 1\.5\)\n?$"):
         load_config("smoke", ["sft.shortcut_share={agentic: 1.5}"])  # the dict's error only, not the float's
 
