@@ -17,7 +17,7 @@ import torch
 import environments
 from environments import long_context
 from environments.base import Task
-from posttrain.chat import ChatFormatError, chat_format, pad_id, render_with_mask
+from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.curate import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
@@ -64,7 +64,7 @@ def check_masks(examples: list[tuple[list[int], list[int]]], tok, node: str = "s
 
 def _long_tasks(tok, split: str, n: int, seed: int, max_len: int) -> list[Task]:
     def count(t):
-        return len(render_with_mask(tok, conversation(t, True))[0])
+        return len(render_ids(tok, conversation(t, True)))
     lengths = [max_len // 4, max_len // 2, max_len]
     return [t for i, L in enumerate(lengths) for t in long_context.fit_to_length(split, n // 3, seed + i, L, count)]
 
