@@ -85,7 +85,7 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     import torch
 
     from posttrain.config import RuntimeConfig
-    from posttrain.curate import load_tasks
+    from posttrain.data import load_tasks
     from posttrain.model import save_checkpoint
     from posttrain.raysupport import ensure_ray
     from posttrain.rl import Distill, specialist
@@ -112,7 +112,7 @@ def _ours_rl(domain: str, val_every_tokens: int) -> dict:
     import torch
 
     from posttrain.config import RuntimeConfig, load_config
-    from posttrain.curate import load_tasks
+    from posttrain.data import load_tasks
     from posttrain.raysupport import ensure_ray
     from posttrain.rl import specialist
     torch.set_num_threads(1)
@@ -134,7 +134,7 @@ def _trl(steps: int, save: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DistillationConfig, DistillationTrainer
 
-    from posttrain.curate import load_tasks
+    from posttrain.data import load_tasks
     torch.set_num_threads(2)
     art = _inputs()
     tok = AutoTokenizer.from_pretrained(art["sft"])
@@ -174,7 +174,7 @@ def reverse_kl_on_own_samples(student_dir: str, teacher_dir: str, n: int = 64) -
     fixed seed) for n held-out val prompts, averaged over generated tokens."""
     import torch
 
-    from posttrain.curate import load_tasks
+    from posttrain.data import load_tasks
     from posttrain.model import load_checkpoint
     from posttrain.opd_loss import reverse_kl_terms
     from posttrain.rl_batch import completion_batch, prefix_forward

@@ -31,7 +31,7 @@ def main() -> None:
 
     from posttrain import report_html
     from posttrain.chat import render_ids
-    from posttrain.curate import load_tasks
+    from posttrain.data import load_tasks
     from posttrain.int_linear import load_any
     from posttrain.pipeline import load_run
     report, _ = load_run("latest")

@@ -60,7 +60,7 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
     import ray
     import torch
 
-    from posttrain.curate import load_tasks
+    from posttrain.data import load_tasks
     from posttrain.raysupport import ensure_ray
     from posttrain.config import RuntimeConfig
     from posttrain.rl import specialist
@@ -88,7 +88,7 @@ def _trl(steps: int, defaults: bool = False) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     import environments
-    from posttrain.curate import load_tasks
+    from posttrain.data import load_tasks
     torch.set_num_threads(2)
     sft, curate = _inputs()
     r = _rl_config({})

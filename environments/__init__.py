@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from types import ModuleType
 
 REGISTRY: dict[str, str] = {
@@ -12,6 +14,9 @@ REGISTRY: dict[str, str] = {
     "long_context": "environments.long_context",
 }
 DOMAINS = ("reasoning", "agentic", "general")
+# a run's own environments (name -> module, JSON) for the Ray workers and actors of its stages, which start
+# without the profile: posttrain.raysupport.submit sets it in the stage's runtime_env, children inherit it
+ENV_VAR = "POSTTRAIN_ENVIRONMENTS"
 
 
 def register(name: str, module: str) -> None:
@@ -26,6 +31,8 @@ def names(extra: dict[str, str] | None = None) -> list[str]:
 
 
 def get(name: str) -> ModuleType:
+    if name not in REGISTRY:
+        names(json.loads(os.environ.get(ENV_VAR) or "{}"))
     if name not in REGISTRY:
         raise KeyError(f"unknown environment {name!r}; known: {', '.join(sorted(REGISTRY))}")
     return importlib.import_module(REGISTRY[name])

@@ -7,7 +7,7 @@ import torch
 
 from posttrain.chat import doc_end_id, train_tokenizer
 from posttrain.config import PipelineConfig
-from posttrain.curate import load_pretrain_texts
+from posttrain.data import load_pretrain_texts
 from posttrain.model import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
 from posttrain.train import eval_loss, pack_stream, row_sampler, summarize, train
 

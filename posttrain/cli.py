@@ -82,12 +82,13 @@ def print_report(report: dict) -> None:
         print(f"\nregistered model: {report['registered_model']}  (audit: posttrain lineage {report['registered_model']})")
 
 
-def _check_stages(names: list[str], flag: str) -> None:
+def _check_stages(names: list[str], flag: str, cfg) -> None:
     """Refuse an unknown stage name before any work (an unknown --force would otherwise be ignored)."""
-    from posttrain.stages import STAGES
-    unknown = [n for n in names if n not in STAGES]
+    from posttrain.stages import graph
+    stages = graph(cfg)
+    unknown = [n for n in names if n not in stages]
     if unknown:
-        raise ConfigError(f"{flag}: unknown stage {', '.join(map(repr, unknown))}; stages: {', '.join(STAGES)}")
+        raise ConfigError(f"{flag}: unknown stage {', '.join(map(repr, unknown))}; stages: {', '.join(stages)}")
 
 
 def _check_init_from(cfg) -> None:
@@ -101,8 +102,8 @@ def _check_init_from(cfg) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    _check_stages(a.force, "--force")
     cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
+    _check_stages(a.force, "--force", cfg)
     if not a.remote:  # a remote run's path is the cluster's
         _check_init_from(cfg)
     from posttrain.pipeline import check_domains
@@ -120,9 +121,9 @@ def cmd_run(a: argparse.Namespace) -> int:
 def cmd_rerun(a: argparse.Namespace) -> int:
     from posttrain.config import apply_overrides, config_from_dict
     from posttrain.pipeline import load_run
-    _check_stages([a.stage], "rerun")
     _, old = load_run(a.from_run)
     cfg = config_from_dict(apply_overrides(old.model_dump(mode="json"), a.set), f"--set {a.set}")
+    _check_stages([a.stage], "rerun", cfg)
     from workflows.post_train import rerun
     report = _run_flyte(rerun, cfg, a.remote, stage=a.stage, from_run=a.from_run, overrides=a.set,
                         downstream=a.downstream)

@@ -183,8 +183,15 @@ class SFTConfig(TrainConfig):
         return s.get(domain, 0.0) if isinstance(s, dict) else s
 
 
+DomainName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]  # part of stage names (rl-<domain>)
+
+
 class RLConfig(_Strict):
     """One specialist's RL. `per_domain` overrides any field for one specialist (e.g. agentic: ppo)."""
+    # the environments that get a specialist, an OPD teacher, cross-stage chain stages and a consolidation row;
+    # in this order in the GLM-5 cross-stage chain (workflows/cross_stage.py). Any environment of the world
+    # (a built-in one or one of world.environments) can be named.
+    domains: list[DomainName] = Field(default_factory=lambda: ["reasoning", "agentic", "general"], min_length=1)
     algorithm: Literal["grpo", "ppo"] = "grpo"
     steps: AtLeast1 = 100
     # 0 is the OPD loop's (distillation only) and unit tests'; the pipeline's rl stages need >= 1 (PipelineConfig)
@@ -222,6 +229,8 @@ class RLConfig(_Strict):
             raise ValueError(f"rl.is_lower < 1 < rl.is_upper must hold (got {self.is_lower}, {self.is_upper})")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError("rl.group_size must be at least 2 for grpo (its baseline is the group mean)")
+        if len(set(self.domains)) != len(self.domains):
+            raise ValueError(f"rl.domains: each domain once (got {self.domains})")
         for domain in self.per_domain:
             self.for_domain(domain)  # an override naming an unknown key or a bad value fails here, with its name
         return self
@@ -240,7 +249,7 @@ class RLConfig(_Strict):
 class OPDConfig(_Strict):
     """Multi-teacher on-policy distillation: the student samples, each prompt's teacher (the specialist of
     its domain, unless `route` says otherwise) scores the student's own tokens."""
-    student: Literal["sft", "rl-reasoning", "rl-agentic", "rl-general"] = "sft"
+    student: str = "sft"                 # sft or a specialist, rl-<domain>
     steps: AtLeast1 = 60
     prompts_per_step: AtLeast1 = 24      # per step, split evenly across the domains
     lr: Positive = 5e-5
@@ -254,13 +263,6 @@ class OPDConfig(_Strict):
     teacher_cpus: NonNegative = 0.2      # Ray CPUs each teacher actor reserves
     val_every: AtLeast0 = 10
     checkpoint_every: AtLeast0 = 10
-
-    @model_validator(mode="after")
-    def _check(self) -> "OPDConfig":
-        bad = {k: v for k, v in self.route.items() if v not in ("reasoning", "agentic", "general")}
-        if bad:
-            raise ValueError(f"opd.route: teachers are the specialists reasoning, agentic, general (got {bad})")
-        return self
 
 
 class CrossStageConfig(_Strict):
@@ -360,6 +362,14 @@ class PipelineConfig(_Strict):
         if first < m.max_position_embeddings:
             errors.append(f"ramp.stages.0.seq_len: must be >= model.max_position_embeddings "
                           f"(got {first} < {m.max_position_embeddings})")
+        domains = self.rl.domains
+        if self.opd.student not in ("sft", *(f"rl-{d}" for d in domains)):
+            errors.append(f"opd.student: must be sft or a specialist rl-<domain> of rl.domains {domains} "
+                          f"(got {self.opd.student!r})")
+        for key, teacher in self.opd.route.items():
+            if key not in domains or teacher not in domains:
+                errors.append(f"opd.route.{key}: prompts and teachers are domains of rl.domains {domains} "
+                              f"(got {key} -> {teacher})")
         # RLConfig also carries the OPD loop (no RL prompts) and unit tests (lr 0); an rl stage needs both
         for d in ["", *self.rl.per_domain]:
             r, key = (self.rl.for_domain(d), f"rl.per_domain.{d}") if d else (self.rl, "rl")
@@ -370,11 +380,19 @@ class PipelineConfig(_Strict):
             raise ValueError("\n  ".join(errors))
         return self
 
+    def section(self, name: str) -> Any:
+        """A section ("eval"), a key path ("eval.batch_size") or one specialist's RL settings ("rl:agentic":
+        `rl` with that domain's overrides applied and no other domain's, so a change to one specialist's
+        settings, or a new domain, leaves the others' cache keys alone)."""
+        if name.startswith("rl:"):
+            return self.rl.for_domain(name[3:]).model_dump(mode="json", exclude={"domains", "per_domain"})
+        return _at(self.model_dump(mode="json"), name)
+
     def digest(self, *sections: str) -> str:
-        """sha256 of the whole config, or of only the named sections ("eval" or a key path "eval.batch_size")."""
+        """sha256 of the whole config, or of only the named sections (see `section`)."""
         data = self.model_dump(mode="json")
         if sections:
-            data = {k: _at(data, k) for k in sections}
+            data = {k: self.section(k) for k in sections}
         else:
             data.pop("runtime")  # where it runs and where it is tracked do not change what it computes
             data.pop("tracking")

@@ -7,16 +7,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from environments import DOMAINS
 from posttrain.artifacts import read_manifest
 from posttrain.config import PipelineConfig
-from posttrain.curate import load_tasks
+from posttrain.data import load_tasks
 from posttrain.evaluate import evaluate_checkpoint
 from posttrain.opd import tokens_to_reach
-from posttrain.stages import CROSS_ORDER as ORDER, stage_name
+from posttrain.stages import stage_name
 
-METHODS = {"multi_teacher_opd": "opd", "cross_stage": stage_name("xs", ORDER[-1]),
-           "sequential_rl": stage_name("seq", ORDER[-1])}
+CHAIN_OF = {"cross_stage": "xs", "sequential_rl": "seq"}
+
+
+def methods(order: list[str]) -> dict[str, str]:
+    """Each way to one model -> the stage holding it: OPD's generalist and the end of each chain."""
+    return {"multi_teacher_opd": "opd", **{m: stage_name(c, order[-1], order) for m, c in CHAIN_OF.items()}}
+
+
+def midway(order: list[str]) -> dict[str, str]:
+    """Rows for the chains' middle stages (after the agentic stage, by default): forgetting shows there."""
+    return {f"{m}_after_{d}": stage_name(c, d, order) for d in order[1:-1] for m, c in CHAIN_OF.items()}
 
 
 def test_scores(path: str, tests: dict[str, list], cfg: PipelineConfig) -> dict[str, float]:
@@ -36,11 +44,12 @@ def rl_tokens_to_95pct(rl_dir: str) -> float | None:
 
 
 def table(c: dict) -> str:
-    rows = ["| model | " + " | ".join(f"{d} (recovery)" for d in DOMAINS) + " | student tokens | teacher tokens |"
-            " wall s |", "|---" * (len(DOMAINS) + 4) + "|"]
-    for name in ("sft", "specialist", *METHODS, "sequential_after_agentic", "cross_stage_after_agentic"):
+    domains = list(c["n_test_per_domain"])
+    rows = ["| model | " + " | ".join(f"{d} (recovery)" for d in domains) + " | student tokens | teacher tokens |"
+            " wall s |", "|---" * (len(domains) + 4) + "|"]
+    for name in c["scores"]:
         s, rec, comp = c["scores"][name], c["recovery"].get(name, {}), c["compute"].get(name, {})
-        cells = [f"{s[d]:.2f}" + (f" ({rec[d]:.0%})" if rec.get(d) is not None else "") for d in DOMAINS]
+        cells = [f"{s[d]:.2f}" + (f" ({rec[d]:.0%})" if rec.get(d) is not None else "") for d in domains]
         extra = [f"{comp[k]:,.0f}" if comp else "" for k in ("student_tokens", "teacher_tokens", "wall_s")]
         rows.append(f"| {name} | " + " | ".join(cells + extra) + " |")
     return "\n".join(rows)
@@ -50,13 +59,14 @@ def plot(c: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = ["sft", "specialist", *METHODS]
+    domains = list(c["n_test_per_domain"])
+    names = ["sft", "specialist", *c["recovery"]]
     fig, ax = plt.subplots(figsize=(8, 3.6))
     w = 0.8 / len(names)
     for i, n in enumerate(names):
-        ax.bar([j + i * w for j in range(len(DOMAINS))], [c["scores"][n][d] for d in DOMAINS], w, label=n)
-    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(DOMAINS))], DOMAINS)
-    ax.set(ylabel="test score (greedy)", ylim=(0, 1.2), title="one model from three specialists")
+        ax.bar([j + i * w for j in range(len(domains))], [c["scores"][n][d] for d in domains], w, label=n)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(domains))], domains)
+    ax.set(ylabel="test score (greedy)", ylim=(0, 1.2), title=f"one model from {len(domains)} specialists")
     ax.legend(fontsize=7, ncol=len(names), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -64,32 +74,27 @@ def plot(c: dict, path: Path) -> None:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
-    n = cfg.cross_stage.eval_n or None
-    tests = {d: load_tasks(inputs["curate"], "test", d)[:n] for d in DOMAINS}
+    n, order = cfg.cross_stage.eval_n or None, cfg.rl.domains
+    tests = {d: load_tasks(inputs["curate"], "test", d)[:n] for d in order}
     scores = {"sft": test_scores(inputs["sft"], tests, cfg)}
-    specialists = {d: test_scores(inputs[f"rl-{d}"], tests, cfg) for d in DOMAINS}
-    scores["specialist"] = {d: specialists[d][d] for d in DOMAINS}  # each on its own domain
-    for name, stage in {**METHODS, "sequential_after_agentic": "seq-agentic",
-                        "cross_stage_after_agentic": "xs-agentic"}.items():
+    specialists = {d: test_scores(inputs[f"rl-{d}"], tests, cfg) for d in order}
+    scores["specialist"] = {d: specialists[d][d] for d in order}  # each on its own domain
+    for name, stage in {**methods(order), **midway(order)}.items():
         scores[name] = test_scores(inputs[stage], tests, cfg)
         print(f"[consolidation] {name}: {scores[name]}", flush=True)
     sft, spec = scores["sft"], scores["specialist"]
     recovery = {name: {d: round((scores[name][d] - sft[d]) / (spec[d] - sft[d]), 3) if spec[d] != sft[d] else None
-                       for d in DOMAINS} for name in METHODS}
+                       for d in order} for name in methods(order)}
     # forgetting: a domain's score right after its own stage minus its score at the end of the chain
-    after_own = {"sequential_rl": {"reasoning": specialists["reasoning"]["reasoning"],
-                                   "agentic": scores["sequential_after_agentic"]["agentic"]},
-                 "cross_stage": {"reasoning": specialists["reasoning"]["reasoning"],
-                                 "agentic": scores["cross_stage_after_agentic"]["agentic"]}}
+    after_own = {m: {order[0]: spec[order[0]], **{d: scores[f"{m}_after_{d}"][d] for d in order[1:-1]}}
+                 for m in CHAIN_OF}
     forgetting = {m: {d: round(v - scores[m][d], 4) for d, v in own.items()} for m, own in after_own.items()}
-    chain = {m: [stage_name(c, d) for d in ORDER] for m, c in (("sequential_rl", "seq"), ("cross_stage", "xs"))}
     compute = {"multi_teacher_opd": compute_of(inputs, ["opd"]),
-               "multi_teacher_opd_incl_specialists": compute_of(inputs, ["opd", *(f"rl-{d}" for d in DOMAINS)]),
-               "cross_stage": compute_of(inputs, chain["cross_stage"]),
-               "sequential_rl": compute_of(inputs, chain["sequential_rl"])}
+               "multi_teacher_opd_incl_specialists": compute_of(inputs, ["opd", *(f"rl-{d}" for d in order)]),
+               **{m: compute_of(inputs, [stage_name(c, d, order) for d in order]) for m, c in CHAIN_OF.items()}}
     opd_m = read_manifest(inputs["opd"])["metrics"]
     efficiency = {}
-    for d in DOMAINS:
+    for d in order:
         rl_t, opd_t = rl_tokens_to_95pct(inputs[f"rl-{d}"]), opd_m.get(f"student_tokens_to_95pct_{d}")
         efficiency[d] = {"rl_student_tokens_to_95pct": rl_t, "opd_student_tokens_to_95pct": opd_t,
                          "token_efficiency_ratio": round(rl_t / opd_t, 2) if rl_t and opd_t else None}

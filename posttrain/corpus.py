@@ -87,10 +87,11 @@ def generate_raw(folder: Path, n_docs: int, seed: int, world, docs_per_file: int
     parallel); return the planted counts (ground truth)."""
     rng = random.Random(seed)
     knobs = world.knobs()
-    pools = [p for d in environments.DOMAINS if (p := _pool(d, n_docs // 4, seed + 1, knobs))]
+    domains = environments.names(world.environments)
+    pools = [p for d in domains if (p := _pool(d, n_docs // 4, seed + 1, knobs))]
     for p in pools:
         rng.shuffle(p)
-    tests = [t for d in environments.DOMAINS
+    tests = [t for d in domains
              for t in environments.get(d).generate("test", world.n_test, seed, **knobs)]
     docs: list[dict] = []
     seen: set[str] = set()

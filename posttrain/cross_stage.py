@@ -1,31 +1,33 @@
-"""The GLM-5 cross-stage recipe: RL stages in sequence (reasoning, agentic, general), each starting from the
+"""The GLM-5 cross-stage recipe: RL stages in sequence (rl.domains in order: reasoning, agentic, general by
+default), each starting from the
 previous stage's checkpoint and distilling, on-policy, from the earlier stages' checkpoints on their
 domains' prompts so it does not forget them. The baseline (`seq`) is the same chain without distillation.
 
-Both chains share their first stage with the main DAG: the reasoning specialist (`rl-reasoning`)."""
+Both chains share their first stage with the main DAG: the first domain's specialist (`rl-reasoning`)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from posttrain.config import PipelineConfig
-from posttrain.curate import load_tasks
+from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
 from posttrain.rl import Distill, plot_curves, specialist
-from posttrain.stages import CROSS_ORDER as ORDER, stage_name
+from posttrain.stages import stage_name
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, chain: str, scratch: str = "") -> dict:
     r = cfg.rl.for_domain(domain)
     x = cfg.cross_stage
-    earlier = ORDER[:ORDER.index(domain)]
-    start = inputs[stage_name(chain, earlier[-1])]
+    order = cfg.rl.domains
+    earlier = order[:order.index(domain)]
+    start = inputs[stage_name(chain, earlier[-1], order)]
     pool = load_tasks(inputs["curate"], "rl", domain)
     seen = (*earlier, domain)  # validated on every domain trained so far: forgetting shows on the curves
     val = [t for d in seen for t in load_tasks(inputs["curate"], "val", d)]
     distill = None
     if chain == "xs":
-        distill = Distill({d: inputs[stage_name(chain, d)] for d in earlier},
+        distill = Distill({d: inputs[stage_name(chain, d, order)] for d in earlier},
                           [t for d in earlier for t in load_tasks(inputs["curate"], "rl", d)],
                           x.distill_prompts_per_step, mode=x.loss, coef=x.distill_coef,
                           teacher_cpus=cfg.opd.teacher_cpus)

@@ -31,7 +31,7 @@ from posttrain.curate_read import BadRow, data_files, read_rows
 from posttrain.curate_text import normalise, quality, scrub_pii
 from posttrain.raysupport import map_tasks
 
-__all__ = ["BadRow", "make_raw", "run", "load_tasks", "load_pretrain_texts"]
+__all__ = ["BadRow", "make_raw", "run"]
 QUARANTINE_SCHEMA = pa.schema([(k, pa.string()) for k in ("id", "text", "reason", "detail", "source")])
 CANDIDATE_SCHEMA = pa.schema([("gidx", pa.uint64()), ("id", pa.string()), ("text", pa.string()),
                               ("source", pa.string()), ("tokens", pa.int64()), ("pii", pa.string())])
@@ -329,20 +329,3 @@ def _write_splits(cfg: PipelineConfig, tests: dict[str, list], out: Path, valida
             counts[f"{name}_{d}"] = len(tasks)
     validation.append(gates.validate("splits", pd.DataFrame(task_ids), gates.split_expectations()))
     return counts
-
-
-def load_tasks(folder: str | Path, name: str, domain: str) -> list:
-    from environments.base import Task
-    table = pq.read_table(Path(folder) / f"{name}-{domain}.parquet")
-    return [Task.from_json(s) for s in table.column("task").to_pylist()]
-
-
-def load_pretrain_texts(folder: str | Path) -> list[str]:
-    """Pretrain texts with the per-source mixture applied: weight 2 repeats a text, 0.5 keeps every other."""
-    out = []
-    for p in sorted(Path(folder).glob("pretrain-*.parquet")):
-        t = pq.read_table(p, columns=["id", "text", "weight"])
-        for rid, text, weight in zip(*(t.column(k).to_pylist() for k in ("id", "text", "weight"))):
-            whole, frac = divmod(weight, 1.0)
-            out += [text] * (int(whole) + (hash64(rid) / 2**64 < frac))
-    return out

@@ -8,20 +8,17 @@ so memory stays at a few bytes per document however large the corpus.
 """
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 
 import numpy as np
 from datasketch.lsh import _optimal_param
 
+from posttrain.data import hash64
+
 TOKEN = re.compile(r"\w+|[^\w\s]")
 _BASE = 0x9E3779B97F4A7C15  # odd, so it has an inverse mod 2^64
 _BASE_INV = pow(_BASE, -1, 1 << 64)
-
-
-def hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 class WordHashes(dict):

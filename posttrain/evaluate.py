@@ -17,15 +17,18 @@ from environments import long_context
 from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
-from posttrain.curate import load_tasks
+from posttrain.data import load_tasks
 from posttrain.int_linear import load_any
 from posttrain.ramp import eval_sets
 from posttrain.rollout import run_episodes, score
 
-CHECKPOINTS = {"base": "base", "ramped": "ramp", "sft": "sft", "specialist/reasoning": "rl-reasoning",
-               "specialist/agentic": "rl-agentic", "specialist/general": "rl-general", "generalist": "opd",
-               "quantized": "quantize"}
 BASE_MODELS = ("base", "ramped")  # scored as completion, not chat
+
+
+def checkpoints(cfg: PipelineConfig) -> dict[str, str]:
+    """Evaluated checkpoint -> the stage that made it: one specialist per domain of rl.domains."""
+    return {"base": "base", "ramped": "ramp", "sft": "sft", **{f"specialist/{d}": f"rl-{d}" for d in cfg.rl.domains},
+            "generalist": "opd", "quantized": "quantize"}
 
 
 def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) -> dict[str, tuple[list, bool]]:
@@ -115,7 +118,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
     result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {},
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
-    for ck, stage in CHECKPOINTS.items():
+    for ck, stage in checkpoints(cfg).items():
         completion = ck in BASE_MODELS
         s, t, p = evaluate_checkpoint(cfg, inputs[stage], completion_suites if completion else chat_suites,
                                       completion, cfg.eval.samples)

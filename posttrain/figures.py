@@ -17,7 +17,6 @@ from statistics import mean
 
 from posttrain.artifacts import atomic_write_text
 
-DOMAINS = ("reasoning", "agentic", "general")
 # what the embedded default must show in the mean over seeds (issue 17): the bar each claim is held to
 CLAIMS = {"thinking_delta": 0.10, "gain": 0.05, "retention": 0.90, "quant_drop_max": 0.02}
 THINKING_DOMAINS = ("reasoning", "agentic")  # where thinking must pay: general's constraints need no steps
@@ -58,7 +57,8 @@ def aggregate(reports: list[dict]) -> dict:
     def m(ck: str, suite: str) -> float:
         return out["eval"][ck][suite]["mean"]
 
-    doms = [d for d in DOMAINS if f"specialist/{d}" in out["eval"] and "sft" in out["eval"]]
+    # the run's RL domains: one specialist checkpoint each
+    doms = [c.split("/", 1)[1] for c in out["eval"] if c.startswith("specialist/") and "sft" in out["eval"]]
     per_seed_gain = {d: [e[f"specialist/{d}"][d] - e["sft"][d] for e in ev] for d in doms}
     out["gain"] = {d: round(mean(g), 4) for d, g in per_seed_gain.items()}
     out["gain_spread"] = {d: _spread(g) for d, g in per_seed_gain.items()}
@@ -77,7 +77,7 @@ def aggregate(reports: list[dict]) -> dict:
     if "sft" in out["eval"]:
         sft = out["eval"]["sft"]
         out["thinking_delta"] = {d: round(mean(e["sft"][d] - e["sft"][f"{d}:nothink"] for e in ev), 4)
-                                 for d in DOMAINS if d in sft and f"{d}:nothink" in sft}
+                                 for d in sft if f"{d}:nothink" in sft}
         tok = [r.get("tokens", {}).get("sft", {}) for r in reports]
         out["thinking_tokens"] = {d: {"on": round(mean(t[d] for t in tok), 1),
                                       "off": round(mean(t[f"{d}:nothink"] for t in tok), 1)}

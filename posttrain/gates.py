@@ -18,12 +18,12 @@ def suite_names(cfg: PipelineConfig) -> list[str]:
 
 def validate_gates(cfg: PipelineConfig) -> None:
     """Refuse gates on unknown suites or checkpoints before any work is done."""
-    from posttrain.evaluate import CHECKPOINTS
-    g, known = cfg.gates, suite_names(cfg)
+    from posttrain.evaluate import checkpoints
+    g, known, cks = cfg.gates, suite_names(cfg), checkpoints(cfg)
     for field in ("checkpoint", "baseline"):
-        if getattr(g, field) not in CHECKPOINTS:
+        if getattr(g, field) not in cks:
             raise ConfigError(f"gates.{field}: {getattr(g, field)!r} is not an evaluated checkpoint "
-                              f"(known: {', '.join(CHECKPOINTS)})")
+                              f"(known: {', '.join(cks)})")
     for kind in ("min", "max_drop"):
         for suite in getattr(g, kind):
             if suite != "*" and suite not in known:

@@ -1,5 +1,5 @@
 """opd: multi-teacher on-policy distillation. The student (the sft checkpoint) samples prompts mixed across
-the domains; the specialist of each prompt's domain, a Ray actor, scores the student's own tokens; the
+the domains of rl.domains; the specialist of each prompt's domain, a Ray actor, scores the student's own tokens; the
 per-token reverse KL is the signal (posttrain/opd_loss.py). The loop is the RL loop (posttrain/rl.py):
 asynchronous rollout workers, token in token out, importance-sampling masks, exact resume."""
 from __future__ import annotations
@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from environments import DOMAINS
 from posttrain.config import PipelineConfig, RLConfig
-from posttrain.curate import load_tasks
+from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
 from posttrain.rl import Distill, specialist
 from posttrain.train import summarize
@@ -57,10 +56,10 @@ def plot(hist: dict, targets: dict[str, float], path: Path) -> None:
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
     from posttrain.artifacts import read_manifest
-    o = cfg.opd
-    pool = [t for d in DOMAINS for t in load_tasks(inputs["curate"], "rl", d)]
-    val = [t for d in DOMAINS for t in load_tasks(inputs["curate"], "val", d)]
-    distill = Distill({d: inputs[f"rl-{d}"] for d in DOMAINS}, pool, o.prompts_per_step, route=o.route,
+    o, domains = cfg.opd, cfg.rl.domains
+    pool = [t for d in domains for t in load_tasks(inputs["curate"], "rl", d)]
+    val = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]
+    distill = Distill({d: inputs[f"rl-{d}"] for d in domains}, pool, o.prompts_per_step, route=o.route,
                       mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus)
     policy, tok, st = specialist(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd",
                                  scratch=scratch, distill=distill)
@@ -68,13 +67,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))
     # the teachers' own validation scores (same val tasks, from their runs): how far the student got
-    teacher_val = {d: read_manifest(inputs[f"rl-{d}"])["metrics"]["val_score_after"] for d in DOMAINS}
+    teacher_val = {d: read_manifest(inputs[f"rl-{d}"])["metrics"]["val_score_after"] for d in domains}
     plot(hist, teacher_val, out / "opd_curves.png")
     metrics = {"wall_s": st.wall_s, "steps_per_s": o.steps / st.wall_s,
                "student_tokens": hist["student_tokens"][-1], "teacher_tokens": hist["teacher_tokens"][-1],
                **summarize(hist, "reverse_kl", 5),
                "masked_token_fraction": sum(hist["distill_masked_fraction"]) / o.steps}
-    for d in DOMAINS:
+    for d in domains:
         before, after = hist[f"val_score/{d}"][0][1], hist[f"val_score/{d}"][-1][1]
         metrics |= {f"val_score_before_{d}": before, f"val_score_after_{d}": after,
                     f"teacher_val_score_{d}": teacher_val[d]}

@@ -14,7 +14,7 @@ from posttrain import report_html, tracking
 from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest
 from posttrain.config import ConfigError, PipelineConfig
 from posttrain.gates import check_gates, validate_gates
-from posttrain.stages import ORDER, RunContext
+from posttrain.stages import RunContext, graph
 
 
 def home_dir() -> Path:
@@ -28,8 +28,12 @@ def new_run_id() -> str:
 def check_domains(cfg: PipelineConfig) -> None:
     """Per-domain settings name domains of this run's world (before any work)."""
     known = [*environments.DOMAINS, *cfg.world.environments]
-    if isinstance(cfg.sft.shortcut_share, dict) and (unknown := sorted(set(cfg.sft.shortcut_share) - set(known))):
-        raise ConfigError(f"sft.shortcut_share: unknown domains {unknown} (known: {', '.join(known)})")
+    named = {"rl.domains": cfg.rl.domains, "rl.per_domain": list(cfg.rl.per_domain),
+             "sft.shortcut_share": list(cfg.sft.shortcut_share) if isinstance(cfg.sft.shortcut_share, dict) else []}
+    for key, domains in named.items():
+        if unknown := [d for d in domains if d not in known]:
+            raise ConfigError(f"{key}: unknown domains {unknown} (known: {', '.join(known)}; add your own in "
+                              f"world.environments)")
 
 
 def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None = None,
@@ -77,7 +81,7 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
               "wall_seconds": round(wall_seconds, 1), "config_digest": cfg.digest(), "git_sha": git_sha(),
               "stages": {s: {"seconds": r.seconds, "mlflow_run_id": r.mlflow_run_id, "artifact": r.path,
                              "sha256": r.sha256, "cached": r.cached}
-                         for s in ORDER if (r := refs.get(s))},
+                         for s in graph(cfg) if (r := refs.get(s))},
               **(extra or {})}
     if "evaluate" in refs:
         report.update(json.loads((Path(refs["evaluate"].path) / "eval.json").read_text()))

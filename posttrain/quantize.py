@@ -22,7 +22,7 @@ import environments
 from posttrain import loadcheck
 from posttrain.chat import render_ids
 from posttrain.config import PipelineConfig, QuantizeConfig
-from posttrain.curate import load_tasks
+from posttrain.data import load_tasks
 from posttrain.gptq import HessianTracker, gptq, rtn
 from posttrain.int_linear import load_compressed
 from posttrain.model import load_checkpoint, seed_all

@@ -21,7 +21,7 @@ from posttrain import attention
 from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig, RampStage
-from posttrain.curate import load_pretrain_texts
+from posttrain.data import load_pretrain_texts
 from posttrain.memory import peak_memory
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack, packing_efficiency

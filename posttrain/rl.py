@@ -26,7 +26,7 @@ from environments.base import Task
 from posttrain.chat import pad_id
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.critic import ValueModel
-from posttrain.curate import load_tasks
+from posttrain.data import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.rl_loss import entropy, explained_variance, gae, group_advantages, kl_to_reference, policy_loss, \
     value_loss

@@ -19,7 +19,7 @@ from environments import long_context
 from environments.base import Task
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
-from posttrain.curate import load_tasks
+from posttrain.data import load_tasks
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
 from posttrain.train import eval_loss, pad_examples, summarize, train

@@ -3,6 +3,7 @@ manifest, atomic publish, MLflow child run. The Flyte tasks in tasks/ are thin c
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import shutil
 import time
@@ -10,11 +11,12 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from environments import ENV_VAR
 from posttrain import tracking
 from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, dir_digest, git_sha, sha256_json, verify, \
     verify_ref, write_manifest
 from posttrain.codehash import stage_code_digest
-from posttrain.config import PipelineConfig, _at as config_at, config_from_dict
+from posttrain.config import PipelineConfig, config_from_dict
 
 
 @dataclass(frozen=True)
@@ -22,65 +24,92 @@ class Stage:
     name: str
     fn: str                      # "module:function" doing the work
     inputs: tuple[str, ...]      # upstream stage names
-    sections: tuple[str, ...]    # config sections that change its output
+    sections: tuple[str, ...]    # config sections that change its output (PipelineConfig.section)
+    task: str                    # "module:task": its typed Flyte task (tasks/); arguments bound by name (bind)
     params: tuple[tuple[str, str], ...] = ()
-    num_cpus: float = 1.0        # Ray CPUs reserved; the specialists take a share so all three run at once
+    num_cpus: float = 1.0        # Ray CPUs reserved; the specialists take a share so they run at once
     threads: int = 2
     resumable: bool = False      # gets a `scratch` dir that survives a crash, for its training checkpoints
+    workflow: str = "post_train"  # post_train: the GLM-5.2 DAG; cross_stage: the GLM-5 chains and comparison
 
 
-DOMAIN_STAGES = tuple(f"rl-{d}" for d in ("reasoning", "agentic", "general"))
-CROSS_ORDER = ("reasoning", "agentic", "general")  # GLM-5's RL stage order (workflows/cross_stage.py)
-CHAINS = ("xs", "seq")                            # cross-stage distillation; plain sequential RL
+CHAINS = ("xs", "seq")  # cross-stage distillation; plain sequential RL
 
 
-def stage_name(chain: str, domain: str) -> str:
-    return "rl-reasoning" if domain == CROSS_ORDER[0] else f"{chain}-{domain}"
+def stage_name(chain: str, domain: str, order: list[str]) -> str:
+    """A stage of a GLM-5 chain over the RL domains in `order`; both chains start at the first specialist."""
+    return f"rl-{domain}" if domain == order[0] else f"{chain}-{domain}"
 
 
-def inputs_of(chain: str, domain: str) -> tuple[str, ...]:
-    """Upstream stages: the previous stage (the start), and for `xs` every earlier stage (the teachers)."""
-    earlier = [stage_name(chain, d) for d in CROSS_ORDER[:CROSS_ORDER.index(domain)]]
+def _chain_inputs(chain: str, domain: str, order: list[str]) -> tuple[str, ...]:
+    """The previous stage (the start), and for `xs` every earlier stage (the teachers)."""
+    earlier = [stage_name(chain, d, order) for d in order[:order.index(domain)]]
     return tuple(dict.fromkeys([earlier[-1], *(earlier if chain == "xs" else []), "curate"]))
 
 
-STAGES: dict[str, Stage] = {s.name: s for s in [
-    Stage("raw", "posttrain.curate:make_raw", (), ("world", "curate"), num_cpus=1, threads=1),
-    # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
-    Stage("curate", "posttrain.curate:run", ("raw",), ("world", "curate"), num_cpus=0.1, threads=1),
-    Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base")),
-    Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
-          ("seed", "world.seed", "model", "ramp", "eval.n_per_suite", "eval.max_new_tokens", "eval.batch_size"),
-          resumable=True),
-    # sft's own Ray task only waits on its Ray Train workers
-    Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), num_cpus=0.1, resumable=True),
-    # 3 x (0.4 + one 0.25-CPU rollout worker) fits the 2 CPUs, so the three specialists run at once
-    *[Stage(s, "posttrain.rl:run", ("sft", "curate"), ("seed", "rl"), (("domain", s[3:]),), num_cpus=0.4, threads=1,
-            resumable=True) for s in DOMAIN_STAGES],
-    # the trainer, one rollout worker (0.25) and three teachers (0.2 each) fit the 2 CPUs
-    Stage("opd", "posttrain.opd:run", ("sft", "curate", *DOMAIN_STAGES), ("seed", "opd", "rl"), num_cpus=0.5,
-          threads=1, resumable=True),
-    Stage("quantize", "posttrain.quantize:run", ("opd", "curate"), ("seed", "quantize")),
-    Stage("evaluate", "posttrain.evaluate:run", ("base", "ramp", "sft", *DOMAIN_STAGES, "opd", "quantize", "curate"),
-          ("seed", "world.seed", "eval", "rl", "model", "ramp")),
-    # workflows/cross_stage.py: the GLM-5 chain with distillation (xs-) and without (seq-), both after rl-reasoning
-    *[Stage(stage_name(c, d), "posttrain.cross_stage:run", inputs_of(c, d), ("seed", "rl", "cross_stage", "opd"),
-            (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True)
-      for d in CROSS_ORDER[1:] for c in CHAINS],
-    Stage("consolidation", "posttrain.consolidation:run",
-          ("sft", "curate", *DOMAIN_STAGES, "opd", *(stage_name(c, d) for c in CHAINS for d in CROSS_ORDER[1:])),
-          ("seed", "eval", "rl", "cross_stage")),
-]}
-ORDER = list(STAGES)
+def graph(cfg: PipelineConfig) -> dict[str, Stage]:
+    """The DAG of a run: the only place that says what each stage consumes. The workflows derive their nodes
+    and waves from it (waves), and every domain of `rl.domains` gets its specialist, its OPD teacher, its
+    cross-stage chain stages and its consolidation row."""
+    order = list(cfg.rl.domains)
+    specialists = [f"rl-{d}" for d in order]
+    chain = [stage_name(c, d, order) for d in order[1:] for c in CHAINS]
+    evaluated = ("base", "ramp", "sft", *specialists, "opd", "quantize", "curate")
+    stages = [
+        Stage("raw", "posttrain.curate:make_raw", (), ("world", "curate"), "tasks.curate:raw", num_cpus=1, threads=1),
+        # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
+        Stage("curate", "posttrain.curate:run", ("raw",), ("world", "curate"), "tasks.curate:curate", num_cpus=0.1,
+              threads=1),
+        Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base"), "tasks.base:base"),
+        Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
+              ("seed", "world.seed", "model", "ramp", "eval.n_per_suite", "eval.max_new_tokens", "eval.batch_size"),
+              "tasks.ramp:ramp", resumable=True),
+        # sft's own Ray task only waits on its Ray Train workers
+        Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), "tasks.sft:sft", num_cpus=0.1,
+              resumable=True),
+        # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
+        *[Stage(f"rl-{d}", "posttrain.rl:run", ("sft", "curate"), ("seed", f"rl:{d}"), "tasks.rl:rl",
+                (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
+        # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
+        Stage("opd", "posttrain.opd:run", ("sft", "curate", *specialists), ("seed", "opd", "rl"), "tasks.opd:opd",
+              num_cpus=0.5, threads=1, resumable=True),
+        Stage("quantize", "posttrain.quantize:run", ("opd", "curate"), ("seed", "quantize"), "tasks.quantize:quantize"),
+        Stage("evaluate", "posttrain.evaluate:run", evaluated, ("seed", "world.seed", "eval", "rl", "model", "ramp"),
+              "tasks.evaluate:evaluate"),
+    ]
+    if len(order) > 1:  # the GLM-5 chains (with distillation, xs-, and without, seq-) after the first specialist
+        stages += [Stage(stage_name(c, d, order), "posttrain.cross_stage:run", _chain_inputs(c, d, order),
+                         ("seed", "rl", "cross_stage", "opd"), "tasks.cross_stage:chain_stage",
+                         (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True,
+                         workflow="cross_stage") for d in order[1:] for c in CHAINS]
+        stages.append(Stage("consolidation", "posttrain.consolidation:run", ("sft", "curate", *specialists, "opd", *chain),
+                            ("seed", "eval", "rl", "cross_stage"), "tasks.cross_stage:consolidation",
+                            workflow="cross_stage"))
+    return {s.name: s for s in stages}
 
 
-def downstream(stage: str) -> list[str]:
+def waves(stages: dict[str, Stage], workflow: str) -> list[list[str]]:
+    """The stages of one workflow in waves: each wave's stages need only earlier waves (or stages of another
+    workflow, which run before), so a wave's stages run at once."""
+    level: dict[str, int] = {}
+    for s in stages.values():  # the table is in dependency order
+        if s.workflow == workflow:
+            level[s.name] = 1 + max((level[i] for i in s.inputs if i in level), default=-1)
+    return [[s for s in level if level[s] == k] for k in range(max(level.values(), default=-1) + 1)]
+
+
+def upstream(stages: dict[str, Stage], stage: str) -> set[str]:
+    """`stage` and every stage it (transitively) consumes."""
+    return {stage}.union(*(upstream(stages, i) for i in stages[stage].inputs))
+
+
+def downstream(stages: dict[str, Stage], stage: str) -> list[str]:
     """`stage` and every stage that (transitively) consumes it, in DAG order."""
     hit = {stage}
-    for s in ORDER:
-        if set(STAGES[s].inputs) & hit:
-            hit.add(s)
-    return [s for s in ORDER if s in hit]
+    for s in stages.values():
+        if set(s.inputs) & hit:
+            hit.add(s.name)
+    return [s for s in stages if s in hit]
 
 
 @dataclass
@@ -94,7 +123,13 @@ class RunContext:
     force: list[str] = field(default_factory=list)  # stages to redo even on a cache hit
 
     def cfg(self) -> PipelineConfig:
-        return config_from_dict(json.loads(self.config_json), f"run {self.run_id}")
+        """The run's config, parsed once per process (every node and helper asks the context for it)."""
+        return _parsed(self.config_json, self.run_id)
+
+
+@functools.lru_cache(maxsize=8)  # outside the dataclass: Flyte serialises RunContext's fields
+def _parsed(config_json: str, run_id: str) -> PipelineConfig:
+    return config_from_dict(json.loads(config_json), f"run {run_id}")
 
 
 class StageFailed(RuntimeError):
@@ -121,7 +156,8 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     """Run one node (or take it from the cache) and return its verified artifact."""
     from posttrain.raysupport import ensure_ray, submit
 
-    stage, cfg, t0 = STAGES[name], ctx.cfg(), time.time()
+    cfg, t0 = ctx.cfg(), time.time()
+    stage = graph(cfg)[name]
     tracking.configure(cfg.tracking.uri)  # a remote task's pod starts with only the config
     code = stage_code_digest(stage.fn.split(":")[0], cfg)
     missing = set(stage.inputs) - set(inputs)
@@ -158,15 +194,16 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         scratch = Path(ctx.home) / "scratch" / name / key[:16]  # same key after a crash: resume from it
         extra = {"scratch": str(scratch)} if stage.resumable else {}
         with atomic_dir(target) as tmp:
+            user_envs = {ENV_VAR: json.dumps(cfg.world.environments)} if cfg.world.environments else None
             ref = submit(stage.fn, stage.num_cpus, stage.threads, cfg, {k: v.path for k, v in inputs.items()}, tmp,
-                         **dict(stage.params), **extra)
+                         env_vars=user_envs, **dict(stage.params), **extra)
             result = await ref
             metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
             digest = write_manifest(tmp, stage=name, parents={k: v.sha256 for k, v in inputs.items()},
                                     config_digest=cfg.digest(*stage.sections), code_digest=code,
                                     mlflow_run_id=run_id, extra={"metrics": metrics})
             files = _small_files(tmp)
-            tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(config_at(cfg.model_dump(mode="json"), s))
+            tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(cfg.section(s))
                                                              for s in stage.sections}, **dict(stage.params)},
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
                                 tags={"artifact_uri": str(target), "artifact_sha256": digest})

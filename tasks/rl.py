@@ -1,4 +1,4 @@
-"""rl node: one specialist per domain (the workflow starts the three concurrently)."""
+"""rl node: one specialist per domain of rl.domains (the workflow starts them concurrently)."""
 from __future__ import annotations
 
 from posttrain.artifacts import ArtifactRef
@@ -9,5 +9,5 @@ env = stage_env("rl", img=GPU_TRAIN, cpu=8, memory="64Gi", gpu=8, workers=2)
 
 
 @env.task
-async def rl(ctx: RunContext, domain: str, sft: ArtifactRef, curate: ArtifactRef) -> ArtifactRef:
-    return await run_stage(f"rl-{domain}", ctx, {"sft": sft, "curate": curate})
+async def rl(ctx: RunContext, stage: str, sft: ArtifactRef, curate: ArtifactRef) -> ArtifactRef:
+    return await run_stage(stage, ctx, {"sft": sft, "curate": curate})

@@ -5,7 +5,9 @@ import pytest
 from posttrain import codehash
 from posttrain.artifacts import ArtifactRef
 from posttrain.config import ConfigError, load_config
-from posttrain.stages import STAGES, StageFailed, cache_key
+from posttrain.stages import StageFailed, cache_key, graph
+
+STAGES = graph(load_config("tiny"))
 
 
 def _copy_tree(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from posttrain import curate
+from posttrain import curate, data
 from posttrain.config import load_config
 from posttrain.curate_gates import GateFailed
 
@@ -140,5 +140,5 @@ def test_mojibake_repaired_and_mixture_weights(tmp_path):
     res, out = _run(_cfg("curate.mixture={web: 2.0, books: 0.0}"), raw, tmp_path)
     kept = {r["id"]: r["text"] for r in pq.read_table(out / "pretrain-00000.parquet").to_pylist()}
     assert kept["moji"] == "The caf\u00e9 served cr\u00e8me br\u00fbl\u00e9e to a na\u00efve guest."
-    texts = curate.load_pretrain_texts(out)
+    texts = data.load_pretrain_texts(out)
     assert len(texts) == 2 * (len(kept) - 1) and kept["moji"] not in texts

@@ -52,12 +52,12 @@ def test_a_user_environment_named_in_the_config(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config("smoke", ["world.environments={parity: parity_env}"])
     assert environments.names(cfg.world.environments)[-1] == "parity"
-    from posttrain import curate
+    from posttrain import curate, data
     raw, out = tmp_path / "raw", tmp_path / "curated"
     raw.mkdir(), out.mkdir()
     curate.make_raw(cfg, {}, raw)
     curate.run(cfg, {"raw": str(raw)}, out)
-    tasks = curate.load_tasks(out, "test", "parity")  # curated sets (and so SFT and eval) include it
+    tasks = data.load_tasks(out, "test", "parity")  # curated sets (and so SFT and eval) include it
     assert len(tasks) == cfg.world.n_test
     assert environments.get("parity").verify(tasks[0], tasks[0].answer)[0] == 1.0
     environments.REGISTRY.pop("parity")

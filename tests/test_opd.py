@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import environments
-from posttrain.config import ModelConfig, OPDConfig, RLConfig
+from posttrain.config import ConfigError, ModelConfig, RLConfig, load_config
 from posttrain.model import build_model, load_checkpoint, save_checkpoint
 from posttrain.opd_loss import reverse_kl_terms
 from posttrain.rl import Distill, specialist
@@ -134,5 +134,5 @@ def test_routing_picks_the_teacher_and_a_missing_one_is_named(models):
     assert pool.teacher_of("general") is pool.teacher_of("reasoning")
     with pytest.raises(KeyError, match="domain 'agentic'.*teachers: \\['reasoning'\\]"):
         pool.teacher_of("agentic")
-    with pytest.raises(ValueError, match="opd.route"):
-        OPDConfig(route={"general": "math"})
+    with pytest.raises(ConfigError, match=r"opd.route.general: prompts and teachers are domains of rl.domains"):
+        load_config("smoke", ["opd.route={general: math}"])

@@ -1,4 +1,5 @@
-"""The GLM-5 cross-stage recipe beside the GLM-5.2 one, on the same tasks (wiring only):
+"""The GLM-5 cross-stage recipe beside the GLM-5.2 one, on the same tasks (wiring only). With the default
+rl.domains (reasoning, agentic, general; the chain follows their order):
 
 sft -> rl reasoning -> xs agentic (distils rl reasoning) -> xs general (distils both)    cross-stage
                     -> seq agentic ------------------------> seq general               sequential RL
@@ -12,13 +13,12 @@ import flyte
 from posttrain import pipeline
 from posttrain.config import load_config
 from tasks import cross_stage as cross_t
-from workflows.post_train import CHAIN_WAVES, WAVES, PipelineOutput, env as post_env, run_waves
+from posttrain.stages import graph, upstream
+from workflows.post_train import PipelineOutput, env as post_env, run_waves
 
 env = flyte.TaskEnvironment(name="cross_stage_workflow", image=post_env.image, resources=post_env.resources,
                             cache="disable", depends_on=[post_env, cross_t.env, cross_t.report_env])
 
-# the main DAG up to the generalist (reused from the cache when it already ran), then the two chains
-CROSS_WAVES = [*WAVES[:WAVES.index(["opd"]) + 1], *CHAIN_WAVES]
 
 
 @env.task(report=True)
@@ -27,5 +27,10 @@ async def cross_stage(profile: str = "tiny", overrides: list[str] = [], force: l
     """Run the comparison: multi-teacher OPD, cross-stage distillation and sequential RL."""
     cfg = load_config(profile, list(overrides))
     ctx = pipeline.start(cfg, run_id=run_id, force=list(force), tags={"posttrain.workflow": "cross_stage"})
-    refs = await run_waves(ctx, {}, {s for w in CROSS_WAVES for s in w}, CROSS_WAVES)
+    g = graph(cfg)
+    if "consolidation" not in g:
+        raise ValueError(f"cross_stage: the chains need at least two rl.domains (got {cfg.rl.domains})")
+    # the main DAG up to the generalist (reused from the cache when it already ran), then the two chains
+    todo = upstream(g, "consolidation")
+    refs = await run_waves(ctx, {}, todo, ("post_train", "cross_stage"))
     return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)

@@ -1,10 +1,12 @@
-"""The GLM-5.2 post-training DAG (wiring only):
+"""The GLM-5.2 post-training DAG (wiring only; the graph itself is posttrain.stages.graph):
 
-raw -> curate -> base -> ramp -> sft -> {rl reasoning | rl agentic | rl general} -> opd -> quantize -> evaluate
+raw -> curate -> base -> ramp -> sft -> {rl-<domain> for each of rl.domains} -> opd -> quantize -> evaluate
 """
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,20 +17,15 @@ from posttrain import pipeline
 from posttrain.gates import enforce_gates
 from posttrain.artifacts import ArtifactRef
 from posttrain.config import load_config
-from posttrain.stages import CHAINS, CROSS_ORDER, DOMAIN_STAGES, STAGES, RunContext, ref_from_dict, stage_name
+from posttrain.stages import RunContext, Stage, graph, ref_from_dict, waves
 from tasks import base as base_t, cross_stage as cross_t, curate as curate_t, evaluate as evaluate_t, opd as opd_t, \
     quantize as quantize_t, ramp as ramp_t, rl as rl_t, sft as sft_t
 from tasks.common import CPU
 
+TASK_MODULES = (curate_t, base_t, ramp_t, sft_t, rl_t, opd_t, quantize_t, evaluate_t, cross_t)
 env = flyte.TaskEnvironment(
     name="post_train", image=CPU, resources=flyte.Resources(cpu="1", memory="2Gi"), cache="disable",
-    depends_on=[curate_t.env, base_t.env, ramp_t.env, sft_t.env, rl_t.env, opd_t.env, quantize_t.env,
-                evaluate_t.env, cross_t.env, cross_t.report_env])
-
-# stages that may run together: the specialists are independent of each other
-WAVES = [["raw"], ["curate"], ["base"], ["ramp"], ["sft"], list(DOMAIN_STAGES), ["opd"], ["quantize"], ["evaluate"]]
-# workflows/cross_stage.py adds the GLM-5 chains (with and without distillation) and their comparison
-CHAIN_WAVES = [*[[stage_name(c, d) for c in CHAINS] for d in CROSS_ORDER[1:]], ["consolidation"]]
+    depends_on=[m.env for m in TASK_MODULES] + [cross_t.report_env])
 
 
 @dataclass
@@ -38,41 +35,33 @@ class PipelineOutput:
     stages: dict[str, ArtifactRef] = field(default_factory=dict)
 
 
-async def node(stage: str, ctx: RunContext, r: dict[str, ArtifactRef]) -> ArtifactRef:
+def bind(stage: Stage, task, refs: dict[str, ArtifactRef]) -> dict:
+    """The task's arguments by name: `stage` its stage name, a parameter named after an input that input's
+    artifact, a dict parameter the remaining inputs."""
+    params = [p for p in inspect.signature(task.func).parameters.values() if p.name != "ctx"]
+    named = {p.name for p in params} & set(stage.inputs)
+    args = {p.name: stage.name for p in params if p.name == "stage"} | {k: refs[k] for k in named}
+    rest = [p.name for p in params if p.name not in args]
+    if len(rest) > 1:
+        raise TypeError(f"{stage.task}: parameters {rest} match no input of stage {stage.name}")
+    return args | ({rest[0]: {k: refs[k] for k in stage.inputs if k not in named}} if rest else {})
+
+
+async def node(stage: Stage, ctx: RunContext, refs: dict[str, ArtifactRef]) -> ArtifactRef:
     """Call the Flyte task of `stage` with its upstream artifacts."""
-    if stage == "raw":
-        return await curate_t.raw(ctx)
-    if stage == "curate":
-        return await curate_t.curate(ctx, r["raw"])
-    if stage == "base":
-        return await base_t.base(ctx, r["curate"])
-    if stage == "ramp":
-        return await ramp_t.ramp(ctx, r["base"], r["curate"])
-    if stage == "sft":
-        return await sft_t.sft(ctx, r["ramp"], r["curate"])
-    if stage in DOMAIN_STAGES:
-        return await rl_t.rl(ctx, stage[3:], r["sft"], r["curate"])
-    if stage == "opd":
-        return await opd_t.opd(ctx, r["sft"], r["curate"], {s: r[s] for s in DOMAIN_STAGES})
-    if stage == "quantize":
-        return await quantize_t.quantize(ctx, r["opd"], r["curate"])
-    if stage == "evaluate":
-        keep = ("base", "ramp", "sft", *DOMAIN_STAGES, "opd", "quantize", "curate")
-        return await evaluate_t.evaluate(ctx, {s: r[s] for s in keep})
-    if stage == "consolidation":
-        return await cross_t.consolidation(ctx, {s: r[s] for s in STAGES[stage].inputs})
-    if stage in STAGES:  # a stage of the cross-stage chains
-        return await cross_t.chain_stage(ctx, stage, {s: r[s] for s in STAGES[stage].inputs})
-    raise ValueError(f"unknown stage {stage!r}")
+    module, name = stage.task.split(":")
+    task = getattr(importlib.import_module(module), name)
+    return await task(ctx, **bind(stage, task, refs))
 
 
 async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str],
-                    waves: list[list[str]] = WAVES) -> dict[str, ArtifactRef]:
-    t0 = time.time()
+                    workflows: tuple[str, ...] = ("post_train",)) -> dict[str, ArtifactRef]:
+    """Run the stages in `todo` of the named workflows, wave after wave (upstream artifacts from `refs`)."""
+    t0, g = time.time(), graph(ctx.cfg())
     try:
-        for wave in waves:
+        for wave in (w for wf in workflows for w in waves(g, wf)):
             stages = [s for s in wave if s in todo]
-            outs = await asyncio.gather(*(node(s, ctx, refs) for s in stages))
+            outs = await asyncio.gather(*(node(g[s], ctx, refs) for s in stages))
             refs.update(zip(stages, outs))
     except BaseException:
         pipeline.fail(ctx)
@@ -93,7 +82,7 @@ async def post_train(profile: str = "tiny", overrides: list[str] = [], force: li
     """Run every node of the DAG (cached nodes are reused by digest)."""
     cfg = load_config(profile, list(overrides))
     ctx = pipeline.start(cfg, run_id=run_id, force=list(force))
-    refs = await run_waves(ctx, {}, {s for w in WAVES for s in w})
+    refs = await run_waves(ctx, {}, {s.name for s in graph(cfg).values() if s.workflow == "post_train"})
     return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)
 
 
@@ -107,11 +96,14 @@ async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream
     cfg = config_from_dict(apply_overrides(old_cfg.model_dump(mode="json"), list(overrides)),
                            f"run {from_run} with --set {list(overrides)}")
     # downstream nodes the earlier run had (a main-DAG run has no cross-stage chains to redo)
-    todo = {s for s in downstream_of(stage) if s in report["stages"]} | {stage} if downstream else {stage}
+    g = graph(cfg)
+    if stage not in g:
+        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(g)}")
+    todo = {s for s in downstream_of(g, stage) if s in report["stages"]} | {stage} if downstream else {stage}
     refs = {s: ref_from_dict({"stage": s, "path": v["artifact"], "sha256": v["sha256"],
                               "mlflow_run_id": v["mlflow_run_id"], "cached": True})
             for s, v in report["stages"].items() if s not in todo}
     ctx = pipeline.start(cfg, run_id=run_id, force=[stage],
                          tags={"posttrain.rerun_of": report["run_id"], "posttrain.rerun_stage": stage})
-    refs = await run_waves(ctx, refs, todo, WAVES + CHAIN_WAVES)
+    refs = await run_waves(ctx, refs, todo, ("post_train", "cross_stage"))
     return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)

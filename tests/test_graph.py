@@ -1,0 +1,94 @@
+"""The DAG as one table: workflows derive their nodes and waves from it, domains come from the config."""
+import sys
+
+import pytest
+
+import environments
+from posttrain.config import ConfigError, load_config
+from posttrain.pipeline import check_domains
+from posttrain.stages import downstream, graph, upstream, waves
+
+PARITY = ("from environments.base import Task, collect, verify_number\n"
+          "def generate(split, n, seed, **_):\n"
+          "    def make(rng):\n"
+          "        x = rng.randint(0, 10**6)\n"
+          "        return str(x), Task(id='', domain='parity', split='', prompt=f'Parity of {x}?', answer=str(x % 2),\n"
+          "                            demo=[{'role': 'assistant', 'reasoning_content': '', 'content': str(x % 2)}])\n"
+          "    return collect('parity', split, n, seed, make)\n"
+          "verify = verify_number\n")
+
+
+@pytest.fixture
+def parity(tmp_path, monkeypatch):
+    (tmp_path / "parity_env.py").write_text(PARITY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield ["world.environments={parity: parity_env}", "rl.domains=[reasoning, agentic, general, parity]"]
+    environments.REGISTRY.pop("parity", None)
+    sys.modules.pop("parity_env", None)
+
+
+def test_waves_are_the_dags_levels():
+    g = graph(load_config("tiny"))
+    assert waves(g, "post_train") == [["raw"], ["curate"], ["base"], ["ramp"], ["sft"],
+                                      ["rl-reasoning", "rl-agentic", "rl-general"], ["opd"], ["quantize"], ["evaluate"]]
+    assert waves(g, "cross_stage") == [["xs-agentic", "seq-agentic"], ["xs-general", "seq-general"], ["consolidation"]]
+    assert upstream(g, "consolidation") == {"raw", "curate", "base", "ramp", "sft", "rl-reasoning", "rl-agentic",
+                                            "rl-general", "opd", "xs-agentic", "seq-agentic", "xs-general",
+                                            "seq-general", "consolidation"}
+    assert downstream(g, "rl-agentic") == ["rl-agentic", "opd", "quantize", "evaluate", "consolidation"]
+
+
+def test_a_user_environment_with_rl_gets_specialist_teacher_chain_and_gates(parity):
+    from posttrain.consolidation import methods, midway
+    from posttrain.evaluate import checkpoints
+    from posttrain.gates import suite_names
+    cfg = load_config("smoke", parity)
+    check_domains(cfg)
+    g = graph(cfg)
+    assert g["rl-parity"].params == (("domain", "parity"),)                     # its specialist
+    assert "rl-parity" in g["opd"].inputs                                        # its OPD teacher
+    assert {"xs-parity", "seq-parity"} <= set(g["consolidation"].inputs)         # its chain stages, compared
+    assert g["xs-parity"].inputs == ("xs-general", "rl-reasoning", "xs-agentic", "curate")
+    assert methods(cfg.rl.domains)["cross_stage"] == "xs-parity"                 # the chain now ends with it
+    assert midway(cfg.rl.domains)["sequential_rl_after_general"] == "seq-general"
+    assert checkpoints(cfg)["specialist/parity"] == "rl-parity"                  # evaluated
+    assert {"parity", "parity:nothink"} <= set(suite_names(cfg))                 # and gated (gates.min.parity)
+    assert waves(g, "post_train")[5] == ["rl-reasoning", "rl-agentic", "rl-general", "rl-parity"]
+
+
+def test_one_specialists_settings_leave_the_others_cache_keys_alone(parity):
+    base, cfg = load_config("smoke"), load_config("smoke", parity)
+    tuned = load_config("smoke", ["rl.per_domain.general.lr=0.1"])
+    gb, gc, gt = graph(base), graph(cfg), graph(tuned)
+    assert base.digest(*gb["rl-reasoning"].sections) == cfg.digest(*gc["rl-reasoning"].sections)  # a new domain
+    assert base.digest(*gb["rl-reasoning"].sections) == tuned.digest(*gt["rl-reasoning"].sections)
+    assert base.digest(*gb["rl-general"].sections) != tuned.digest(*gt["rl-general"].sections)
+    assert base.digest(*gb["opd"].sections) != cfg.digest(*gc["opd"].sections)  # opd has one more teacher
+
+
+def test_rl_domains_must_be_environments_of_the_world(parity):
+    with pytest.raises(ConfigError, match=r"rl.domains: unknown domains \['parity'\]"):
+        check_domains(load_config("smoke", parity[1:]))
+    with pytest.raises(ConfigError, match="opd.student"):
+        load_config("smoke", ["opd.student=rl-parity"])
+    with pytest.raises(ConfigError, match="rl.domains"):
+        load_config("smoke", ["rl.domains=[reasoning, reasoning]"])
+    one = graph(load_config("smoke", ["rl.domains=[reasoning]"]))
+    assert "consolidation" not in one and "rl-agentic" not in one and one["opd"].inputs == ("sft", "curate",
+                                                                                              "rl-reasoning")
+
+
+def test_every_task_binds_its_stages_inputs_by_name():
+    from workflows.post_train import bind
+    import importlib
+    from posttrain.artifacts import ArtifactRef
+    g = graph(load_config("tiny"))
+    for s in g.values():
+        mod, name = s.task.split(":")
+        task = getattr(importlib.import_module(mod), name)
+        refs = {i: ArtifactRef(i, f"/x/{i}", "0" * 64) for i in s.inputs}
+        args = bind(s, task, refs)
+        flat = {k: v for k, v in args.items() if isinstance(v, ArtifactRef)}
+        flat |= next((v for v in args.values() if isinstance(v, dict)), {})
+        assert set(flat) == set(s.inputs), s.name
+        assert args.get("stage", s.name) == s.name
