@@ -36,7 +36,7 @@ def _cfg():
 
 def _corpus(name: str, seeds: range) -> Path:
     """One folder of JSONL.gz files: the corpora of `seeds` side by side (generated once, then reused)."""
-    from posttrain.corpus import generate_raw
+    from posttrain.curate.corpus import generate_raw
     folder = DATA / name
     if (folder / "done").exists():
         return folder
@@ -95,7 +95,7 @@ def _measure(*args: str) -> dict:
 def _ours(data: str, out: str) -> None:
     import shutil
 
-    from posttrain import curate
+    from posttrain.curate import stage as curate
     from posttrain.raysupport import ensure_ray
     cfg = _cfg()
     ensure_ray(cfg.runtime)
@@ -116,7 +116,7 @@ def _datatrove(data: str, out: str) -> None:
     from datatrove.pipeline.writers import JsonlWriter
     from datatrove.utils.text import TextNormConfig
 
-    from posttrain.curate_dedup import MinHasher
+    from posttrain.curate.dedup import MinHasher
     c = _cfg().curate
     hasher = MinHasher(c.num_perm, c.near_dup_threshold, 0)
     bands, rows = hasher.bands, hasher.rows

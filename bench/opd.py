@@ -72,7 +72,7 @@ def _val(domain: str) -> list:
 
 def _loop_config(**over):
     from posttrain.config import load_config
-    from posttrain.opd import loop_config
+    from posttrain.rl.opd import loop_config
     cfg = load_config("tiny")
     return loop_config(cfg).model_copy(update={"checkpoint_every": 0, **over})
 
@@ -88,7 +88,7 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     from posttrain.data import load_tasks
     from posttrain.model import save_checkpoint
     from posttrain.raysupport import ensure_ray
-    from posttrain.rl import Distill, specialist
+    from posttrain.rl.loop import Distill, train_policy
     torch.set_num_threads(1)  # trainer, rollout worker and teacher: one thread each on the 2 cores
     ensure_ray(RuntimeConfig())
     art = _inputs()
@@ -97,7 +97,7 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     pool = load_tasks(art["curate"], "rl", domain)
     val = _val(domain) if val_every_tokens else pool[:2]
     distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS, mode=loss)
-    policy, tok, st = specialist(r, art["sft"], [], val, seed=0, label=f"bench opd {domain}", distill=distill)
+    policy, tok, st = train_policy(r, art["sft"], [], val, seed=0, label=f"bench opd {domain}", distill=distill)
     ray.shutdown()
     if save:
         save_checkpoint(policy, tok, Path(save))
@@ -114,14 +114,14 @@ def _ours_rl(domain: str, val_every_tokens: int) -> dict:
     from posttrain.config import RuntimeConfig, load_config
     from posttrain.data import load_tasks
     from posttrain.raysupport import ensure_ray
-    from posttrain.rl import specialist
+    from posttrain.rl.loop import train_policy
     torch.set_num_threads(1)
     ensure_ray(RuntimeConfig())
     art = _inputs()
     r = load_config("tiny").rl.for_domain(domain).model_copy(
         update={"val_every": 0, "val_every_tokens": val_every_tokens, "checkpoint_every": 0,
                 **({"steps": RL_STEPS} if RL_STEPS else {})})
-    _, _, st = specialist(r, art["sft"], load_tasks(art["curate"], "rl", domain),
+    _, _, st = train_policy(r, art["sft"], load_tasks(art["curate"], "rl", domain),
                           _val(domain), seed=0, label=f"bench rl {domain}")
     ray.shutdown()
     h = st.history
@@ -176,9 +176,9 @@ def reverse_kl_on_own_samples(student_dir: str, teacher_dir: str, n: int = 64) -
 
     from posttrain.data import load_tasks
     from posttrain.model import load_checkpoint
-    from posttrain.opd_loss import reverse_kl_terms
-    from posttrain.rl_batch import completion_batch, prefix_forward
-    from posttrain.rollout_workers import RolloutWorker
+    from posttrain.rl.opd_loss import reverse_kl_terms
+    from posttrain.rl.batches import completion_batch, prefix_forward
+    from posttrain.rl.workers import RolloutWorker
     art = _inputs()
     tasks = load_tasks(art["curate"], "val", DOMAIN)[:n]
     samples, _ = RolloutWorker(student_dir).rollout(tasks, 1, seed=1234, temperature=1.0, max_new_tokens=MAX_NEW)

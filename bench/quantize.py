@@ -3,7 +3,7 @@ HTML report rendered in headless Chromium.
 
 - bytes: linear-layer weights vs bf16, checkpoint on disk, model in memory (from the run's report);
 - quality: greedy test score per suite, quantized minus generalist (from the run's report);
-- speed: greedy generation tokens/s, integer kernels (posttrain/int_linear.py) vs the fp32 model, the same
+- speed: greedy generation tokens/s, integer kernels (posttrain/quant/int_linear.py) vs the fp32 model, the same
   prompts in the same process (batch 32 and batch 1);
 - rendering: a Chromium screenshot of report.html, with the share of the page that is ink (text, plots).
 Run it after `make run`."""
@@ -19,7 +19,7 @@ OUT = Path(".posttrain/bench")
 
 
 def _tokens_per_s(model, tok, prompts: list[list[int]], n_new: int) -> float:
-    from posttrain.rollout import sample
+    from posttrain.rl.rollout import sample
     sample(model, prompts[:2], max_new_tokens=4, temperature=0.0, stop_ids=set(), pad_id=tok.pad_token_id)  # warm-up
     t0 = time.perf_counter()
     outs = sample(model, prompts, max_new_tokens=n_new, temperature=0.0, stop_ids=set(), pad_id=tok.pad_token_id)
@@ -32,7 +32,7 @@ def main() -> None:
     from posttrain import report_html
     from posttrain.chat import render_ids
     from posttrain.data import load_tasks
-    from posttrain.int_linear import load_any
+    from posttrain.quant.int_linear import load_any
     from posttrain.pipeline import load_run
     report, _ = load_run("latest")
     if "quantization" not in report or "report_html" not in report:

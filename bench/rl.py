@@ -63,7 +63,7 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
     from posttrain.data import load_tasks
     from posttrain.raysupport import ensure_ray
     from posttrain.config import RuntimeConfig
-    from posttrain.rl import specialist
+    from posttrain.rl.loop import train_policy
     torch.set_num_threads(1)
     ensure_ray(RuntimeConfig())
     sft, curate = _inputs()
@@ -73,7 +73,7 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
     from posttrain.config import load_config
     val = environments.get(domain).generate("val", VAL_TASKS, 0, **load_config("tiny").world.knobs())
     pool = load_tasks(curate, "rl", domain)
-    _, _, st = specialist(r, sft, pool, val, seed=seed, label=f"bench k={k} seed {seed}")
+    _, _, st = train_policy(r, sft, pool, val, seed=seed, label=f"bench k={k} seed {seed}")
     ray.shutdown()
     h = st.history
     return {"wall_s": st.wall_s, "train_wall_s": h["wall_s"][-1], "val": h["val_score"], "val_wall": h["val_wall_s"],

@@ -63,7 +63,7 @@ def print_report(report: dict) -> None:
     if report.get("eval"):
         print("\ntest scores (thinking on; ':nothink' = thinking off)\n" + table(report["eval"]))
     if report.get("consolidation"):
-        from posttrain.consolidation import table as ctable
+        from posttrain.rl.consolidation import table as ctable
         print("\nconsolidation (test score, recovery of the specialist's gain over sft)\n"
               + ctable(report["consolidation"]))
     if report.get("pass_at_k"):

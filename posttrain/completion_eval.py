@@ -11,7 +11,7 @@ import torch
 import environments
 from environments.base import Task
 from posttrain.chat import bos_ids, doc_end_id, pad_id
-from posttrain.rollout import sample
+from posttrain.rl.rollout import sample
 
 
 def extract_answer(completion: str, thinking: bool) -> str:

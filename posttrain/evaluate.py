@@ -18,9 +18,9 @@ from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
-from posttrain.int_linear import load_any
+from posttrain.quant.int_linear import load_any
 from posttrain.ramp import eval_sets
-from posttrain.rollout import run_episodes, score
+from posttrain.rl.rollout import run_episodes, score
 
 BASE_MODELS = ("base", "ramped")  # scored as completion, not chat
 

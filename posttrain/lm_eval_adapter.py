@@ -23,7 +23,7 @@ def run(checkpoint: str | Path, tasks: list[str], include: str | Path = EXAMPLE_
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from posttrain.int_linear import load_any
+    from posttrain.quant.int_linear import load_any
     include = Path(include)
     if not include.exists():
         raise FileNotFoundError(f"--include {include}: no such task folder")

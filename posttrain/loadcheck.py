@@ -17,7 +17,7 @@ import torch
 
 def main(path: str, prompt: str, max_new_tokens: int = 48) -> dict:
     from posttrain.chat import pad_id, render_ids
-    from posttrain.int_linear import load_any, model_bytes
+    from posttrain.quant.int_linear import load_any, model_bytes
     proc, libc = psutil.Process(), ctypes.CDLL("libc.so.6")
     libc.malloc_trim(0)
     rss_before = proc.memory_info().rss

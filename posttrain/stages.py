@@ -56,9 +56,9 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
     chain = [stage_name(c, d, order) for d in order[1:] for c in CHAINS]
     evaluated = ("base", "ramp", "sft", *specialists, "opd", "quantize", "curate")
     stages = [
-        Stage("raw", "posttrain.curate:make_raw", (), ("world", "curate"), "tasks.curate:raw", num_cpus=1, threads=1),
+        Stage("raw", "posttrain.curate.stage:make_raw", (), ("world", "curate"), "tasks.curate:raw", num_cpus=1, threads=1),
         # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
-        Stage("curate", "posttrain.curate:run", ("raw",), ("world", "curate"), "tasks.curate:curate", num_cpus=0.1,
+        Stage("curate", "posttrain.curate.stage:run", ("raw",), ("world", "curate"), "tasks.curate:curate", num_cpus=0.1,
               threads=1),
         Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base"), "tasks.base:base"),
         Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
@@ -68,21 +68,21 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
         Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), "tasks.sft:sft", num_cpus=0.1,
               resumable=True),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
-        *[Stage(f"rl-{d}", "posttrain.rl:run", ("sft", "curate"), ("seed", f"rl:{d}"), "tasks.rl:rl",
+        *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}"), "tasks.rl:rl",
                 (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
         # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
-        Stage("opd", "posttrain.opd:run", ("sft", "curate", *specialists), ("seed", "opd", "rl"), "tasks.opd:opd",
+        Stage("opd", "posttrain.rl.opd:run", ("sft", "curate", *specialists), ("seed", "opd", "rl"), "tasks.opd:opd",
               num_cpus=0.5, threads=1, resumable=True),
-        Stage("quantize", "posttrain.quantize:run", ("opd", "curate"), ("seed", "quantize"), "tasks.quantize:quantize"),
+        Stage("quantize", "posttrain.quant.stage:run", ("opd", "curate"), ("seed", "quantize"), "tasks.quantize:quantize"),
         Stage("evaluate", "posttrain.evaluate:run", evaluated, ("seed", "world.seed", "eval", "rl", "model", "ramp"),
               "tasks.evaluate:evaluate"),
     ]
     if len(order) > 1:  # the GLM-5 chains (with distillation, xs-, and without, seq-) after the first specialist
-        stages += [Stage(stage_name(c, d, order), "posttrain.cross_stage:run", _chain_inputs(c, d, order),
+        stages += [Stage(stage_name(c, d, order), "posttrain.rl.cross_stage:run", _chain_inputs(c, d, order),
                          ("seed", "rl", "cross_stage", "opd"), "tasks.cross_stage:chain_stage",
                          (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True,
                          workflow="cross_stage") for d in order[1:] for c in CHAINS]
-        stages.append(Stage("consolidation", "posttrain.consolidation:run", ("sft", "curate", *specialists, "opd", *chain),
+        stages.append(Stage("consolidation", "posttrain.rl.consolidation:run", ("sft", "curate", *specialists, "opd", *chain),
                             ("seed", "eval", "rl", "cross_stage"), "tasks.cross_stage:consolidation",
                             workflow="cross_stage"))
     return {s.name: s for s in stages}

@@ -7,9 +7,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from posttrain import curate, data
+from posttrain import data
+from posttrain.curate import stage as curate
 from posttrain.config import load_config
-from posttrain.curate_gates import GateFailed
+from posttrain.curate.gates import GateFailed
 
 GOOD = [{"id": f"g{i}", "text": f"The old road ran past a quiet field number {i} where birds sang.", "source": "web"}
         for i in range(40)]

@@ -52,7 +52,8 @@ def test_a_user_environment_named_in_the_config(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config("smoke", ["world.environments={parity: parity_env}"])
     assert environments.names(cfg.world.environments)[-1] == "parity"
-    from posttrain import curate, data
+    from posttrain import data
+    from posttrain.curate import stage as curate
     raw, out = tmp_path / "raw", tmp_path / "curated"
     raw.mkdir(), out.mkdir()
     curate.make_raw(cfg, {}, raw)

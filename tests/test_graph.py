@@ -39,7 +39,7 @@ def test_waves_are_the_dags_levels():
 
 
 def test_a_user_environment_with_rl_gets_specialist_teacher_chain_and_gates(parity):
-    from posttrain.consolidation import methods, midway
+    from posttrain.rl.consolidation import methods, midway
     from posttrain.evaluate import checkpoints
     from posttrain.gates import suite_names
     cfg = load_config("smoke", parity)

@@ -10,7 +10,7 @@ from posttrain.chat import train_tokenizer
 from posttrain.config import ModelConfig, QuantizeConfig
 from posttrain.lm_eval_adapter import EXAMPLE_TASKS, run
 from posttrain.model import build_model, save_checkpoint
-from posttrain.quantize import calibrate, export
+from posttrain.quant.stage import calibrate, export
 
 
 def test_lm_eval_runs_local_tasks_on_plain_and_quantized_checkpoints(tmp_path, monkeypatch):

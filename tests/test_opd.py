@@ -4,12 +4,12 @@ import torch
 import environments
 from posttrain.config import ConfigError, ModelConfig, RLConfig, load_config
 from posttrain.model import build_model, load_checkpoint, save_checkpoint
-from posttrain.opd_loss import reverse_kl_terms
-from posttrain.rl import Distill, specialist
-from posttrain.rl_batch import completion_batch, prefix_forward
-from posttrain.rl_loss import policy_loss
-from posttrain.rollout_workers import RolloutWorker
-from posttrain.teachers import Teacher, TeacherPool
+from posttrain.rl.opd_loss import reverse_kl_terms
+from posttrain.rl.loop import Distill, train_policy
+from posttrain.rl.batches import completion_batch, prefix_forward
+from posttrain.rl.losses import policy_loss
+from posttrain.rl.workers import RolloutWorker
+from posttrain.rl.teachers import Teacher, TeacherPool
 
 SMALL = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
 
@@ -107,7 +107,7 @@ def test_on_policy_distillation_pulls_the_student_to_its_teacher(models, tok, mo
     before = _exact_kl(student, models["teacher"], held_out, tok.pad_token_id)
     r = RLConfig(steps=25, prompts_per_step=0, group_size=2, max_new_tokens=12, val_every=0, lr=3e-3)
     teachers = {"reasoning": models["teacher"], "general": models["teacher"]}
-    policy, _, st = specialist(r, models["student"], [], pool[:2], seed=0,
+    policy, _, st = train_policy(r, models["student"], [], pool[:2], seed=0,
                                distill=Distill(teachers, pool, 8, mode=mode))
     after = _exact_kl(policy, models["teacher"], held_out, tok.pad_token_id)
     assert after < factor * before, (before, after)
@@ -121,7 +121,7 @@ def test_rl_and_distillation_share_one_update_in_the_cross_stage_form(models):
     rl_pool = environments.get("general").generate("train", 8, 0)
     earlier = environments.get("reasoning").generate("train", 8, 0)
     r = RLConfig(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=8, val_every=0)
-    _, _, st = specialist(r, models["student"], rl_pool, rl_pool[:2] + earlier[:2], seed=0,
+    _, _, st = train_policy(r, models["student"], rl_pool, rl_pool[:2] + earlier[:2], seed=0,
                           distill=Distill({"reasoning": models["teacher"]}, earlier, 2))
     h = st.history
     assert len(h["loss"]) == len(h["distill_loss"]) == len(h["distill_reward"]) == 2

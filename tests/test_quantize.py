@@ -6,10 +6,10 @@ from safetensors.torch import load_file
 
 from posttrain.chat import train_tokenizer
 from posttrain.config import ModelConfig, QuantizeConfig
-from posttrain.gptq import HessianTracker, gptq, rtn
-from posttrain.int_linear import IntLinear, load_compressed
+from posttrain.quant.gptq import HessianTracker, gptq, rtn
+from posttrain.quant.int_linear import IntLinear, load_compressed
 from posttrain.model import build_model, save_checkpoint
-from posttrain.quantize import calibrate, export, linear_bytes, load_check, targets
+from posttrain.quant.stage import calibrate, export, linear_bytes, load_check, targets
 
 
 def test_int_linear_matches_the_dequantized_matmul_on_int8_activations():

@@ -6,11 +6,12 @@ import torch
 import environments
 from posttrain.config import ModelConfig, RLConfig
 from posttrain.model import build_model, save_checkpoint
-from posttrain.rl import specialist, train_step
-from posttrain.rl_loss import gae, group_advantages, policy_loss
-from posttrain.rl_batch import completion_batch, prefix_forward
-from posttrain.rollout import episode_batch, token_logits
-from posttrain.rollout_workers import RolloutBuffer, RolloutWorker, Sample
+from posttrain.rl.loop import train_policy
+from posttrain.rl.step import train_step
+from posttrain.rl.losses import gae, group_advantages, policy_loss
+from posttrain.rl.batches import completion_batch, prefix_forward
+from posttrain.rl.rollout import episode_batch, token_logits
+from posttrain.rl.workers import RolloutBuffer, RolloutWorker, Sample
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_groups_without_signal_skip_the_forward_pass_and_the_update_is_unchanged
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_micro_batches_accumulate_to_the_full_batch_update(ckpt, tok, algorithm):
     """Length-sorted micro-batches (one sample each here) give the same policy and critic update as one batch."""
-    from posttrain.critic import ValueModel
+    from posttrain.rl.critic import ValueModel
     worker = RolloutWorker(ckpt)
     samples, _ = worker.rollout(environments.get("agentic").generate("train", 2, 0), 4, seed=3, temperature=1.0,
                                 max_new_tokens=10, max_turns=2)
@@ -151,7 +152,7 @@ def test_staleness_bound_k_is_what_the_trainer_sees(ckpt, k):
     tasks = environments.get("reasoning").generate("train", 32, 0)
     r = RLConfig(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=8, max_staleness=k, val_every=0,
                  lr=1e-3)
-    _, _, st = specialist(r, ckpt, tasks, tasks[:4], seed=0)
+    _, _, st = train_policy(r, ckpt, tasks, tasks[:4], seed=0)
     assert sum(st.staleness.values()) == 3 * 2 * 2 and st.dropped == 0
     assert set(st.staleness) == ({0} if k == 0 else {0, 1})  # k=1: generation ran one version ahead
     h = st.history
@@ -166,7 +167,7 @@ def test_validation_every_n_student_tokens(ckpt):
     whose steps differ in size are compared at the same token budgets."""
     tasks = environments.get("reasoning").generate("train", 32, 0)
     r = RLConfig(steps=4, prompts_per_step=2, group_size=2, max_new_tokens=8, val_every=0, val_every_tokens=10)
-    _, _, st = specialist(r, ckpt, tasks, tasks[:2], seed=0)
+    _, _, st = train_policy(r, ckpt, tasks, tasks[:2], seed=0)
     tokens = st.history["student_tokens"]
     crossed = {i + 1 for i, t in enumerate(tokens) if t // 10 > (tokens[i - 1] if i else 0) // 10}
     assert crossed and {s for s, _ in st.history["val_score"]} == {0, 4} | crossed
@@ -176,7 +177,7 @@ def test_ppo_trains_a_critic_on_single_rollouts(ckpt):
     tasks = environments.get("agentic").generate("train", 16, 0)
     r = RLConfig(algorithm="ppo", group_size=1, steps=2, prompts_per_step=4, max_new_tokens=8, max_turns=2,
                  val_every=0, kl_coef=0.1)
-    _, _, st = specialist(r, ckpt, tasks, tasks[:2], seed=0)
+    _, _, st = train_policy(r, ckpt, tasks, tasks[:2], seed=0)
     assert len(st.history["value_loss"]) == 2 and len(st.history["kl_ref"]) == 2
 
 
@@ -184,7 +185,7 @@ def test_critic_learns_and_its_value_clip_binds_from_the_second_epoch(ckpt, tok)
     """Critic PPO on one fixed batch (Monte Carlo returns, so the target stays put): the value loss falls and
     the explained variance rises. With one pass the values never moved since they were taken, so the clip
     cannot bind; with two passes per batch it does."""
-    from posttrain.critic import ValueModel
+    from posttrain.rl.critic import ValueModel
     from posttrain.train import make_optimizer
     worker = RolloutWorker(ckpt)
     samples, _ = worker.rollout(environments.get("agentic").generate("train", 8, 0), 1, seed=0, temperature=1.0,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from posttrain.rl_batch import completion_batch, micro_batches, prefix_forward
-from posttrain.rl_loss import policy_loss
+from posttrain.rl.batches import completion_batch, micro_batches, prefix_forward
+from posttrain.rl.losses import policy_loss
 
 
 def reward_advantages(samples: list) -> torch.Tensor:

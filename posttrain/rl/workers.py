@@ -16,7 +16,7 @@ import torch
 
 from environments.base import Task
 from posttrain.model import load_checkpoint
-from posttrain.rollout import run_episodes, sample
+from posttrain.rl.rollout import run_episodes, sample
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""rl: one specialist per domain. Rollout workers generate while the trainer trains (asynchronous, with a
+"""The RL loop shared by the specialists, OPD and the cross-stage chains. Rollout workers generate while the trainer trains (asynchronous, with a
 staleness bound k; k = 0 is synchronous on-policy), GRPO or critic PPO, the domain's verifier as reward.
 
 Token in, token out: the trainer consumes the exact token ids and behaviour logprobs the workers
@@ -8,7 +8,6 @@ rollout buffer, curves) goes to the scratch dir; a rerun after a crash continues
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -24,18 +23,15 @@ from tqdm import tqdm
 
 from environments.base import Task
 from posttrain.chat import pad_id
-from posttrain.config import PipelineConfig, RLConfig
-from posttrain.critic import ValueModel
-from posttrain.data import load_tasks
-from posttrain.model import load_checkpoint, save_checkpoint, seed_all
-from posttrain.rl_loss import entropy, explained_variance, gae, group_advantages, kl_to_reference, policy_loss, \
-    value_loss
-from posttrain.rl_batch import completion_batch, micro_batches, prefix_forward
-from posttrain.opd_loss import distill_backward
-from posttrain.rollout import run_episodes
-from posttrain.rollout_workers import RolloutBuffer, Sample, WorkerPool
-from posttrain.teachers import TeacherPool
-from posttrain.train import make_optimizer, summarize
+from posttrain.config import RLConfig
+from posttrain.rl.critic import ValueModel
+from posttrain.model import load_checkpoint, seed_all
+from posttrain.rl.opd_loss import distill_backward
+from posttrain.rl.rollout import run_episodes
+from posttrain.rl.step import train_step
+from posttrain.rl.workers import RolloutBuffer, Sample, WorkerPool
+from posttrain.rl.teachers import TeacherPool
+from posttrain.train import make_optimizer
 
 
 @dataclass
@@ -46,7 +42,7 @@ class Distill:
     pool: list[Task]                     # prompts, drawn evenly across their domains
     prompts_per_step: int
     route: dict[str, str] = field(default_factory=dict)  # prompt domain -> teacher name (default: same name)
-    mode: str = "sampled"                # sampled | topk | full (see posttrain/opd_loss.py)
+    mode: str = "sampled"                # sampled | topk | full (see posttrain/rl/opd_loss.py)
     top_k: int = 16
     coef: float = 1.0
     reward_weight: float = 0.0           # mix the task reward in as a sequence advantage
@@ -79,96 +75,6 @@ class State:
     wall_s: float = 0.0
 
 
-def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, critic=None, copt=None,
-               ref=None, extra=None) -> dict[str, float]:
-    """One update from a batch of samples (whole groups, in order); returns the step's statistics.
-    `extra()`, if given, accumulates another loss's gradient (distillation) into the same update.
-
-    The batch runs as length-sorted micro-batches whose losses are normalised by the whole batch's token
-    and row counts, so their accumulated gradient is the full batch's."""
-    if not samples:  # distillation only
-        opt.zero_grad(set_to_none=True)
-        stats = extra() if extra else {}
-        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
-        opt.step()
-        return stats
-    rewards = torch.tensor([s.reward for s in samples])
-    n_tokens = float(sum(s.n_generated for s in samples))
-    norm = {"n_tokens": n_tokens, "n_rows": float(sum(s.n_generated > 0 for s in samples))}
-    if critic is None:
-        adv = group_advantages(rewards, r.group_size)
-        live = adv != 0
-        if r.kl_coef or r.entropy_coef:
-            live[:] = True  # their terms need every row
-        # a group whose samples all scored the same has zero advantage and no gradient: it skips the forward
-        live[0] = True  # keep one row: an all-zero batch still takes its (zero-gradient) optimizer step
-        samples, adv, rewards = [s for s, k in zip(samples, live.tolist()) if k], adv[live], rewards[live]
-    chunks = [(idx, [samples[i] for i in idx]) for idx in micro_batches(samples, r.micro_batch_cells)]
-    batches = [completion_batch(sub) for _, sub in chunks]
-    if critic is None:
-        advs = [adv[idx] for idx, _ in chunks]
-    else:
-        with torch.no_grad():
-            old_vs = [critic(sub, pad_id) for _, sub in chunks]
-        gaes = [gae(v, rewards[idx], b["mask"], r.gae_gamma, r.gae_lambda)
-                for (idx, _), v, b in zip(chunks, old_vs, batches)]
-        returns = [ret for _, ret in gaes]
-        flat = torch.cat([a[b["mask"] > 0] for (a, _), b in zip(gaes, batches)])  # whitened over the whole batch
-        advs = [(a - flat.mean()) / (flat.std() + 1e-6) * b["mask"] for (a, _), b in zip(gaes, batches)]
-
-    def logprobs(model, sub) -> torch.Tensor:  # at the sampling temperature, as the behaviour logprobs were
-        return torch.log_softmax(prefix_forward(model, sub, pad_id) / r.temperature, -1)
-
-    trained = sum(b["mask"].sum().item() for b in batches)
-    stats: dict[str, float] = {}
-    for _ in range(r.ppo_epochs):
-        stats = {}
-        opt.zero_grad(set_to_none=True)
-        for (_, sub), b, a in zip(chunks, batches, advs):
-            mask, target = b["mask"], b["ids"]
-            share = mask.sum().item() / n_tokens  # this micro-batch's part of a token mean over the batch
-            logp_all = logprobs(policy, sub)
-            logp = logp_all.gather(-1, target[..., None]).squeeze(-1)
-            loss, st = policy_loss(logp, b["old_logprobs"], a, mask, clip_eps=r.clip_eps, is_lower=r.is_lower,
-                                   is_upper=r.is_upper, agg=r.loss_agg, **norm)
-            ent = entropy(logp_all if r.entropy_coef else logp_all.detach(), mask)
-            loss = loss - r.entropy_coef * ent * share
-            st["entropy"] = ent.item()
-            if ref is not None:
-                with torch.no_grad():
-                    ref_logp = logprobs(ref, sub).gather(-1, target[..., None]).squeeze(-1)
-                kl = kl_to_reference(logp, ref_logp, mask)
-                loss = loss + r.kl_coef * kl * share
-                st["kl_ref"] = kl.item()
-            loss.backward()
-            stats["loss"] = stats.get("loss", 0.0) + loss.item()
-            for k, v in st.items():  # token means, weighted by the micro-batch's tokens among the trained ones
-                stats[k] = stats.get(k, 0.0) + v * mask.sum().item() / trained
-        if extra:
-            stats.update(extra())
-        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
-        opt.step()
-        if critic is not None:
-            copt.zero_grad(set_to_none=True)
-            vl_total = clip_frac = 0.0
-            values = []
-            for (_, sub), b, v_old, ret in zip(chunks, batches, old_vs, returns):
-                v = critic(sub, pad_id)
-                vl, vst = value_loss(v, v_old, ret, b["mask"], r.value_clip, n_tokens)
-                vl.backward()
-                vl_total += vl.item()
-                clip_frac += vst["value_clip_frac"] * b["mask"].sum().item() / trained
-                values.append(v.detach())
-            stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0).item()
-            copt.step()
-            stats["value_loss"], stats["value_clip_frac"] = vl_total, clip_frac
-            # of the values this pass trained on (before its update), over the whole batch
-            stats["explained_variance"] = explained_variance(
-                torch.cat([v[b["mask"] > 0] for v, b in zip(values, batches)]),
-                torch.cat([x[b["mask"] > 0] for x, b in zip(returns, batches)]))
-    return stats
-
-
 def _save(path: Path, policy, opt, critic, copt, st: State) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save({"policy": policy.state_dict(), "opt": opt.state_dict(),
@@ -198,7 +104,7 @@ def val_scores(policy, tok, val: list[Task], **kw) -> dict[str, float]:
     return {d: sum(v) / max(1, len(v)) for d, v in out.items()}
 
 
-def specialist(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
+def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
                scratch: str | Path | None = None, distill: Distill | None = None
                ) -> tuple[torch.nn.Module, object, State]:
     """Train a policy from the `sft` checkpoint: RL on `pool` (may be empty), plus on-policy distillation
@@ -349,40 +255,3 @@ def kill_step(stage: str) -> int:
 
 def batch_tokens(samples: list[Sample]) -> int:
     return sum(len(s.prompt_ids) + len(s.ids) for s in samples)
-
-
-def plot_curves(hist: dict, path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(hist["reward"]) + 1), hist["reward"], label="reward (train batch)", alpha=0.6)
-    ax.plot(*zip(*hist["val_score"]), "o-", label="validation accuracy (greedy)")
-    ax.set(xlabel="step", ylabel="score", title=title, ylim=(0, 1.02))
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scratch: str = "") -> dict:
-    r = cfg.rl.for_domain(domain)
-    pool = load_tasks(inputs["curate"], "rl", domain)
-    val = load_tasks(inputs["curate"], "val", domain)
-    policy, tok, st = specialist(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}",
-                                 scratch=scratch)
-    save_checkpoint(policy, tok, out)
-    hist = st.history
-    # blocked hack attempts, with the call and the guard stage that caught it, for reviewers
-    (out / "hack_attempts.json").write_text(json.dumps(st.attempts[:500], indent=1))
-    (out / "history.json").write_text(json.dumps(hist))
-    plot_curves(hist, out / "rl_curves.png", f"rl {domain} ({r.algorithm}, k={r.max_staleness})")
-    total = sum(st.staleness.values())
-    metrics = {"val_score_before": hist["val_score"][0][1], "val_score_after": hist["val_score"][-1][1],
-               **summarize(hist, "reward", 5), "hack_attempts_blocked": sum(hist["blocked"]),
-               "masked_token_fraction": sum(hist["masked_fraction"]) / len(hist["masked_fraction"]),
-               "stale_dropped": st.dropped, "wall_s": st.wall_s, "steps_per_s": r.steps / st.wall_s,
-               "student_tokens": hist["student_tokens"][-1],
-               **{f"staleness_{k}_share": v / total for k, v in sorted(st.staleness.items())}}
-    return {"metrics": metrics, "history": hist,
-            "params": {"domain": domain, "algorithm": r.algorithm, "max_staleness": r.max_staleness}}

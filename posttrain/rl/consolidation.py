@@ -11,7 +11,7 @@ from posttrain.artifacts import read_manifest
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.evaluate import evaluate_checkpoint
-from posttrain.opd import tokens_to_reach
+from posttrain.rl.opd import tokens_to_reach
 from posttrain.stages import stage_name
 
 CHAIN_OF = {"cross_stage": "xs", "sequential_rl": "seq"}

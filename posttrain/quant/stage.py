@@ -3,7 +3,7 @@ projections, int8 per-token dynamic activations. Rounding is GPTQ on calibration
 curated SFT conversations, layer by layer (each layer calibrated on the outputs of the already
 quantized layers before it). Exported with compressed-tensors (mixed-precision: pack-quantized MLP,
 int-quantized attention, bf16 scales): the format vLLM loads as CompressedTensorsW4A8Int and
-CompressedTensorsW8A8Int8. Our own evaluation runs it on CPU through posttrain/int_linear.py."""
+CompressedTensorsW8A8Int8. Our own evaluation runs it on CPU through posttrain/quant/int_linear.py."""
 from __future__ import annotations
 
 import json
@@ -23,8 +23,8 @@ from posttrain import loadcheck
 from posttrain.chat import render_ids
 from posttrain.config import PipelineConfig, QuantizeConfig
 from posttrain.data import load_tasks
-from posttrain.gptq import HessianTracker, gptq, rtn
-from posttrain.int_linear import load_compressed
+from posttrain.quant.gptq import HessianTracker, gptq, rtn
+from posttrain.quant.int_linear import load_compressed
 from posttrain.model import load_checkpoint, seed_all
 
 MLP = ("gate_proj", "up_proj", "down_proj")

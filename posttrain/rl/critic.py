@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModel
 
-from posttrain.rl_batch import prefix_forward
+from posttrain.rl.batches import prefix_forward
 
 
 class ValueModel(torch.nn.Module):
@@ -16,5 +16,5 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, samples: list, pad_id: int) -> torch.Tensor:
-        """V(state before completion token j) for every j, in posttrain.rl_batch's completion layout."""
+        """V(state before completion token j) for every j, in posttrain.rl.batches's completion layout."""
         return self.head(prefix_forward(self.backbone, samples, pad_id, "last_hidden_state")).squeeze(-1)

@@ -12,7 +12,8 @@ from pathlib import Path
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
-from posttrain.rl import Distill, plot_curves, specialist
+from posttrain.rl.loop import Distill, train_policy
+from posttrain.rl.specialist import plot_curves
 from posttrain.stages import stage_name
 
 
@@ -31,7 +32,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
                           [t for d in earlier for t in load_tasks(inputs["curate"], "rl", d)],
                           x.distill_prompts_per_step, mode=x.loss, coef=x.distill_coef,
                           teacher_cpus=cfg.opd.teacher_cpus)
-    policy, tok, st = specialist(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", scratch=scratch,
+    policy, tok, st = train_policy(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", scratch=scratch,
                                  distill=distill)
     save_checkpoint(policy, tok, out)
     hist = st.history

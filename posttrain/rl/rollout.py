@@ -72,7 +72,7 @@ def run_episodes(model, tok, tasks: list[Task], *, enable_thinking: bool = True,
                  batch_size: int = 64, judge=path_judge) -> list[Episode]:
     """Roll out each task through the environments' step API, batching the model across episodes.
 
-    `model` is a torch model or an engine with `generate(prompts, **sampling)` (posttrain.rollout_workers)."""
+    `model` is a torch model or an engine with `generate(prompts, **sampling)` (posttrain.rl.workers)."""
     generate = (lambda prompts, **kw: sample(model, prompts, **kw)) if isinstance(model, torch.nn.Module) \
         else model.generate
     fmt = chat_format(tok)

@@ -1,6 +1,6 @@
 """opd: multi-teacher on-policy distillation. The student (the sft checkpoint) samples prompts mixed across
 the domains of rl.domains; the specialist of each prompt's domain, a Ray actor, scores the student's own tokens; the
-per-token reverse KL is the signal (posttrain/opd_loss.py). The loop is the RL loop (posttrain/rl.py):
+per-token reverse KL is the signal (posttrain/rl/opd_loss.py). The loop is the RL loop (posttrain/rl/loop.py):
 asynchronous rollout workers, token in token out, importance-sampling masks, exact resume."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
-from posttrain.rl import Distill, specialist
+from posttrain.rl.loop import Distill, train_policy
 from posttrain.train import summarize
 
 
@@ -61,7 +61,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     val = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]
     distill = Distill({d: inputs[f"rl-{d}"] for d in domains}, pool, o.prompts_per_step, route=o.route,
                       mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus)
-    policy, tok, st = specialist(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd",
+    policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd",
                                  scratch=scratch, distill=distill)
     save_checkpoint(policy, tok, out)
     hist = st.history

@@ -17,7 +17,7 @@ import torch
 
 from posttrain.chat import pad_id
 from posttrain.model import load_checkpoint
-from posttrain.rl_batch import micro_batches, prefix_forward
+from posttrain.rl.batches import micro_batches, prefix_forward
 
 Mode = Literal["sampled", "topk", "full"]
 

@@ -22,13 +22,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import environments
-from posttrain import curate_gates as gates
+from posttrain.curate import gates
 from posttrain.config import PipelineConfig
-from posttrain.corpus import generate_raw
-from posttrain.curate_dedup import MinHasher, WordHashes, contains_windows, flat_ids, global_dedup, hash64, \
+from posttrain.curate.corpus import generate_raw
+from posttrain.curate.dedup import MinHasher, WordHashes, contains_windows, flat_ids, global_dedup, hash64, \
     sorted_member, target_windows, tokenize, window_hashes
-from posttrain.curate_read import BadRow, data_files, read_rows
-from posttrain.curate_text import normalise, quality, scrub_pii
+from posttrain.curate.read import BadRow, data_files, read_rows
+from posttrain.curate.text import normalise, quality, scrub_pii
 from posttrain.raysupport import map_tasks
 
 __all__ = ["BadRow", "make_raw", "run"]

@@ -1,0 +1,102 @@
+"""One policy update (and the critic's, for PPO) from a batch of rollout samples: GRPO or critic PPO with
+double-sided importance-sampling masks, an optional reference KL, and another loss's gradient (distillation)
+accumulated into the same optimizer step."""
+from __future__ import annotations
+
+import torch
+
+from posttrain.config import RLConfig
+from posttrain.rl.batches import completion_batch, micro_batches, prefix_forward
+from posttrain.rl.losses import entropy, explained_variance, gae, group_advantages, kl_to_reference, policy_loss, \
+    value_loss
+from posttrain.rl.workers import Sample
+
+
+def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, critic=None, copt=None,
+               ref=None, extra=None) -> dict[str, float]:
+    """One update from a batch of samples (whole groups, in order); returns the step's statistics.
+    `extra()`, if given, accumulates another loss's gradient (distillation) into the same update.
+
+    The batch runs as length-sorted micro-batches whose losses are normalised by the whole batch's token
+    and row counts, so their accumulated gradient is the full batch's."""
+    if not samples:  # distillation only
+        opt.zero_grad(set_to_none=True)
+        stats = extra() if extra else {}
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
+        opt.step()
+        return stats
+    rewards = torch.tensor([s.reward for s in samples])
+    n_tokens = float(sum(s.n_generated for s in samples))
+    norm = {"n_tokens": n_tokens, "n_rows": float(sum(s.n_generated > 0 for s in samples))}
+    if critic is None:
+        adv = group_advantages(rewards, r.group_size)
+        live = adv != 0
+        if r.kl_coef or r.entropy_coef:
+            live[:] = True  # their terms need every row
+        # a group whose samples all scored the same has zero advantage and no gradient: it skips the forward
+        live[0] = True  # keep one row: an all-zero batch still takes its (zero-gradient) optimizer step
+        samples, adv, rewards = [s for s, k in zip(samples, live.tolist()) if k], adv[live], rewards[live]
+    chunks = [(idx, [samples[i] for i in idx]) for idx in micro_batches(samples, r.micro_batch_cells)]
+    batches = [completion_batch(sub) for _, sub in chunks]
+    if critic is None:
+        advs = [adv[idx] for idx, _ in chunks]
+    else:
+        with torch.no_grad():
+            old_vs = [critic(sub, pad_id) for _, sub in chunks]
+        gaes = [gae(v, rewards[idx], b["mask"], r.gae_gamma, r.gae_lambda)
+                for (idx, _), v, b in zip(chunks, old_vs, batches)]
+        returns = [ret for _, ret in gaes]
+        flat = torch.cat([a[b["mask"] > 0] for (a, _), b in zip(gaes, batches)])  # whitened over the whole batch
+        advs = [(a - flat.mean()) / (flat.std() + 1e-6) * b["mask"] for (a, _), b in zip(gaes, batches)]
+
+    def logprobs(model, sub) -> torch.Tensor:  # at the sampling temperature, as the behaviour logprobs were
+        return torch.log_softmax(prefix_forward(model, sub, pad_id) / r.temperature, -1)
+
+    trained = sum(b["mask"].sum().item() for b in batches)
+    stats: dict[str, float] = {}
+    for _ in range(r.ppo_epochs):
+        stats = {}
+        opt.zero_grad(set_to_none=True)
+        for (_, sub), b, a in zip(chunks, batches, advs):
+            mask, target = b["mask"], b["ids"]
+            share = mask.sum().item() / n_tokens  # this micro-batch's part of a token mean over the batch
+            logp_all = logprobs(policy, sub)
+            logp = logp_all.gather(-1, target[..., None]).squeeze(-1)
+            loss, st = policy_loss(logp, b["old_logprobs"], a, mask, clip_eps=r.clip_eps, is_lower=r.is_lower,
+                                   is_upper=r.is_upper, agg=r.loss_agg, **norm)
+            ent = entropy(logp_all if r.entropy_coef else logp_all.detach(), mask)
+            loss = loss - r.entropy_coef * ent * share
+            st["entropy"] = ent.item()
+            if ref is not None:
+                with torch.no_grad():
+                    ref_logp = logprobs(ref, sub).gather(-1, target[..., None]).squeeze(-1)
+                kl = kl_to_reference(logp, ref_logp, mask)
+                loss = loss + r.kl_coef * kl * share
+                st["kl_ref"] = kl.item()
+            loss.backward()
+            stats["loss"] = stats.get("loss", 0.0) + loss.item()
+            for k, v in st.items():  # token means, weighted by the micro-batch's tokens among the trained ones
+                stats[k] = stats.get(k, 0.0) + v * mask.sum().item() / trained
+        if extra:
+            stats.update(extra())
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
+        opt.step()
+        if critic is not None:
+            copt.zero_grad(set_to_none=True)
+            vl_total = clip_frac = 0.0
+            values = []
+            for (_, sub), b, v_old, ret in zip(chunks, batches, old_vs, returns):
+                v = critic(sub, pad_id)
+                vl, vst = value_loss(v, v_old, ret, b["mask"], r.value_clip, n_tokens)
+                vl.backward()
+                vl_total += vl.item()
+                clip_frac += vst["value_clip_frac"] * b["mask"].sum().item() / trained
+                values.append(v.detach())
+            stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0).item()
+            copt.step()
+            stats["value_loss"], stats["value_clip_frac"] = vl_total, clip_frac
+            # of the values this pass trained on (before its update), over the whole batch
+            stats["explained_variance"] = explained_variance(
+                torch.cat([v[b["mask"] > 0] for v, b in zip(values, batches)]),
+                torch.cat([x[b["mask"] > 0] for x, b in zip(returns, batches)]))
+    return stats
