@@ -19,11 +19,12 @@ OUT = Path(".posttrain/bench")
 
 
 def _tokens_per_s(model, tok, prompts: list[list[int]], n_new: int) -> float:
-    from posttrain.rl.rollout import sample
-    sample(model, prompts[:2], max_new_tokens=4, temperature=0.0, stop_ids=set(), pad_id=tok.pad_token_id)  # warm-up
+    from posttrain.engines import as_rollout_engine
+    engine = as_rollout_engine(model, tok)
+    engine.generate(prompts[:2], max_new_tokens=4, temperature=0.0, stop_ids=set())  # warm-up
     t0 = time.perf_counter()
-    outs = sample(model, prompts, max_new_tokens=n_new, temperature=0.0, stop_ids=set(), pad_id=tok.pad_token_id)
-    return sum(len(ids) for ids, _ in outs) / (time.perf_counter() - t0)
+    outs = engine.generate(prompts, max_new_tokens=n_new, temperature=0.0, stop_ids=set())
+    return sum(len(g.ids) for g in outs) / (time.perf_counter() - t0)
 
 
 def main() -> None:

@@ -10,8 +10,8 @@ import torch
 
 import environments
 from environments.base import Task
-from posttrain.chat import bos_ids, doc_end_id, pad_id
-from posttrain.rl.rollout import sample
+from posttrain.chat import bos_ids, doc_end_id
+from posttrain.engines import as_rollout_engine
 
 
 def extract_answer(completion: str, thinking: bool) -> str:
@@ -22,17 +22,17 @@ def extract_answer(completion: str, thinking: bool) -> str:
 
 
 @torch.no_grad()
-def completion_scores(model, tok, tasks: list[Task], *, thinking: bool = True, max_new_tokens: int = 48,
+def completion_scores(engine, tok, tasks: list[Task], *, thinking: bool = True, max_new_tokens: int = 48,
                       batch_size: int = 64) -> tuple[list[float], list[int]]:
-    """Per task: verifier reward in [0, 1] and generated tokens."""
-    eos = doc_end_id(tok)
+    """Per task: verifier reward in [0, 1] and generated tokens (`engine`: a rollout engine or a model)."""
+    engine, eos = as_rollout_engine(engine, tok), doc_end_id(tok)
     prompts = [[*bos_ids(tok), *tok(t.prose_prompt(thinking), add_special_tokens=False)["input_ids"]]
                for t in tasks]
     outs = []
     for i in range(0, len(prompts), batch_size):
-        outs += sample(model, prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=0.0,
-                       stop_ids={eos}, pad_id=pad_id(tok))
-    rewards = [environments.get(t.domain).verify(t, extract_answer(tok.decode(ids, skip_special_tokens=True),
+        outs += engine.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=0.0,
+                                stop_ids={eos})
+    rewards = [environments.get(t.domain).verify(t, extract_answer(tok.decode(g.ids, skip_special_tokens=True),
                                                                    thinking))[0]
-               for t, (ids, _) in zip(tasks, outs)]
-    return rewards, [len(ids) for ids, _ in outs]
+               for t, g in zip(tasks, outs)]
+    return rewards, [len(g.ids) for g in outs]

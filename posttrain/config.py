@@ -193,6 +193,10 @@ class RLConfig(_Strict):
     # (a built-in one or one of world.environments) can be named.
     domains: list[DomainName] = Field(default_factory=lambda: ["reasoning", "agentic", "general"], min_length=1)
     algorithm: Literal["grpo", "ppo"] = "grpo"
+    # what runs the model (posttrain.engines): the rollout engine serves workers, teachers, validation and
+    # evaluation; the train engine the policy, the critic and the KL reference
+    rollout_engine: str = "torch"
+    train_engine: str = "torch"
     steps: AtLeast1 = 100
     # 0 is the OPD loop's (distillation only) and unit tests'; the pipeline's rl stages need >= 1 (PipelineConfig)
     prompts_per_step: AtLeast0 = 16

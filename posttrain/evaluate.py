@@ -18,7 +18,7 @@ from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
-from posttrain.quant.int_linear import load_any
+from posttrain.engines import rollout_engine
 from posttrain.ramp import eval_sets
 from posttrain.rl.rollout import run_episodes, score
 
@@ -59,22 +59,22 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
     """Greedy score and mean generated tokens per suite; with `samples`, pass@1 and pass@samples of
     that many sampled answers per task (a sample passes on full reward) for the domain suites."""
     torch.manual_seed(cfg.seed)
-    model, tok = load_any(path)
-    model.eval()
+    engine = rollout_engine(cfg.rl.rollout_engine, path)
+    tok = engine.tokenizer
     scores, tokens, passk = {}, {}, {}
     for name, (tasks, thinking) in suite_tasks.items():
         bs = cfg.eval.batch_size_at(int(name.split("@")[1])) if "@" in name else cfg.eval.batch_size
         if completion:
-            s, n_gen = completion_scores(model, tok, tasks, thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
+            s, n_gen = completion_scores(engine, tok, tasks, thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
                                          batch_size=bs)
         else:
-            eps = run_episodes(model, tok, tasks, enable_thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
+            eps = run_episodes(engine, tok, tasks, enable_thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
                                temperature=0.0, max_turns=cfg.rl.max_turns, batch_size=bs)
             s, n_gen = score(eps), [e.n_generated for e in eps]
         scores[name] = round(sum(s) / len(s), 4)
         tokens[name] = round(sum(n_gen) / len(n_gen), 2)
         if samples and not completion and "@" not in name:
-            eps = run_episodes(model, tok, tasks * samples, enable_thinking=thinking, temperature=cfg.eval.temperature,
+            eps = run_episodes(engine, tok, tasks * samples, enable_thinking=thinking, temperature=cfg.eval.temperature,
                                max_new_tokens=cfg.eval.max_new_tokens, max_turns=cfg.rl.max_turns, batch_size=bs,
                                generator=torch.Generator().manual_seed(cfg.seed))
             r = score(eps)

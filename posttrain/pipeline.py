@@ -10,7 +10,7 @@ from pathlib import Path
 
 import environments
 
-from posttrain import report_html, tracking
+from posttrain import engines, report_html, tracking
 from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest
 from posttrain.config import ConfigError, PipelineConfig
 from posttrain.gates import check_gates, validate_gates
@@ -40,6 +40,7 @@ def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None 
           force: list[str] | None = None) -> RunContext:
     validate_gates(cfg)
     check_domains(cfg)
+    engines.check({"rl.rollout_engine": cfg.rl.rollout_engine, "rl.train_engine": cfg.rl.train_engine})
     tracking.configure(cfg.tracking.uri)
     home = home_dir()
     run_id = run_id or new_run_id()

@@ -5,6 +5,7 @@ import torch
 
 import environments
 from posttrain.config import ModelConfig, RLConfig
+from posttrain.engines.torch_train import TorchTrainEngine, policy_logits
 from posttrain.model import build_model, save_checkpoint
 from posttrain.rl.loop import train_policy
 from posttrain.rl.step import train_step
@@ -22,6 +23,15 @@ def ckpt(tok, tmp_path_factory):
     save_checkpoint(build_model(cfg, tok), tok, path)
     return str(path)
 
+
+
+def _policy(model, tok, opt=None):
+    """A model behind the local train engine with the test's own optimizer (None: forward only)."""
+    return TorchTrainEngine(model, policy_logits(tok.pad_token_id), optimizer=opt)
+
+
+def _critic(model, tok, opt):
+    return TorchTrainEngine(model, lambda m, samples: m(samples, tok.pad_token_id), optimizer=opt)
 
 def test_group_advantages_are_normalised_within_groups():
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]), 4)
@@ -86,7 +96,7 @@ def test_training_uses_the_rollout_token_ids_even_where_retokenising_would_chang
     assert completion_batch([s, s])["ids"][0, :len(s.ids)].tolist() == s.ids
     r = RLConfig(lr=0.0, group_size=2)
     policy = worker.engine.model
-    stats = train_step(r, policy.train(), torch.optim.SGD(policy.parameters(), lr=0.0), [s, s], tok.pad_token_id)
+    stats = train_step(r, _policy(policy.train(), tok, torch.optim.SGD(policy.parameters(), lr=0.0)), [s, s])
     assert abs(stats["ratio_mean"] - 1) < 1e-4 and stats["masked_fraction"] == 0 and stats["kl_behaviour"] < 1e-6
 
 
@@ -120,8 +130,8 @@ def test_groups_without_signal_skip_the_forward_pass_and_the_update_is_unchanged
         for entropy_coef in (0.0, 1e-12):  # any entropy or KL term needs every row, so it turns skipping off
             model = copy.deepcopy(worker.engine.model)
             opt = torch.optim.SGD(model.parameters(), lr=1.0)
-            train_step(RLConfig(group_size=4, loss_agg=agg, entropy_coef=entropy_coef), model.train(), opt, samples,
-                       tok.pad_token_id)
+            train_step(RLConfig(group_size=4, loss_agg=agg, entropy_coef=entropy_coef), _policy(model.train(), tok, opt),
+                       samples)
             params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         assert torch.allclose(params[-2], params[-1], atol=1e-6), agg
 
@@ -139,8 +149,9 @@ def test_micro_batches_accumulate_to_the_full_batch_update(ckpt, tok, algorithm)
     for cells in (1, 10**6):
         policy, critic = copy.deepcopy(worker.engine.model), ValueModel(ckpt) if algorithm == "ppo" else None
         r = RLConfig(algorithm=algorithm, group_size=4, micro_batch_cells=cells, kl_coef=0.1)
-        train_step(r, policy.train(), torch.optim.SGD(policy.parameters(), lr=1.0), samples, tok.pad_token_id,
-                   critic, critic and torch.optim.SGD(critic.parameters(), lr=1.0), copy.deepcopy(policy))
+        train_step(r, _policy(policy.train(), tok, torch.optim.SGD(policy.parameters(), lr=1.0)), samples,
+                   critic and _critic(critic, tok, torch.optim.SGD(critic.parameters(), lr=1.0)),
+                   _policy(copy.deepcopy(policy), tok))
         params.append(torch.cat([p.detach().flatten() for m in (policy, critic) if m for p in m.parameters()]))
     before = torch.cat([p.detach().flatten() for p in worker.engine.model.parameters()])
     assert not torch.allclose(params[1][:before.numel()], before)  # the update did something
@@ -197,7 +208,8 @@ def test_critic_learns_and_its_value_clip_binds_from_the_second_epoch(ckpt, tok)
         policy, critic = copy.deepcopy(worker.engine.model).train(), ValueModel(ckpt)
         r = RLConfig(algorithm="ppo", group_size=1, gae_lambda=1.0, ppo_epochs=epochs, value_clip=0.05, lr=1e-4)
         opt, copt = make_optimizer(policy, r.lr), make_optimizer(critic, 3e-3)
-        hist = [train_step(r, policy, opt, samples, tok.pad_token_id, critic, copt) for _ in range(12)]
+        pe, ce = _policy(policy, tok, opt), _critic(critic, tok, copt)
+        hist = [train_step(r, pe, samples, ce) for _ in range(12)]
         assert hist[-1]["value_loss"] < 0.5 * hist[0]["value_loss"], [h["value_loss"] for h in hist]
         assert hist[-1]["explained_variance"] > hist[0]["explained_variance"] + 0.2
         clip = [h["value_clip_frac"] for h in hist]

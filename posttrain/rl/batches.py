@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.rl.rollout import prefill_distinct
+from posttrain.engines.torch_rollout import prefill_distinct
 
 
 def _pad(rows: list[list], value, dtype=None) -> torch.Tensor:

@@ -22,17 +22,14 @@ import torch
 from tqdm import tqdm
 
 from environments.base import Task
-from posttrain.chat import pad_id
 from posttrain.config import RLConfig
-from posttrain.rl.critic import ValueModel
-from posttrain.model import load_checkpoint, seed_all
+from posttrain.engines import TrainEngine, as_rollout_engine, train_engine
+from posttrain.model import seed_all
 from posttrain.rl.opd_loss import distill_backward
 from posttrain.rl.rollout import run_episodes
 from posttrain.rl.step import train_step
 from posttrain.rl.workers import RolloutBuffer, Sample, WorkerPool
 from posttrain.rl.teachers import TeacherPool
-from posttrain.train import make_optimizer
-
 
 @dataclass
 class Distill:
@@ -75,23 +72,31 @@ class State:
     wall_s: float = 0.0
 
 
-def _save(path: Path, policy, opt, critic, copt, st: State) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"policy": policy.state_dict(), "opt": opt.state_dict(),
-                "critic": critic.state_dict() if critic else None, "copt": copt.state_dict() if copt else None,
-                "rng": torch.get_rng_state(), "state": st}, tmp)
-    os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint intact
+@dataclass
+class Engines:
+    """The trained models of the loop, each behind a train engine (posttrain.engines)."""
+    policy: TrainEngine
+    critic: TrainEngine | None = None   # ppo: a value head on the policy's backbone
+    ref: TrainEngine | None = None      # kl_coef > 0: the sft checkpoint, frozen
+
+    def save(self, path: Path, st: State) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save({"policy": self.policy.state_dict(), "critic": self.critic.state_dict() if self.critic else None,
+                    "state": st}, tmp)
+        os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint intact
+
+    def load(self, path: Path) -> State:
+        ck = torch.load(path, weights_only=False)  # our own scratch file, written by save
+        if self.critic is not None:
+            self.critic.load_state_dict(ck["critic"])
+        self.policy.load_state_dict(ck["policy"])  # last: its RNG state is the one that continues
+        return ck["state"]
 
 
-def _load(path: Path, policy, opt, critic, copt) -> State:
-    ck = torch.load(path, weights_only=False)  # our own scratch file, written by _save
-    policy.load_state_dict(ck["policy"])
-    opt.load_state_dict(ck["opt"])
-    if critic is not None:
-        critic.load_state_dict(ck["critic"])
-        copt.load_state_dict(ck["copt"])
-    torch.set_rng_state(ck["rng"])
-    return ck["state"]
+def build_engines(r: RLConfig, sft: str, with_critic: bool) -> Engines:
+    return Engines(train_engine(r.train_engine, sft, lr=r.lr),
+                   train_engine(r.train_engine, sft, "critic", lr=r.critic_lr) if with_critic else None,
+                   train_engine(r.train_engine, sft, "reference") if r.kl_coef > 0 else None)
 
 
 def val_scores(policy, tok, val: list[Task], **kw) -> dict[str, float]:
@@ -104,140 +109,173 @@ def val_scores(policy, tok, val: list[Task], **kw) -> dict[str, float]:
     return {d: sum(v) / max(1, len(v)) for d, v in out.items()}
 
 
+class Feed:
+    """Rollout requests in flight on the workers and the buffers they fill: RL groups and distillation
+    samples. A request's prompts and sampling stream are pure functions of its index, so a resumed run
+    redraws none."""
+
+    def __init__(self, r: RLConfig, pool: list[Task], distill: Distill | None, workers: WorkerPool, seed: int,
+                 st: State, kw: dict):
+        self.r, self.pool, self.distill, self.workers, self.seed, self.st, self.kw = r, pool, distill, workers, seed, st, kw
+        self.n_rl = r.prompts_per_step if pool else 0
+        self.n_distill = distill.prompts_per_step if distill else 0
+        self.rl_req, self.d_req = (math.ceil(n / r.rollout_workers) for n in (self.n_rl, self.n_distill))
+        self.buffer = RolloutBuffer(r.max_staleness, st.groups)
+        self.buffer.dropped, self.buffer.staleness = st.dropped, Counter(st.staleness)
+        self.dbuffer = RolloutBuffer(r.max_staleness, st.distill_groups)
+        self.inflight: deque[Future] = deque()
+
+    def _submit(self) -> None:
+        st, d = self.st, self.distill
+        rng = random.Random(self.seed * 1_000_003 + st.next_request)
+        tasks = rng.sample(self.pool, self.rl_req) if self.rl_req else []
+        dtasks = d.draw(rng, self.d_req, st.next_request) if self.d_req else []
+        extra = {"distill": tuple(dtasks), "teacher_mode": d.mode, "top_k": d.top_k} if self.d_req else {}
+        self.inflight.append(self.workers.submit(st.next_request % len(self.workers), tasks, self.r.group_size,
+                                                 rng.getrandbits(31), temperature=self.r.temperature, **extra,
+                                                 **self.kw))
+        st.next_request += 1
+
+    def _have(self) -> int:
+        return len(self.buffer) if self.n_rl else len(self.dbuffer)
+
+    def top_up(self) -> None:
+        """k + 1 steps' worth outstanding: with k = 0 nothing is generated before the weights it must use."""
+        per, need = (self.rl_req, self.n_rl) if self.n_rl else (self.d_req, self.n_distill)
+        while self._have() + len(self.inflight) * per < (self.r.max_staleness + 1) * need:
+            self._submit()
+
+    def _add(self, samples: list[Sample]) -> None:
+        self.buffer.add([s for s in samples if s.teacher is None])
+        self.dbuffer.add([s for s in samples if s.teacher is not None])
+
+    def collect(self, step: int) -> tuple[list[Sample], list[Sample], float, float]:
+        """The step's RL and distillation batches (fresh enough for `step`), and the generation seconds and
+        tokens of the rollouts that arrived meanwhile."""
+        self.top_up()
+        gen_s = gen_tok = 0.0
+        while True:
+            self.buffer.drop_stale(step)
+            self.dbuffer.drop_stale(step)
+            if len(self.buffer) >= self.n_rl and len(self.dbuffer) >= self.n_distill:
+                break
+            samples, info = self.inflight.popleft().result()
+            self._add(samples)
+            gen_s, gen_tok = gen_s + info["seconds"], gen_tok + info["tokens"]
+            self.top_up()
+        return (self.buffer.take(self.n_rl, step) if self.n_rl else [],
+                self.dbuffer.take(self.n_distill, step) if self.n_distill else [], gen_s, gen_tok)
+
+    def snapshot(self, step: int, hist: dict, attempts: list, wall_s: float, drain: bool) -> State:
+        """The loop's state after `step` steps; `drain` first waits for the rollouts in flight (they are part
+        of a resumable state: the buffers are saved whole)."""
+        while drain and self.inflight:
+            self._add(self.inflight.popleft().result()[0])
+        b, d = self.buffer, self.dbuffer
+        return State(step, self.st.next_request, b.groups if drain else [], d.groups if drain else [],
+                     b.dropped + d.dropped, dict(b.staleness + d.staleness), hist, attempts, wall_s)
+
+    def close(self) -> None:
+        for f in self.inflight:
+            f.cancel()
+
+
+def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Feed, hist: dict, step: int,
+                gen_s: float, gen_tok: float, train_s: float, wall_s: float) -> dict[str, float]:
+    """One step's curves: reward, the update's statistics, staleness, tokens and throughput."""
+    both = batch + dbatch
+    rewards = torch.tensor([s.reward for s in batch or dbatch])
+    prev = {k: hist[k][-1] if hist.get(k) else 0.0 for k in ("student_tokens", "teacher_tokens")}
+    row = {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+           **stats, "staleness_mean": sum(step - s.version for s in both) / len(both),
+           "stale_dropped": float(feed.buffer.dropped + feed.dbuffer.dropped),
+           "blocked": float(sum(len(s.blocked) for s in both)),
+           "gen_tokens": sum(s.n_generated for s in both) / len(both),
+           "student_tokens": prev["student_tokens"] + sum(s.n_generated for s in both),
+           "teacher_tokens": prev["teacher_tokens"] + sum(s.n_generated for s in dbatch),
+           "gen_tokens_per_s": gen_tok / gen_s if gen_s else float("nan"),
+           "train_tokens_per_s": float(batch_tokens(both)) / train_s,
+           "wall_s": wall_s}  # validation not included
+    if dbatch and batch:  # distillation beside RL: its samples' reward separately
+        row["distill_reward"] = sum(s.reward for s in dbatch) / len(dbatch)
+    return row
+
+
+def update(r: RLConfig, eng: Engines, batch: list[Sample], dbatch: list[Sample],
+           distill: Distill | None) -> dict[str, float]:
+    """One optimizer step: the RL loss on `batch`, plus the distillation loss on `dbatch`."""
+    extra = (lambda: distill_backward(
+        eng.policy, dbatch, mode=distill.mode, coef=distill.coef, reward_weight=distill.reward_weight,
+        temperature=r.temperature, clip_eps=r.clip_eps, is_lower=r.is_lower, is_upper=r.is_upper,
+        max_cells=r.micro_batch_cells)) if dbatch else None
+    eng.policy.train()
+    stats = train_step(r, eng.policy, batch, eng.critic, eng.ref, extra)
+    eng.policy.eval()
+    return stats
+
+
 def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
-               scratch: str | Path | None = None, distill: Distill | None = None
-               ) -> tuple[torch.nn.Module, object, State]:
+                 scratch: str | Path | None = None, distill: Distill | None = None
+                 ) -> tuple[torch.nn.Module, object, State]:
     """Train a policy from the `sft` checkpoint: RL on `pool` (may be empty), plus on-policy distillation
     when `distill` is given. `label` (the stage name in the pipeline) names it in the progress bar and in
     POSTTRAIN_KILL_AT; `scratch` makes it resumable. Returns policy, tokenizer, final state."""
     seed_all(seed)
-    policy, tok = load_checkpoint(sft)
-    critic = ValueModel(sft) if r.algorithm == "ppo" and pool else None
-    ref = load_checkpoint(sft)[0].eval() if r.kl_coef > 0 else None
-    opt = make_optimizer(policy, r.lr)
-    copt = make_optimizer(critic, r.critic_lr) if critic is not None else None
-    ckpt = None
-    if scratch:  # resumable: the full state goes here every `checkpoint_every` steps
-        Path(scratch).mkdir(parents=True, exist_ok=True)
-        ckpt = Path(scratch) / "rl_state.pt"
-    kill_at = kill_step(label)
-    st = State()
-    if ckpt and ckpt.exists():
-        st = _load(ckpt, policy, opt, critic, copt)
+    eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool))
+    tok = eng.policy.tokenizer
+    ckpt = Path(scratch) / "rl_state.pt" if scratch else None  # the full state, every `checkpoint_every` steps
+    st = eng.load(ckpt) if ckpt and ckpt.exists() else State()
+    if st.step:
         print(f"[{label}] resuming at step {st.step} of {r.steps}", flush=True)
-    kw = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns)
+    kw, kill_at, hist = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns), kill_step(label), st.history
     domains = sorted({t.domain for t in val})
+    policy_view = as_rollout_engine(eng.policy.model, tok)  # validation generates from the trained weights
 
-    def validate(step: int) -> None:
-        scores = val_scores(policy, tok, val, **kw)
+    def validate(step: int, wall_s: float) -> None:
+        scores = val_scores(policy_view, tok, val, **kw)
         hist["val_score"].append((step, scores["all"]))
         for d in domains if len(domains) > 1 else ():
             hist.setdefault(f"val_score/{d}", []).append((step, scores[d]))
-        hist["val_wall_s"].append((step, time.perf_counter() - t0))
+        hist["val_wall_s"].append((step, wall_s))
 
-    hist = st.history
-    n_rl = r.prompts_per_step if pool else 0
-    n_distill = distill.prompts_per_step if distill else 0
-    buffer = RolloutBuffer(r.max_staleness, st.groups)
-    buffer.dropped, buffer.staleness = st.dropped, Counter(st.staleness)
-    dbuffer = RolloutBuffer(r.max_staleness, st.distill_groups)
-    rl_req, d_req = (math.ceil(n / r.rollout_workers) for n in (n_rl, n_distill))
-    teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus) if distill else None
-    workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, teachers=teachers)
-    inflight: deque[Future] = deque()
-
-    def submit() -> None:
-        rng = random.Random(seed * 1_000_003 + st.next_request)  # a request's prompts and sampling: pure functions
-        tasks = rng.sample(pool, rl_req) if rl_req else []        # of its index, so a resumed run redraws none
-        dtasks = distill.draw(rng, d_req, st.next_request) if d_req else []
-        extra = {"distill": tuple(dtasks), "teacher_mode": distill.mode, "top_k": distill.top_k} if d_req else {}
-        inflight.append(workers.submit(st.next_request % len(workers), tasks, r.group_size, rng.getrandbits(31),
-                                       temperature=r.temperature, **extra, **kw))
-        st.next_request += 1
-
-    def top_up() -> None:
-        # k + 1 steps' worth outstanding: with k = 0 nothing is generated before the weights it must use
-        have, per, need = (len(buffer), rl_req, n_rl) if n_rl else (len(dbuffer), d_req, n_distill)
-        while have + len(inflight) * per < (r.max_staleness + 1) * need:
-            submit()
-            have = len(buffer) if n_rl else len(dbuffer)
-
+    teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=r.rollout_engine) \
+        if distill else None
+    workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, teachers=teachers, engine=r.rollout_engine)
+    feed = Feed(r, pool, distill, workers, seed, st, kw)
     try:
-        t0 = time.perf_counter() - st.wall_s
         if not hist:
             hist.update({"val_score": [], "val_wall_s": []})
-            validate(0)
-            hist["val_wall_s"][-1] = (0, 0.0)
-            t0 = time.perf_counter()
-        workers.push(policy.state_dict(), st.step)
+            validate(0, 0.0)
+        t0 = time.perf_counter() - st.wall_s
+        workers.push(eng.policy.weights(), st.step)
         bar = tqdm(range(st.step, r.steps), initial=st.step, total=r.steps, desc=label, mininterval=5)
         for step in bar:
-            top_up()
-            gen_s = gen_tok = 0.0
-            while True:
-                buffer.drop_stale(step)
-                dbuffer.drop_stale(step)
-                if len(buffer) >= n_rl and len(dbuffer) >= n_distill:
-                    break
-                samples, info = inflight.popleft().result()
-                buffer.add([s for s in samples if s.teacher is None])
-                dbuffer.add([s for s in samples if s.teacher is not None])
-                gen_s, gen_tok = gen_s + info["seconds"], gen_tok + info["tokens"]
-                top_up()
-            batch = buffer.take(n_rl, step) if n_rl else []
-            dbatch = dbuffer.take(n_distill, step) if n_distill else []
-            policy.train()
+            batch, dbatch, gen_s, gen_tok = feed.collect(step)
             t_train = time.perf_counter()
-            extra = (lambda: distill_backward(
-                policy, dbatch, pad_id(tok), mode=distill.mode, coef=distill.coef,
-                reward_weight=distill.reward_weight, temperature=r.temperature, clip_eps=r.clip_eps,
-                is_lower=r.is_lower, is_upper=r.is_upper, max_cells=r.micro_batch_cells)) if dbatch else None
-            stats = train_step(r, policy, opt, batch, pad_id(tok), critic, copt, ref, extra)
+            stats = update(r, eng, batch, dbatch, distill)
             train_s = time.perf_counter() - t_train
-            policy.eval()
-            workers.push(policy.state_dict(), step + 1)
-            both = batch + dbatch
-            rewards = torch.tensor([s.reward for s in batch or dbatch])
-            st.attempts += [{"step": step, "task": s.task_id, **b} for s in both for b in s.blocked]
-            prev = {k: hist[k][-1] if hist.get(k) else 0.0 for k in ("student_tokens", "teacher_tokens")}
-            row = {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-                   **stats, "staleness_mean": sum(step - s.version for s in both) / len(both),
-                   "stale_dropped": float(buffer.dropped + dbuffer.dropped),
-                   "blocked": float(sum(len(s.blocked) for s in both)),
-                   "gen_tokens": sum(s.n_generated for s in both) / len(both),
-                   "student_tokens": prev["student_tokens"] + sum(s.n_generated for s in both),
-                   "teacher_tokens": prev["teacher_tokens"] + sum(s.n_generated for s in dbatch),
-                   "gen_tokens_per_s": gen_tok / gen_s if gen_s else float("nan"),
-                   "train_tokens_per_s": float(batch_tokens(both)) / train_s,
-                   "wall_s": time.perf_counter() - t0}  # validation below not included
-            if dbatch and n_rl:  # distillation beside RL: its samples' reward separately
-                row["distill_reward"] = sum(s.reward for s in dbatch) / len(dbatch)
+            workers.push(eng.policy.weights(), step + 1)
+            st.attempts += [{"step": step, "task": s.task_id, **b} for s in batch + dbatch for b in s.blocked]
+            row = history_row(batch, dbatch, stats, feed, hist, step, gen_s, gen_tok, train_s, time.perf_counter() - t0)
             for k, v in row.items():
                 hist.setdefault(k, []).append(v)
             done = step + 1
             if r.val_every and done % r.val_every == 0 or done == r.steps or _passed(
                     hist["student_tokens"], r.val_every_tokens):
-                validate(done)
+                validate(done, time.perf_counter() - t0)
             bar.set_postfix(reward=f"{row['reward']:.3f}", val=f"{hist['val_score'][-1][1]:.3f}", refresh=False)
             if ckpt and r.checkpoint_every and done % r.checkpoint_every == 0 and done < r.steps:
-                while inflight:  # the buffers are saved whole: in-flight rollouts are part of the state
-                    samples = inflight.popleft().result()[0]
-                    buffer.add([s for s in samples if s.teacher is None])
-                    dbuffer.add([s for s in samples if s.teacher is not None])
-                st = State(done, st.next_request, buffer.groups, dbuffer.groups, buffer.dropped + dbuffer.dropped,
-                           dict(buffer.staleness + dbuffer.staleness), hist, st.attempts, time.perf_counter() - t0)
-                _save(ckpt, policy, opt, critic, copt, st)
+                st = feed.st = feed.snapshot(done, hist, st.attempts, time.perf_counter() - t0, drain=True)
+                eng.save(ckpt, st)
                 if kill_at == done:  # fault injection for the resume test
                     os.kill(os.getpid(), signal.SIGKILL)
-        st = State(r.steps, st.next_request, [], [], buffer.dropped + dbuffer.dropped,
-                   dict(buffer.staleness + dbuffer.staleness), hist, st.attempts, time.perf_counter() - t0)
+        st = feed.snapshot(r.steps, hist, st.attempts, time.perf_counter() - t0, drain=False)
     finally:
-        for f in inflight:
-            f.cancel()
+        feed.close()
         workers.close()
         if teachers:
             teachers.close()
-    return policy, tok, st
+    return eng.policy.model, tok, st
 
 
 def _passed(cumulative: list[float], every: int) -> bool:

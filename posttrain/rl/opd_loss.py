@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from posttrain.rl.batches import completion_batch, micro_batches, prefix_forward
+from posttrain.rl.batches import completion_batch, micro_batches
 from posttrain.rl.losses import policy_loss
 
 
@@ -51,7 +51,7 @@ def reverse_kl_terms(logp_all: torch.Tensor, ids: torch.Tensor, sub: list, mode:
     return kl
 
 
-def distill_backward(policy, samples: list, pad_id: int, *, mode: str = "sampled", coef: float = 1.0,
+def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: float = 1.0,
                      reward_weight: float = 0.0, temperature: float = 1.0, clip_eps: float = 0.2,
                      is_lower: float = 0.5, is_upper: float = 2.0, max_cells: int = 2048,
                      weight: float = 1.0) -> dict[str, float]:
@@ -65,7 +65,7 @@ def distill_backward(policy, samples: list, pad_id: int, *, mode: str = "sampled
         sub = [samples[i] for i in idx]
         b = completion_batch(sub)
         mask, ids = b["mask"], b["ids"]
-        logp_all = torch.log_softmax(prefix_forward(policy, sub, pad_id) / temperature, -1)
+        logp_all = torch.log_softmax(policy.forward(sub) / temperature, -1)
         logp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
         kl = reverse_kl_terms(logp_all, ids, sub, mode)
         if mode == "sampled":
@@ -79,7 +79,7 @@ def distill_backward(policy, samples: list, pad_id: int, *, mode: str = "sampled
                 pg, st = policy_loss(logp, b["old_logprobs"], row_adv[idx], mask, clip_eps=clip_eps,
                                      is_lower=is_lower, is_upper=is_upper, agg="token", n_tokens=n_tokens)
                 loss = loss + pg
-        (loss * weight).backward()
+        policy.backward(loss * weight)
         share = mask.sum().item() / n_tokens
         stats["distill_loss"] += loss.item()
         stats["reverse_kl"] += (kl.detach() * mask).sum().item() / n_tokens

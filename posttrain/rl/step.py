@@ -6,24 +6,24 @@ from __future__ import annotations
 import torch
 
 from posttrain.config import RLConfig
-from posttrain.rl.batches import completion_batch, micro_batches, prefix_forward
+from posttrain.engines import TrainEngine
+from posttrain.rl.batches import completion_batch, micro_batches
 from posttrain.rl.losses import entropy, explained_variance, gae, group_advantages, kl_to_reference, policy_loss, \
     value_loss
 from posttrain.rl.workers import Sample
 
 
-def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, critic=None, copt=None,
-               ref=None, extra=None) -> dict[str, float]:
+def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: TrainEngine | None = None,
+               ref: TrainEngine | None = None, extra=None) -> dict[str, float]:
     """One update from a batch of samples (whole groups, in order); returns the step's statistics.
     `extra()`, if given, accumulates another loss's gradient (distillation) into the same update.
 
     The batch runs as length-sorted micro-batches whose losses are normalised by the whole batch's token
     and row counts, so their accumulated gradient is the full batch's."""
     if not samples:  # distillation only
-        opt.zero_grad(set_to_none=True)
+        policy.zero_grad()
         stats = extra() if extra else {}
-        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
-        opt.step()
+        stats["grad_norm"] = policy.step(1.0)
         return stats
     rewards = torch.tensor([s.reward for s in samples])
     n_tokens = float(sum(s.n_generated for s in samples))
@@ -42,21 +42,21 @@ def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, cri
         advs = [adv[idx] for idx, _ in chunks]
     else:
         with torch.no_grad():
-            old_vs = [critic(sub, pad_id) for _, sub in chunks]
+            old_vs = [critic.forward(sub) for _, sub in chunks]
         gaes = [gae(v, rewards[idx], b["mask"], r.gae_gamma, r.gae_lambda)
                 for (idx, _), v, b in zip(chunks, old_vs, batches)]
         returns = [ret for _, ret in gaes]
         flat = torch.cat([a[b["mask"] > 0] for (a, _), b in zip(gaes, batches)])  # whitened over the whole batch
         advs = [(a - flat.mean()) / (flat.std() + 1e-6) * b["mask"] for (a, _), b in zip(gaes, batches)]
 
-    def logprobs(model, sub) -> torch.Tensor:  # at the sampling temperature, as the behaviour logprobs were
-        return torch.log_softmax(prefix_forward(model, sub, pad_id) / r.temperature, -1)
+    def logprobs(engine: TrainEngine, sub) -> torch.Tensor:  # at the sampling temperature, as the behaviour's
+        return torch.log_softmax(engine.forward(sub) / r.temperature, -1)
 
     trained = sum(b["mask"].sum().item() for b in batches)
     stats: dict[str, float] = {}
     for _ in range(r.ppo_epochs):
         stats = {}
-        opt.zero_grad(set_to_none=True)
+        policy.zero_grad()
         for (_, sub), b, a in zip(chunks, batches, advs):
             mask, target = b["mask"], b["ids"]
             share = mask.sum().item() / n_tokens  # this micro-batch's part of a token mean over the batch
@@ -73,27 +73,25 @@ def train_step(r: RLConfig, policy, opt, samples: list[Sample], pad_id: int, cri
                 kl = kl_to_reference(logp, ref_logp, mask)
                 loss = loss + r.kl_coef * kl * share
                 st["kl_ref"] = kl.item()
-            loss.backward()
+            policy.backward(loss)
             stats["loss"] = stats.get("loss", 0.0) + loss.item()
             for k, v in st.items():  # token means, weighted by the micro-batch's tokens among the trained ones
                 stats[k] = stats.get(k, 0.0) + v * mask.sum().item() / trained
         if extra:
             stats.update(extra())
-        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0).item()
-        opt.step()
+        stats["grad_norm"] = policy.step(1.0)
         if critic is not None:
-            copt.zero_grad(set_to_none=True)
+            critic.zero_grad()
             vl_total = clip_frac = 0.0
             values = []
             for (_, sub), b, v_old, ret in zip(chunks, batches, old_vs, returns):
-                v = critic(sub, pad_id)
+                v = critic.forward(sub)
                 vl, vst = value_loss(v, v_old, ret, b["mask"], r.value_clip, n_tokens)
-                vl.backward()
+                critic.backward(vl)
                 vl_total += vl.item()
                 clip_frac += vst["value_clip_frac"] * b["mask"].sum().item() / trained
                 values.append(v.detach())
-            stats["critic_grad_norm"] = torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0).item()
-            copt.step()
+            stats["critic_grad_norm"] = critic.step(1.0)
             stats["value_loss"], stats["value_clip_frac"] = vl_total, clip_frac
             # of the values this pass trained on (before its update), over the whole batch
             stats["explained_variance"] = explained_variance(

@@ -5,56 +5,34 @@ needs: in the default sampled-token form one log-probability per token, so a few
 cross the process boundary instead of a vocabulary-sized distribution. `top_k` and `full` return the
 teacher's top-k (ids, log-probabilities) or its whole log-distribution per token.
 
-Teachers are Ray actors when Ray is up (the pipeline), else in-process objects (library use, tests).
+Teachers are Ray actors when Ray is up (the pipeline), else in-process objects (library use, tests); each
+scores through a rollout engine (posttrain.engines: a prefill with logprobs, as SGLang would serve it).
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Literal
 
-import numpy as np
 import torch
 
-from posttrain.chat import pad_id
-from posttrain.model import load_checkpoint
-from posttrain.rl.batches import micro_batches, prefix_forward
+from posttrain.engines import rollout_engine
 
 Mode = Literal["sampled", "topk", "full"]
 
 
 class Teacher:
-    def __init__(self, checkpoint: str, threads: int = 1, max_cells: int = 4096):
+    def __init__(self, checkpoint: str, threads: int = 1, engine: str = "torch"):
         torch.set_num_threads(threads)
-        self.model, tok = load_checkpoint(checkpoint)
-        self.model.eval()
-        self.pad_id, self.max_cells = pad_id(tok), max_cells
+        self.engine = rollout_engine(engine, checkpoint)
 
     def ready(self) -> bool:
         return True
 
-    @torch.no_grad()
     def score(self, items: list[tuple[list[int], list[int], list[int]]], mode: Mode = "sampled",
               top_k: int = 16, temperature: float = 1.0) -> list:
         """items: (prompt ids, completion ids, generation mask). Per item, over its generated tokens in
         order: `sampled` a list of log p_teacher(token); `topk` (ids [n, k], logprobs [n, k]); `full` [n, V].
         The teacher's distribution is taken at the student's sampling temperature, as the student's is."""
-        samples = [SimpleNamespace(prompt_ids=p, ids=ids) for p, ids, _ in items]
-        out: list = [None] * len(items)
-        for idx in micro_batches(samples, self.max_cells):  # bounded memory for the [rows, T, V] logits
-            logits = prefix_forward(self.model, [samples[i] for i in idx], self.pad_id).float()
-            logp = torch.log_softmax(logits / temperature, -1)
-            for row, i in enumerate(idx):
-                _, ids, mask = items[i]
-                pos = torch.tensor([j for j, m in enumerate(mask) if m], dtype=torch.long)
-                lp = logp[row, pos]
-                if mode == "sampled":
-                    out[i] = lp.gather(-1, torch.tensor(ids)[pos, None]).squeeze(-1).tolist()
-                elif mode == "topk":
-                    v, k = lp.topk(min(top_k, lp.size(-1)), -1)
-                    out[i] = (k.to(torch.int32).numpy(), v.numpy())
-                else:
-                    out[i] = lp.numpy().astype(np.float32)
-        return out
+        return self.engine.score(items, mode=mode, top_k=top_k, temperature=temperature)
 
 
 class TeacherPool:
@@ -62,16 +40,16 @@ class TeacherPool:
     Picklable (Ray handles), so the rollout workers call their teachers themselves."""
 
     def __init__(self, checkpoints: dict[str, str], route: dict[str, str] | None = None, num_cpus: float = 0.2,
-                 threads: int = 1):
+                 threads: int = 1, engine: str = "torch"):
         import ray
         self.route = dict(route or {})
         self.use_ray = ray.is_initialized()
         if self.use_ray:
             cls = ray.remote(Teacher).options(num_cpus=num_cpus, max_restarts=0)
-            self.teachers = {d: cls.remote(c, threads) for d, c in checkpoints.items()}
+            self.teachers = {d: cls.remote(c, threads, engine) for d, c in checkpoints.items()}
             ray.get([t.ready.remote() for t in self.teachers.values()], timeout=180)
         else:
-            self.teachers = {d: Teacher(c, threads) for d, c in checkpoints.items()}
+            self.teachers = {d: Teacher(c, threads, engine) for d, c in checkpoints.items()}
 
     def teacher_of(self, domain: str):
         name = self.route.get(domain, domain)

@@ -1,5 +1,6 @@
-"""Rollout workers for RL: each holds a copy of the policy behind an engine and turns tasks into
-samples tagged with the policy version that produced them; the trainer pushes weights after each update.
+"""Rollout workers for RL: each holds a copy of the policy in a rollout engine (posttrain.engines) and
+turns tasks into samples tagged with the policy version that produced them; the trainer pushes weights
+after each update.
 
 Workers are Ray actors when Ray is up (the pipeline), else in-process threads (library use, tests):
 both hand back `concurrent.futures.Future`s, so the trainer's loop is the same either way.
@@ -10,13 +11,14 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from environments.base import Task
-from posttrain.model import load_checkpoint
-from posttrain.rl.rollout import run_episodes, sample
+from posttrain.engines import RolloutEngine, rollout_engine
+from posttrain.engines.base import WeightSource
+from posttrain.rl.rollout import run_episodes
 
 
 @dataclass
@@ -39,41 +41,22 @@ class Sample:
         return sum(self.gen_mask)
 
 
-class Engine(Protocol):
-    """What a rollout worker needs from an inference engine (local torch now; SGLang on GPU)."""
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
-
-    def generate(self, prompts: list[list[int]], **sampling) -> list[tuple[list[int], list[float]]]: ...
-
-
-class LocalEngine:
-    """The in-process torch engine: batched sampling with a KV cache (posttrain.rollout.sample)."""
-
-    def __init__(self, model):
-        self.model = model.eval()
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict)
-
-    def generate(self, prompts: list[list[int]], **sampling) -> list[tuple[list[int], list[float]]]:
-        return sample(self.model, prompts, **sampling)
-
-
 class RolloutWorker:
-    def __init__(self, checkpoint: str, threads: int = 1, teachers=None):
+    def __init__(self, checkpoint: str, threads: int = 1, teachers=None, engine: str = "torch"):
         torch.set_num_threads(threads)
-        model, self.tok = load_checkpoint(checkpoint)
-        self.engine: Engine = LocalEngine(model)
+        self.engine: RolloutEngine = rollout_engine(engine, checkpoint)
+        self.tok = self.engine.tokenizer
         self.teachers = teachers  # a TeacherPool: distillation samples are scored here, off the trainer
-        self.version = 0
 
     def ready(self) -> bool:
         return True
 
-    def set_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        self.engine.load_weights(state_dict)
-        self.version = version
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def set_weights(self, source: WeightSource, version: int) -> None:
+        self.engine.update_weights(source, version)
 
     def rollout(self, tasks: list[Task], group_size: int, seed: int, distill: tuple[Task, ...] = (),
                 teacher_mode: str = "sampled", top_k: int = 16, **kw) -> tuple[list[Sample], dict]:
@@ -104,19 +87,20 @@ class RolloutWorker:
 class WorkerPool:
     """n rollout workers; calls on one worker run in submission order (weights, then rollouts)."""
 
-    def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, teachers=None):
+    def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, teachers=None,
+                 engine: str = "torch"):
         import ray
         self.use_ray = ray.is_initialized()
         if self.use_ray:
             cls = ray.remote(RolloutWorker).options(num_cpus=num_cpus, max_restarts=0)
-            self.workers = [cls.remote(checkpoint, threads, teachers) for _ in range(n)]
+            self.workers = [cls.remote(checkpoint, threads, teachers, engine) for _ in range(n)]
             try:
                 ray.get([w.ready.remote() for w in self.workers], timeout=180)
             except ray.exceptions.GetTimeoutError:
                 raise RuntimeError(f"{n} rollout worker(s) of {num_cpus} CPU could not be scheduled in 180 s: raise "
                                    "runtime.ray_num_cpus or lower rl.worker_cpus / rl.rollout_workers") from None
         else:
-            self.workers = [RolloutWorker(checkpoint, threads, teachers) for _ in range(n)]
+            self.workers = [RolloutWorker(checkpoint, threads, teachers, engine) for _ in range(n)]
             self.pools = [ThreadPoolExecutor(1) for _ in range(n)]
 
     def __len__(self) -> int:

@@ -1,0 +1,69 @@
+"""Engines: the seam between the pipeline's algorithms and what runs the model.
+
+A `RolloutEngine` (posttrain/engines/base.py) generates from token ids with per-token logprobs and stop
+reasons, scores given tokens (teachers), takes new weights with a version and can pause; rollout workers,
+teachers, validation and every evaluation generate through one. A `TrainEngine` runs forward in the
+completion layout, backward, the optimizer step and its state (weights, optimizer, RNG) for the RL policy,
+the PPO critic and the KL reference. The local torch engines implement both; `rl.rollout_engine` and
+`rl.train_engine` pick one by name.
+
+Adding a backend is one module and one line in ROLLOUT / TRAIN below:
+- SGLang rollout engine (`engines/sglang_rollout.py`): start `sglang.Engine(model_path=checkpoint)` in the
+  worker; `generate` sends `input_ids` with `return_logprob=True` and maps `meta_info["output_token_logprobs"]`
+  and `finish_reason` to `Generation`; `score` prefills with `logprob_start_len` (top-k via
+  `top_logprobs_num`); `update_weights` first by disk (`update_weights_from_disk(folder)`, what a trainer on
+  another node can always do), then by tensor (`update_weights_from_tensor`, same node) or NCCL broadcast
+  (`init_weights_update_group` + `update_weights_from_distributed`, the trainer's rank 0 broadcasting);
+  `pause`/`resume` map to `pause_generation`/`continue_generation`; `version` is the trainer step sent along.
+- Megatron-core train engine (`engines/megatron_train.py`): build the GPT model from the HF checkpoint
+  (Megatron-Bridge's converters), wrap it in DDP with the distributed optimizer; `forward` runs the pipeline
+  schedule (`get_forward_backward_func`) with a loss function that returns per-token logprobs / values;
+  `backward` is folded into that schedule (call `forward` under the loss); `state_dict` is
+  `dist_checkpointing` (sharded, with optimizer and RNG); `weights()` gathers to HF names for the rollout
+  engine (or rank 0 broadcasts over NCCL without gathering).
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+from posttrain.engines.base import Generation, RolloutEngine, TrainEngine
+
+__all__ = ["Generation", "RolloutEngine", "TrainEngine", "rollout_engine", "train_engine", "as_rollout_engine"]
+
+ROLLOUT = {"torch": "posttrain.engines.torch_rollout:TorchRolloutEngine"}
+TRAIN = {"torch": "posttrain.engines.torch_train:TorchTrainEngine"}
+
+
+def _cls(table: dict[str, str], name: str, key: str):
+    if name not in table:
+        raise ValueError(f"{key}: unknown engine {name!r} (known: {', '.join(sorted(table))})")
+    module, attr = table[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def rollout_engine(name: str, checkpoint: str | Path) -> RolloutEngine:
+    """A rollout engine holding the checkpoint (plain or W4A8 compressed-tensors)."""
+    return _cls(ROLLOUT, name, "rl.rollout_engine").from_checkpoint(checkpoint)
+
+
+def train_engine(name: str, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None) -> TrainEngine:
+    """A train engine for the checkpoint as `policy`, `critic` (a value head on its backbone) or `reference`
+    (forward only)."""
+    return _cls(TRAIN, name, "rl.train_engine").from_checkpoint(checkpoint, role, lr=lr)
+
+
+def as_rollout_engine(model, tokenizer) -> RolloutEngine:
+    """A model in this process as a rollout engine (an engine is returned as it is)."""
+    if isinstance(model, torch.nn.Module):
+        from posttrain.engines.torch_rollout import TorchRolloutEngine
+        return TorchRolloutEngine(model, tokenizer)
+    return model
+
+
+def check(names: dict[str, str]) -> None:
+    """Refuse unknown engine names before any work ({config key: name})."""
+    for key, name in names.items():
+        _cls(ROLLOUT if key.endswith("rollout_engine") else TRAIN, name, key)

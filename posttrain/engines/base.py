@@ -1,0 +1,75 @@
+"""The two engine interfaces every stage trains and generates through (see the package docstring)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Protocol
+
+import torch
+
+StopReason = Literal["stop", "length"]
+WeightSource = Mapping[str, torch.Tensor] | str | Path  # a state dict, or a checkpoint folder
+
+
+@dataclass
+class Generation:
+    """One prompt's completion exactly as sampled: token in, token out, never re-tokenised."""
+    ids: list[int]
+    logprobs: list[float]      # behaviour log-probability of each token, at the sampling temperature
+    stop_reason: StopReason    # "stop": ended on a stop id (kept as the last id); "length": max_new_tokens
+
+
+class RolloutEngine(Protocol):
+    """Generation for rollouts, teachers and evaluation."""
+    tokenizer: Any
+    version: int               # policy version (trainer updates) of the weights it holds
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
+                 generator: torch.Generator | None = None) -> list[Generation]:
+        """Complete each prompt (token ids); temperature 0 is greedy."""
+
+    def score(self, items: list[tuple[list[int], list[int], list[int]]], *, mode: str = "sampled", top_k: int = 16,
+              temperature: float = 1.0) -> list:
+        """For (prompt ids, completion ids, generation mask) items, the engine's log-probabilities of the
+        generated tokens (`sampled`), its top-k (ids, logprobs) (`topk`) or whole log-distribution (`full`)."""
+
+    def update_weights(self, source: WeightSource, version: int) -> None:
+        """Take new weights; generations started after this call use them."""
+
+    def pause(self) -> None:
+        """Hold new generations (a weight update in progress)."""
+
+    def resume(self) -> None: ...
+
+
+class TrainEngine(Protocol):
+    """A model being trained: forward in the completion layout, backward, optimizer step, state."""
+    model: torch.nn.Module
+    device: torch.device
+    tokenizer: Any
+
+    def forward(self, samples: list) -> torch.Tensor:
+        """The model's output at the position predicting each completion token ([samples, longest, ...]):
+        logits for a policy, values for a critic (posttrain.rl.batches's completion layout)."""
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, max_grad_norm: float = 1.0) -> float:
+        """Clip, optimizer step, zero the gradients; returns the gradient norm before clipping."""
+
+    def zero_grad(self) -> None: ...
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights for rollout engines (`RolloutEngine.update_weights`)."""
+
+    def state_dict(self) -> dict:
+        """Weights, optimizer state and RNG: everything an exact resume needs."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def train(self) -> None: ...
+
+    def eval(self) -> None: ...
+
+
+Forward = Callable[[torch.nn.Module, list], torch.Tensor]

@@ -1,0 +1,135 @@
+"""The local rollout engine: batched sampling with a KV cache in plain torch (CPU or one GPU)."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from posttrain.chat import chat_format
+from posttrain.engines.base import Generation, WeightSource
+
+
+def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
+    """Run each distinct prompt once (left-padded) and index its KV cache out to every row that has it.
+
+    Returns (the model's output for the distinct prompts, the per-row cache, the per-row attention mask,
+    `which`: row -> distinct prompt). Groups of samples share a prompt; this is where they share its work."""
+    uniq: dict[tuple[int, ...], int] = {}
+    which = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts])
+    L = max(map(len, uniq))
+    ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in uniq])
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in uniq])
+    cache = DynamicCache()
+    # a causal LM computes logits only where they are used: the prompt's last position
+    extra = {"logits_to_keep": 1} if hasattr(model, "lm_head") else {}
+    out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache, use_cache=True, **extra)
+    cache.batch_select_indices(which)
+    return out, cache, attn[which], which
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
+           pad_id: int, generator: torch.Generator | None = None) -> list[Generation]:
+    """Generate for a batch of token-id prompts; temperature 0 is greedy.
+
+    Identical prompts (a GRPO group) are prefilled once and share their KV cache; finished rows leave
+    the batch once an eighth of it has finished, so the cost follows the unfinished rows."""
+    out, cache, attn, which = prefill_distinct(model, prompts, pad_id)
+    logits = out.logits[:, -1].float()[which]
+    rows = torch.arange(len(prompts))          # batch row -> prompt index
+    live = torch.ones(len(prompts), dtype=torch.bool)
+    out_ids, out_lp = [[] for _ in prompts], [[] for _ in prompts]
+    stopped = [False] * len(prompts)
+    stop = torch.tensor(sorted(stop_ids))
+    for t in range(max_new_tokens):
+        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
+        if temperature > 0:  # Gumbel-max: an exact draw from softmax(logp), cheaper than multinomial
+            nxt = (logp - torch.empty_like(logp).exponential_(generator=generator).log()).argmax(-1)
+        else:
+            nxt = logits.argmax(-1)
+        lp = logp.gather(1, nxt[:, None]).squeeze(1)
+        hit = torch.isin(nxt, stop)
+        for r, n, x, h in zip(rows[live].tolist(), nxt[live].tolist(), lp[live].tolist(), hit[live].tolist()):
+            out_ids[r].append(n)
+            out_lp[r].append(x)
+            stopped[r] = h
+        live &= ~hit
+        if not live.any() or t == max_new_tokens - 1:
+            break
+        if (~live).sum() * 8 >= len(rows):
+            keep = live.nonzero().flatten()
+            cache.batch_select_indices(keep)
+            attn, rows, nxt, live = attn[keep], rows[keep], nxt[keep], live[keep]
+        attn = torch.cat([attn, live.long()[:, None]], 1)
+        logits = model(input_ids=torch.where(live, nxt, pad_id)[:, None], attention_mask=attn,
+                       position_ids=(attn.sum(-1) - 1)[:, None], past_key_values=cache,
+                       use_cache=True).logits[:, -1].float()
+    return [Generation(i, lp, "stop" if s else "length") for i, lp, s in zip(out_ids, out_lp, stopped)]
+
+
+class TorchRolloutEngine:
+    """A causal LM in this process. `model` is shared, not copied: an engine over the trainer's own policy
+    (validation) sees its updates at once; workers and teachers hold their own copy."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, max_cells: int = 4096):
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.pad_id, self.max_cells = chat_format(tokenizer).pad_id, max_cells
+        self.version = 0
+        self._open = threading.Event()
+        self._open.set()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> "TorchRolloutEngine":
+        from posttrain.quant.int_linear import load_any  # plain or W4A8 compressed-tensors
+        return cls(*load_any(path))
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
+                 generator: torch.Generator | None = None) -> list[Generation]:
+        self._open.wait()
+        return sample(self.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                      stop_ids=stop_ids, pad_id=self.pad_id, generator=generator)
+
+    @torch.no_grad()
+    def score(self, items: list[tuple[list[int], list[int], list[int]]], *, mode: str = "sampled", top_k: int = 16,
+              temperature: float = 1.0) -> list:
+        """The teacher's distribution over each generated token, at the student's sampling temperature."""
+        from posttrain.rl.batches import micro_batches, prefix_forward
+        samples = [SimpleNamespace(prompt_ids=p, ids=ids) for p, ids, _ in items]
+        out: list = [None] * len(items)
+        for idx in micro_batches(samples, self.max_cells):  # bounded memory for the [rows, T, V] logits
+            logits = prefix_forward(self.model, [samples[i] for i in idx], self.pad_id).float()
+            logp = torch.log_softmax(logits / temperature, -1)
+            for row, i in enumerate(idx):
+                _, ids, mask = items[i]
+                pos = torch.tensor([j for j, m in enumerate(mask) if m], dtype=torch.long)
+                lp = logp[row, pos]
+                if mode == "sampled":
+                    out[i] = lp.gather(-1, torch.tensor(ids)[pos, None]).squeeze(-1).tolist()
+                elif mode == "topk":
+                    v, k = lp.topk(min(top_k, lp.size(-1)), -1)
+                    out[i] = (k.to(torch.int32).numpy(), v.numpy())
+                else:
+                    out[i] = lp.numpy().astype(np.float32)
+        return out
+
+    def update_weights(self, source: WeightSource, version: int) -> None:
+        if isinstance(source, (str, Path)):  # weights by disk: a checkpoint folder
+            from posttrain.model import load_checkpoint
+            source = load_checkpoint(source)[0].state_dict()
+        self.pause()
+        try:
+            self.model.load_state_dict(source)
+            self.version = version
+        finally:
+            self.resume()
+
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()

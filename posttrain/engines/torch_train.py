@@ -1,0 +1,79 @@
+"""The local train engine: a torch module and its AdamW optimizer in this process (CPU or one GPU)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from posttrain.engines.base import Forward
+
+
+def policy_logits(pad_id: int) -> Forward:
+    """A causal LM's logits in the completion layout (each distinct prompt run once)."""
+    from posttrain.rl.batches import prefix_forward
+    return lambda model, samples: prefix_forward(model, samples, pad_id)
+
+
+class TorchTrainEngine:
+    """`model` trained with AdamW at `lr` (or a given `optimizer`; neither: forward only, e.g. the KL
+    reference); `forward` maps (model, samples) to its output in the completion layout."""
+
+    def __init__(self, model: torch.nn.Module, forward: Forward, *, lr: float | None = None,
+                 weight_decay: float = 0.0, optimizer: torch.optim.Optimizer | None = None,
+                 device: str | torch.device = "cpu", tokenizer=None):
+        from posttrain.train import make_optimizer
+        self.device = torch.device(device)
+        self.model, self.tokenizer = model.to(self.device), tokenizer
+        self._forward = forward
+        self.opt = optimizer or (make_optimizer(model, lr, weight_decay) if lr is not None else None)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None) -> "TorchTrainEngine":
+        from transformers import AutoTokenizer
+
+        from posttrain.chat import pad_id
+        from posttrain.model import load_checkpoint
+        if role == "critic":
+            from posttrain.rl.critic import ValueModel
+            tok = AutoTokenizer.from_pretrained(path)
+            pad = pad_id(tok)
+            return cls(ValueModel(path), lambda m, samples: m(samples, pad), lr=lr, tokenizer=tok)
+        model, tok = load_checkpoint(path)
+        pad = pad_id(tok)
+        if role == "reference":
+            return cls(model.eval(), policy_logits(pad), tokenizer=tok)
+        return cls(model, policy_logits(pad), lr=lr, tokenizer=tok)
+
+    def forward(self, samples: list) -> torch.Tensor:
+        return self._forward(self.model, samples)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, max_grad_norm: float = 1.0) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm).item()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict() if self.opt else None,
+                "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.opt is not None:
+            self.opt.load_state_dict(state["opt"])
+        torch.set_rng_state(state["rng"])
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()

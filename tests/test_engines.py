@@ -1,0 +1,111 @@
+"""The engine seam: what the RL loop, teachers and evaluation rely on from a rollout and a train engine."""
+import threading
+
+import pytest
+import torch
+
+import environments
+from posttrain.chat import chat_format, render_ids
+from posttrain.config import ModelConfig
+from posttrain.engines import check, rollout_engine, train_engine
+from posttrain.model import build_model, save_checkpoint
+from posttrain.rl.workers import RolloutWorker
+
+
+@pytest.fixture(scope="module")
+def ckpts(tok, tmp_path_factory):
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
+    out = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        path = tmp_path_factory.mktemp(f"ckpt{seed}")
+        save_checkpoint(build_model(cfg, tok), tok, path)
+        out.append(str(path))
+    return out
+
+
+def _prompts(tok, n=3):
+    return [render_ids(tok, t.messages(), add_generation_prompt=True)
+            for t in environments.get("reasoning").generate("test", n, 0)]
+
+
+def test_generation_reports_its_stop_reason(ckpts, tok):
+    engine = rollout_engine("torch", ckpts[0])
+    prompts = _prompts(tok)
+    free = engine.generate(prompts, max_new_tokens=6, temperature=0.0, stop_ids=set())
+    assert all(g.stop_reason == "length" and len(g.ids) == len(g.logprobs) == 6 for g in free)
+    stop = free[0].ids[2]  # the third greedy token ends the first row there
+    cut = engine.generate(prompts, max_new_tokens=6, temperature=0.0, stop_ids={stop})
+    assert cut[0].stop_reason == "stop" and cut[0].ids == free[0].ids[:free[0].ids.index(stop) + 1]
+
+
+def test_update_weights_from_a_folder_or_a_state_dict_and_the_version(ckpts, tok):
+    prompts, kw = _prompts(tok), dict(max_new_tokens=8, temperature=0.0, stop_ids=set())
+
+    def out(engine):  # ids and their logprobs: an untrained model's greedy ids alone may agree by chance
+        gens = engine.generate(prompts, **kw)
+        return [g.ids for g in gens], torch.tensor([g.logprobs for g in gens])
+
+    ids, lp = out(rollout_engine("torch", ckpts[1]))
+    by_disk, by_tensor = rollout_engine("torch", ckpts[0]), rollout_engine("torch", ckpts[0])
+    assert not torch.allclose(out(by_disk)[1], lp, atol=1e-3)
+    by_disk.update_weights(ckpts[1], version=3)
+    by_tensor.update_weights(train_engine("torch", ckpts[1]).weights(), version=4)
+    for engine, version in ((by_disk, 3), (by_tensor, 4)):
+        got_ids, got_lp = out(engine)
+        assert got_ids == ids and torch.allclose(got_lp, lp, atol=1e-5) and engine.version == version
+
+
+def test_a_paused_engine_generates_nothing_until_resumed(ckpts, tok):
+    engine, done = rollout_engine("torch", ckpts[0]), []
+    engine.pause()
+    t = threading.Thread(target=lambda: done.append(engine.generate(_prompts(tok, 1), max_new_tokens=2,
+                                                                    temperature=0.0, stop_ids=set())))
+    t.start()
+    t.join(timeout=0.5)
+    assert t.is_alive() and not done  # held while paused
+    engine.resume()
+    t.join()
+    assert len(done[0]) == 1
+
+
+def test_train_engine_state_resumes_exactly(ckpts, tok):
+    """Weights, optimizer moments and RNG: a step after load equals the step after save."""
+    worker = RolloutWorker(ckpts[0])
+    samples, _ = worker.rollout(environments.get("reasoning").generate("train", 2, 0), 2, seed=0, temperature=1.0,
+                                max_new_tokens=6, max_turns=1)
+
+    def step(engine):
+        logits = engine.forward(samples)
+        loss = logits.log_softmax(-1)[..., 0].mean() * torch.rand(())  # the same step only with the same RNG
+        engine.backward(loss)
+        return engine.step(1.0)
+
+    engine = train_engine("torch", ckpts[0], lr=1e-2)
+    step(engine)
+    saved = {k: v.clone() if torch.is_tensor(v) else v for k, v in engine.state_dict()["model"].items()}
+    state = torch.serialization.pickle.loads(torch.serialization.pickle.dumps(engine.state_dict()))
+    step(engine)
+    after = [p.detach().clone() for p in engine.model.parameters()]
+    other = train_engine("torch", ckpts[0], lr=1e-2)
+    other.load_state_dict(state)
+    assert all(torch.equal(saved[k], v) for k, v in other.model.state_dict().items())
+    step(other)
+    assert all(torch.equal(a, p) for a, p in zip(after, other.model.parameters()))
+    assert engine.tokenizer is not None and chat_format(engine.tokenizer).pad_id == chat_format(tok).pad_id
+
+
+def test_critic_and_reference_roles(ckpts):
+    critic, ref = train_engine("torch", ckpts[0], "critic", lr=1e-3), train_engine("torch", ckpts[0], "reference")
+    assert ref.opt is None and critic.opt is not None
+    worker = RolloutWorker(ckpts[0])
+    samples, _ = worker.rollout(environments.get("reasoning").generate("train", 1, 0), 2, seed=0, temperature=1.0,
+                                max_new_tokens=4, max_turns=1)
+    assert critic.forward(samples).shape == (2, max(len(s.ids) for s in samples))  # one value per position
+
+
+def test_unknown_engines_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"rl.rollout_engine: unknown engine 'sglang' \(known: torch\)"):
+        check({"rl.rollout_engine": "sglang"})
+    with pytest.raises(ValueError, match="rl.train_engine: unknown engine 'megatron'"):
+        check({"rl.train_engine": "megatron"})
