@@ -12,12 +12,11 @@ import flyte
 
 from posttrain import pipeline
 from posttrain.config import load_config
-from tasks import cross_stage as cross_t
 from posttrain.stages import graph, upstream
 from workflows.post_train import PipelineOutput, env as post_env, run_waves
 
 env = flyte.TaskEnvironment(name="cross_stage_workflow", image=post_env.image, resources=post_env.resources,
-                            cache="disable", depends_on=[post_env, cross_t.env, cross_t.report_env])
+                            cache="disable", depends_on=[post_env])  # post_env deploys every stage's task
 
 
 

@@ -16,16 +16,20 @@ import flyte
 from posttrain import pipeline
 from posttrain.gates import enforce_gates
 from posttrain.artifacts import ArtifactRef
-from posttrain.config import load_config
+from posttrain.config import PipelineConfig, load_config
 from posttrain.stages import RunContext, Stage, graph, ref_from_dict, waves
-from tasks import base as base_t, cross_stage as cross_t, curate as curate_t, evaluate as evaluate_t, opd as opd_t, \
-    quantize as quantize_t, ramp as ramp_t, rl as rl_t, sft as sft_t
 from tasks.common import CPU
 
-TASK_MODULES = (curate_t, base_t, ramp_t, sft_t, rl_t, opd_t, quantize_t, evaluate_t, cross_t)
-env = flyte.TaskEnvironment(
-    name="post_train", image=CPU, resources=flyte.Resources(cpu="1", memory="2Gi"), cache="disable",
-    depends_on=[m.env for m in TASK_MODULES] + [cross_t.report_env])
+
+def task_of(stage: Stage):
+    module, name = stage.task.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# every stage's task environment, from the graph (deploying the workflow deploys them)
+TASK_ENVS = list({id(e): e for e in (task_of(s).parent_env() for s in graph(PipelineConfig()).values())}.values())
+env = flyte.TaskEnvironment(name="post_train", image=CPU, resources=flyte.Resources(cpu="1", memory="2Gi"),
+                            cache="disable", depends_on=TASK_ENVS)
 
 
 @dataclass
@@ -49,8 +53,7 @@ def bind(stage: Stage, task, refs: dict[str, ArtifactRef]) -> dict:
 
 async def node(stage: Stage, ctx: RunContext, refs: dict[str, ArtifactRef]) -> ArtifactRef:
     """Call the Flyte task of `stage` with its upstream artifacts."""
-    module, name = stage.task.split(":")
-    task = getattr(importlib.import_module(module), name)
+    task = task_of(stage)
     return await task(ctx, **bind(stage, task, refs))
 
 
