@@ -1,4 +1,5 @@
-"""The supervised training loop shared by base, ramp and sft: AdamW, warmup + cosine, masked loss."""
+"""The supervised training loop shared by base, ramp and sft: AdamW, warmup + cosine, masked loss, through a
+train engine (posttrain.engines)."""
 from __future__ import annotations
 
 import math
@@ -50,44 +51,38 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
     A loss of exactly 0 over the first steps means nothing is being trained (an empty loss mask): it stops,
     naming `desc` and `zero_loss_hint`.
     """
-    opt = make_optimizer(model, lr, weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_schedule(s, steps, warmup, min_lr_ratio))
+    from posttrain.engines.torch_train import TorchTrainEngine
+    engine = TorchTrainEngine(model, masked_lm_loss, lr=lr, weight_decay=weight_decay,
+                              schedule=lambda s: cosine_schedule(s, steps, warmup, min_lr_ratio))
     hist: dict[str, list[float]] = {"loss": [], "lr": []}
     start = 0
     if state:
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
+        engine.load_state_dict(state["engine"])
         hist, start = state["hist"], state["step"]
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["python_rng"])
-    model.train()
+    engine.train()
     bar = tqdm(range(start, steps), desc=desc, mininterval=5, leave=False, initial=start, total=steps)
     for step in bar:
-        opt.zero_grad(set_to_none=True)
+        engine.zero_grad()
         total = 0.0
         for micro in range(grad_accum):
-            loss = masked_lm_loss(model, next_batch(step * grad_accum + micro)) / grad_accum
-            loss.backward()
+            loss = engine.forward(next_batch(step * grad_accum + micro)) / grad_accum
+            engine.backward(loss)
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        sched.step()
+        engine.step(grad_clip)
         hist["loss"].append(total)
         if len(hist["loss"]) == min(steps, ZERO_LOSS_STEPS) and not any(hist["loss"]):
             raise RuntimeError(f"{desc}: the loss was exactly 0 at each of the first {len(hist['loss'])} steps, so "
                                f"nothing trains (every loss-mask position empty?)"
                                + (f"; {zero_loss_hint}" if zero_loss_hint else ""))
-        hist["lr"].append(sched.get_last_lr()[0])
+        hist["lr"].append(engine.lr)
         bar.set_postfix(loss=f"{total:.3f}", refresh=False)
         if eval_fn and eval_every and ((step + 1) % eval_every == 0 or step == steps - 1):
-            model.eval()
+            engine.eval()
             hist.setdefault("val_loss", []).append(eval_fn())
-            model.train()
+            engine.train()
         if checkpoint and ((checkpoint_every and (step + 1) % checkpoint_every == 0) or step == steps - 1):
-            checkpoint({"model": getattr(model, "module", model).state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "hist": hist, "step": step + 1,
-                        "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()})
-    model.eval()
+            checkpoint({"model": engine.weights(), "engine": engine.state_dict(), "hist": hist, "step": step + 1})
+    engine.eval()
     return hist
 
 

@@ -1,6 +1,9 @@
-"""The local train engine: a torch module and its AdamW optimizer in this process (CPU or one GPU)."""
+"""The local train engine: a torch module and its AdamW optimizer in this process (CPU or one GPU; a DDP
+module under Ray Train)."""
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,16 +19,18 @@ def policy_logits(pad_id: int) -> Forward:
 
 class TorchTrainEngine:
     """`model` trained with AdamW at `lr` (or a given `optimizer`; neither: forward only, e.g. the KL
-    reference); `forward` maps (model, samples) to its output in the completion layout."""
+    reference), its learning rate times `schedule(step)` when given; `forward` maps (model, batch) to what
+    the caller's loss needs: logits or values in the completion layout (RL), the loss itself (LM training)."""
 
     def __init__(self, model: torch.nn.Module, forward: Forward, *, lr: float | None = None,
                  weight_decay: float = 0.0, optimizer: torch.optim.Optimizer | None = None,
-                 device: str | torch.device = "cpu", tokenizer=None):
+                 schedule: Callable[[int], float] | None = None, device: str | torch.device = "cpu", tokenizer=None):
         from posttrain.train import make_optimizer
         self.device = torch.device(device)
         self.model, self.tokenizer = model.to(self.device), tokenizer
         self._forward = forward
         self.opt = optimizer or (make_optimizer(model, lr, weight_decay) if lr is not None else None)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None) -> "TorchTrainEngine":
@@ -44,7 +49,15 @@ class TorchTrainEngine:
             return cls(model.eval(), policy_logits(pad), tokenizer=tok)
         return cls(model, policy_logits(pad), lr=lr, tokenizer=tok)
 
-    def forward(self, samples: list) -> torch.Tensor:
+    @property
+    def _module(self) -> torch.nn.Module:  # the model itself under a DDP wrapper
+        return getattr(self.model, "module", self.model)
+
+    @property
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    def forward(self, samples) -> torch.Tensor:
         return self._forward(self.model, samples)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -53,6 +66,8 @@ class TorchTrainEngine:
     def step(self, max_grad_norm: float = 1.0) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm).item()
         self.opt.step()
+        if self.sched:
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return norm
 
@@ -60,17 +75,21 @@ class TorchTrainEngine:
         self.opt.zero_grad(set_to_none=True)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        return self._module.state_dict()
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "opt": self.opt.state_dict() if self.opt else None,
-                "rng": torch.get_rng_state()}
+        return {"model": self._module.state_dict(), "opt": self.opt.state_dict() if self.opt else None,
+                "sched": self.sched.state_dict() if self.sched else None, "rng": torch.get_rng_state(),
+                "python_rng": random.getstate()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        self._module.load_state_dict(state["model"])
         if self.opt is not None:
             self.opt.load_state_dict(state["opt"])
+        if self.sched is not None:
+            self.sched.load_state_dict(state["sched"])
         torch.set_rng_state(state["rng"])
+        random.setstate(state["python_rng"])
 
     def train(self) -> None:
         self.model.train()
