@@ -26,7 +26,12 @@ def new_run_id() -> str:
 
 
 def check_domains(cfg: PipelineConfig) -> None:
-    """Per-domain settings name domains of this run's world (before any work)."""
+    """Names in the config that refer to code: per-domain settings name domains of this run's world, engines
+    name registered engines (checked before any work)."""
+    try:
+        engines.check({"rl.rollout_engine": cfg.rl.rollout_engine, "rl.train_engine": cfg.rl.train_engine})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     known = [*environments.DOMAINS, *cfg.world.environments]
     named = {"rl.domains": cfg.rl.domains, "rl.per_domain": list(cfg.rl.per_domain),
              "sft.shortcut_share": list(cfg.sft.shortcut_share) if isinstance(cfg.sft.shortcut_share, dict) else []}
@@ -40,7 +45,6 @@ def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None 
           force: list[str] | None = None) -> RunContext:
     validate_gates(cfg)
     check_domains(cfg)
-    engines.check({"rl.rollout_engine": cfg.rl.rollout_engine, "rl.train_engine": cfg.rl.train_engine})
     tracking.configure(cfg.tracking.uri)
     home = home_dir()
     run_id = run_id or new_run_id()

@@ -56,10 +56,11 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
     chain = [stage_name(c, d, order) for d in order[1:] for c in CHAINS]
     evaluated = ("base", "ramp", "sft", *specialists, "opd", "quantize", "curate")
     stages = [
-        Stage("raw", "posttrain.curate.stage:make_raw", (), ("world", "curate"), "tasks.curate:raw", num_cpus=1, threads=1),
-        # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
-        Stage("curate", "posttrain.curate.stage:run", ("raw",), ("world", "curate"), "tasks.curate:curate", num_cpus=0.1,
+        Stage("raw", "posttrain.curate.stage:make_raw", (), ("world", "curate"), "tasks.curate:raw", num_cpus=1,
               threads=1),
+        # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
+        Stage("curate", "posttrain.curate.stage:run", ("raw",), ("world", "curate"), "tasks.curate:curate",
+              num_cpus=0.1, threads=1),
         Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base"), "tasks.base:base"),
         Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
               ("seed", "world.seed", "model", "ramp", "eval.n_per_suite", "eval.max_new_tokens", "eval.batch_size"),
@@ -73,7 +74,8 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
         # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
         Stage("opd", "posttrain.rl.opd:run", ("sft", "curate", *specialists), ("seed", "opd", "rl"), "tasks.opd:opd",
               num_cpus=0.5, threads=1, resumable=True),
-        Stage("quantize", "posttrain.quant.stage:run", ("opd", "curate"), ("seed", "quantize"), "tasks.quantize:quantize"),
+        Stage("quantize", "posttrain.quant.stage:run", ("opd", "curate"), ("seed", "quantize"),
+              "tasks.quantize:quantize"),
         Stage("evaluate", "posttrain.evaluate:run", evaluated, ("seed", "world.seed", "eval", "rl", "model", "ramp"),
               "tasks.evaluate:evaluate"),
     ]
@@ -82,9 +84,9 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
                          ("seed", "rl", "cross_stage", "opd"), "tasks.cross_stage:chain_stage",
                          (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True,
                          workflow="cross_stage") for d in order[1:] for c in CHAINS]
-        stages.append(Stage("consolidation", "posttrain.rl.consolidation:run", ("sft", "curate", *specialists, "opd", *chain),
-                            ("seed", "eval", "rl", "cross_stage"), "tasks.cross_stage:consolidation",
-                            workflow="cross_stage"))
+        stages.append(Stage("consolidation", "posttrain.rl.consolidation:run",
+                            ("sft", "curate", *specialists, "opd", *chain), ("seed", "eval", "rl", "cross_stage"),
+                            "tasks.cross_stage:consolidation", workflow="cross_stage"))
     return {s.name: s for s in stages}
 
 

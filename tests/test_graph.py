@@ -92,3 +92,8 @@ def test_every_task_binds_its_stages_inputs_by_name():
         flat |= next((v for v in args.values() if isinstance(v, dict)), {})
         assert set(flat) == set(s.inputs), s.name
         assert args.get("stage", s.name) == s.name
+
+
+def test_an_unknown_engine_fails_before_any_work():
+    with pytest.raises(ConfigError, match=r"rl.train_engine: unknown engine 'megatron' \(known: torch\)"):
+        check_domains(load_config("smoke", ["rl.train_engine=megatron"]))

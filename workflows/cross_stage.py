@@ -19,16 +19,15 @@ env = flyte.TaskEnvironment(name="cross_stage_workflow", image=post_env.image, r
                             cache="disable", depends_on=[post_env])  # post_env deploys every stage's task
 
 
-
 @env.task(report=True)
 async def cross_stage(profile: str = "tiny", overrides: list[str] = [], force: list[str] = [],  # noqa: B006
                       run_id: str = "") -> PipelineOutput:
     """Run the comparison: multi-teacher OPD, cross-stage distillation and sequential RL."""
     cfg = load_config(profile, list(overrides))
-    ctx = pipeline.start(cfg, run_id=run_id, force=list(force), tags={"posttrain.workflow": "cross_stage"})
     g = graph(cfg)
     if "consolidation" not in g:
         raise ValueError(f"cross_stage: the chains need at least two rl.domains (got {cfg.rl.domains})")
+    ctx = pipeline.start(cfg, run_id=run_id, force=list(force), tags={"posttrain.workflow": "cross_stage"})
     # the main DAG up to the generalist (reused from the cache when it already ran), then the two chains
     todo = upstream(g, "consolidation")
     refs = await run_waves(ctx, {}, todo, ("post_train", "cross_stage"))

@@ -1,5 +1,6 @@
-"""The RL loop shared by the specialists, OPD and the cross-stage chains. Rollout workers generate while the trainer trains (asynchronous, with a
-staleness bound k; k = 0 is synchronous on-policy), GRPO or critic PPO, the domain's verifier as reward.
+"""The RL loop shared by the specialists, OPD and the cross-stage chains. Rollout workers generate while the
+trainer trains (asynchronous, with a staleness bound k; k = 0 is synchronous on-policy), GRPO or critic PPO,
+the domain's verifier as reward.
 
 Token in, token out: the trainer consumes the exact token ids and behaviour logprobs the workers
 produced; nothing is decoded and re-encoded on the way, so the importance ratio measures only the
@@ -116,7 +117,8 @@ class Feed:
 
     def __init__(self, r: RLConfig, pool: list[Task], distill: Distill | None, workers: WorkerPool, seed: int,
                  st: State, kw: dict):
-        self.r, self.pool, self.distill, self.workers, self.seed, self.st, self.kw = r, pool, distill, workers, seed, st, kw
+        self.r, self.pool, self.distill, self.workers, self.seed, self.st = r, pool, distill, workers, seed, st
+        self.kw = kw
         self.n_rl = r.prompts_per_step if pool else 0
         self.n_distill = distill.prompts_per_step if distill else 0
         self.rl_req, self.d_req = (math.ceil(n / r.rollout_workers) for n in (self.n_rl, self.n_distill))
