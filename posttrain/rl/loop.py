@@ -226,6 +226,8 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool))
     tok = eng.policy.tokenizer
     ckpt = Path(scratch) / "rl_state.pt" if scratch else None  # the full state, every `checkpoint_every` steps
+    if ckpt:
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
     st = eng.load(ckpt) if ckpt and ckpt.exists() else State()
     if st.step:
         print(f"[{label}] resuming at step {st.step} of {r.steps}", flush=True)
