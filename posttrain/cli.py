@@ -170,7 +170,8 @@ def cmd_lm_eval(a: argparse.Namespace) -> int:
         if a.checkpoint not in stages:
             raise FileNotFoundError(f"{a.checkpoint}: neither a checkpoint folder nor a stage of run {a.run} "
                                     f"({', '.join(stages)})")
-        path = Path(stages[a.checkpoint]["artifact"])
+        from posttrain.store import local_path
+        path = local_path(stages[a.checkpoint]["artifact"], stages[a.checkpoint]["sha256"])
     results = run(path, a.tasks.split(","), a.include, limit=a.limit, batch_size=a.batch_size, chat=a.chat)
     for task, metrics in results.items():
         shown = ", ".join(f"{k.split(',')[0]} {v:.4g}" for k, v in metrics.items()

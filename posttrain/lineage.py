@@ -1,10 +1,9 @@
 """Audit: from a registered model version back to the raw corpus, every digest re-verified."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
-from posttrain import tracking
+from posttrain import store, tracking
 from posttrain.artifacts import DigestMismatch, find_by_digest, verify
 from posttrain.pipeline import home_dir
 
@@ -14,22 +13,22 @@ def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
     if "@" not in spec:
         raise ValueError(f"expected NAME@VERSION, got {spec!r}")
     name, version = spec.rsplit("@", 1)
-    home = home_dir()
+    home, remote = home_dir(), store.store()
     c = tracking.client(home)
     mv = c.get_model_version(name, version)
     say(f"{name} version {version}: {mv.source} (run {mv.run_id})")
     ok = True
     seen: set[str] = set()
 
-    def walk(path: Path, expected: str | None, depth: int) -> None:
+    def walk(uri: str, expected: str | None, depth: int) -> None:
         nonlocal ok
         pad = "  " * depth
         if expected in seen:
-            say(f"{pad}{path.parent.name:13s} sha256 {expected[:16]}  (verified above)")
+            say(f"{pad}{' ':13s} sha256 {expected[:16]}  (verified above)")
             return
-        try:
-            m = verify(path, expected)
-        except DigestMismatch as e:
+        try:  # from a remote store: downloaded into the local mirror, every file verified
+            m = verify(store.local_path(uri, expected or ""), expected)
+        except (DigestMismatch, OSError) as e:
             ok = False
             say(f"{pad}FAILED {e}")
             return
@@ -39,13 +38,13 @@ def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
             f"mlflow {run}")
         seen.add(m["sha256"])
         for pname, digest in sorted(m["parents"].items()):
-            found = find_by_digest(home / "artifacts", digest)
+            found = remote.find_by_digest(digest) if remote else find_by_digest(home / "artifacts", digest)
             if found is None:
                 ok = False
                 say(f"{pad}  MISSING parent {pname} {digest[:16]}: no artifact with that digest")
                 continue
-            walk(found, digest, depth + 1)
+            walk(str(found), digest, depth + 1)
 
-    walk(Path(mv.tags.get("posttrain.artifact") or mv.source), mv.tags.get("sha256"), 1)
+    walk(mv.tags.get("posttrain.artifact") or mv.source, mv.tags.get("sha256"), 1)
     say("lineage verified: every artifact matches its manifest" if ok else "lineage FAILED verification")
     return ok

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 import uuid
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import environments
 
-from posttrain import engines, report_html, tracking
+from posttrain import engines, report_html, store, tracking
 from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest
 from posttrain.config import ConfigError, PipelineConfig
 from posttrain.gates import check_gates, validate_gates
@@ -18,7 +17,8 @@ from posttrain.stages import RunContext, graph
 
 
 def home_dir() -> Path:
-    return Path(os.environ.get("POSTTRAIN_HOME", Path.cwd() / ".posttrain")).resolve()
+    """This process's local home: POSTTRAIN_HOME, or the local mirror of a remote store (posttrain.store)."""
+    return store.home_dir()
 
 
 def new_run_id() -> str:
@@ -56,13 +56,15 @@ def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None 
     parent = tracking.start_run(str(home), f"pipeline-{run_id}", tags)
     tracking.log_result(str(home), parent, params={"profile": cfg.profile}, metrics={},
                         files=[run_dir / "config.json"])
+    root = store.root_uri()
     return RunContext(run_id=run_id, home=str(home), config_json=cfg.model_dump_json(), parent_run_id=parent,
-                      tags={"posttrain.pipeline_run": parent}, force=list(force or []))
+                      tags={"posttrain.pipeline_run": parent}, force=list(force or []),
+                      store=root if store.is_url(root) else "")
 
 
 def environment_counts(cfg: PipelineConfig, refs: dict[str, ArtifactRef]) -> dict[str, dict[str, int]]:
     """Split sizes per environment (from the data card) and hack attempts its specialist's guard blocked."""
-    card = json.loads((Path(refs["curate"].path) / "data_card.json").read_text())["splits"]
+    card = json.loads((store.local_path(refs["curate"]) / "data_card.json").read_text())["splits"]
     envs: dict[str, dict[str, int]] = {}
     for key, n in card.items():
         split, env = key.split("_", 1)
@@ -70,9 +72,9 @@ def environment_counts(cfg: PipelineConfig, refs: dict[str, ArtifactRef]) -> dic
         entry["train" if split in ("sft", "rl") else split] += n
     for env, entry in envs.items():
         if f"rl-{env}" in refs:
-            entry["hack_attempts_blocked"] = int(read_manifest(refs[f"rl-{env}"].path)["metrics"]
+            entry["hack_attempts_blocked"] = int(read_manifest(store.local_path(refs[f"rl-{env}"]))["metrics"]
                                                  .get("hack_attempts_blocked", 0))
-    sft_metrics = read_manifest(refs["sft"].path)["metrics"] if "sft" in refs else {}
+    sft_metrics = read_manifest(store.local_path(refs["sft"]))["metrics"] if "sft" in refs else {}
     envs["long_context"] = {"train": int(sft_metrics.get("long_context_examples", 0)), "val": 0,
                             "test": cfg.eval.n_per_suite * len(cfg.eval_lengths()), "hack_attempts_blocked": 0}
     return envs
@@ -88,21 +90,23 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
                              "sha256": r.sha256, "cached": r.cached}
                          for s in graph(cfg) if (r := refs.get(s))},
               **(extra or {})}
+    local = {s: store.local_path(r) for s, r in refs.items() if s in ("evaluate", "consolidation", "quantize")}
     if "evaluate" in refs:
-        report.update(json.loads((Path(refs["evaluate"].path) / "eval.json").read_text()))
+        report.update(json.loads((local["evaluate"] / "eval.json").read_text()))
         report["gates"] = check_gates(cfg, report["eval"])
     if "consolidation" in refs:
-        report.update(json.loads((Path(refs["consolidation"].path) / "consolidation.json").read_text()))
+        report.update(json.loads((local["consolidation"] / "consolidation.json").read_text()))
     if "curate" in refs:
         report["environments"] = environment_counts(cfg, refs)
     passed = report.get("gates", {}).get("passed", True)
     if "quantize" in refs:
         q = refs["quantize"]
-        report["quantization"] = json.loads((Path(q.path) / "quantization.json").read_text())
+        report["quantization"] = json.loads((local["quantize"] / "quantization.json").read_text())
         if passed:  # a model that fails its gates is not registered
             report["registered_model"] = f"{cfg.registered_model}@" + tracking.register_model(
-                ctx.home, cfg.registered_model, q.path, q.mlflow_run_id,
-                {"sha256": q.sha256, "pipeline_run": ctx.parent_run_id, "posttrain.run_id": ctx.run_id})
+                ctx.home, cfg.registered_model, str(local["quantize"]), q.mlflow_run_id,
+                {"sha256": q.sha256, "pipeline_run": ctx.parent_run_id, "posttrain.run_id": ctx.run_id,
+                 "posttrain.artifact": q.path})
     if "eval" in report:
         report["report_html"] = str(run_dir / "report.html")
         report_html.write(report, run_dir)
@@ -112,7 +116,7 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     shown = {"evaluate": ("eval.md", "eval.png"), "consolidation": ("consolidation.md", "consolidation.png")}
     for stage, names in shown.items():
         for name in names if stage in refs else ():
-            shutil.copy(Path(refs[stage].path) / name, run_dir / name)
+            shutil.copy(local[stage] / name, run_dir / name)
     pages = ("report.html", *report_html.PLOTS) if "eval" in report else ()
     files = [run_dir / "report.json"] + [run_dir / n for ns in [*shown.values(), pages] for n in ns
                                          if (run_dir / n).exists()]
@@ -120,6 +124,7 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     tracking.log_result(ctx.home, ctx.parent_run_id, params={}, metrics={"wall_seconds": wall_seconds, **metrics},
                         files=files, tags={"posttrain.gates": "passed" if passed else "failed"})
     tracking.end_run(ctx.home, ctx.parent_run_id, "FINISHED" if passed else "FAILED")
+    store.upload_run(run_dir, ctx.run_id)
     return report
 
 
@@ -130,6 +135,7 @@ def fail(ctx: RunContext) -> None:
 def load_run(run: str) -> tuple[dict, PipelineConfig]:
     """An earlier run's report and config, by run id (or 'latest')."""
     from posttrain.config import config_from_dict
+    store.download_run(run)
     home = home_dir()
     run_dir = home / "runs" / run if run != "latest" else None
     if run_dir is None:

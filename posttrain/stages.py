@@ -13,10 +13,11 @@ from pathlib import Path
 
 from environments import ENV_VAR
 from posttrain import tracking
-from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, dir_digest, git_sha, sha256_json, verify, \
-    verify_ref, write_manifest
+from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, dir_digest, git_sha, read_manifest, \
+    sha256_json, verify, verify_ref, write_manifest
 from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
+from posttrain.store import Store
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class RunContext:
     home: str
     config_json: str
     parent_run_id: str = ""
+    store: str = ""  # the remote artifact store's URL (posttrain.store); empty: `home` is the store
     tags: dict[str, str] = field(default_factory=dict)
     force: list[str] = field(default_factory=list)  # stages to redo even on a cache hit
 
@@ -165,31 +167,30 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     missing = set(stage.inputs) - set(inputs)
     if missing:
         raise StageFailed(f"{name}: missing inputs {sorted(missing)}")
+    store = Store(ctx.store, Path(ctx.home)) if ctx.store else None
+    local: dict[str, Path] = {}
     for k, ref in inputs.items():
-        try:
-            verify_ref(ref)  # refuses a tampered or half-written upstream artifact
-        except DigestMismatch as e:
+        try:  # refuses a tampered or half-written upstream artifact
+            local[k] = store.fetch(ref.path, ref.sha256) if store else Path(ref.path)
+            store or verify_ref(ref)
+        except (DigestMismatch, OSError) as e:
             raise StageFailed(f"stage {name} refused its input {k}: {e}") from e
     key = cache_key(stage, cfg, code, inputs)
     target = Path(ctx.home) / "artifacts" / name / key[:16]
     tags = {"posttrain.stage": name, "posttrain.run_id": ctx.run_id, "git_sha": git_sha(),
             "config_digest": cfg.digest(), "cache_key": key, **ctx.tags}
     datasets = [(k, v.sha256, v.path) for k, v in inputs.items()]
-    if target.exists() and name not in ctx.force:
-        try:
-            manifest = verify(target)
-        except DigestMismatch:
-            manifest = None  # a corrupted cache entry is recomputed, never served
-        if manifest:
-            run_id = tracking.start_run(ctx.home, name, {**tags, "posttrain.cache_hit": "true",
-                                                         "artifact_uri": str(target),
-                                                         "artifact_sha256": manifest["sha256"],
-                                                         "produced_by_run": manifest["mlflow_run_id"]},
-                                        ctx.parent_run_id)
-            tracking.log_result(ctx.home, run_id, params={}, metrics=manifest.get("metrics", {}), datasets=datasets)
-            tracking.end_run(ctx.home, run_id)
-            return ArtifactRef(name, str(target), manifest["sha256"], run_id, round(time.time() - t0, 2), True,
-                               manifest.get("metrics", {}))
+    hit = None if name in ctx.force else _cached(store, name, key, target)
+    if hit:
+        uri, manifest = hit
+        run_id = tracking.start_run(ctx.home, name, {**tags, "posttrain.cache_hit": "true", "artifact_uri": uri,
+                                                     "artifact_sha256": manifest["sha256"],
+                                                     "produced_by_run": manifest["mlflow_run_id"]},
+                                    ctx.parent_run_id)
+        tracking.log_result(ctx.home, run_id, params={}, metrics=manifest.get("metrics", {}), datasets=datasets)
+        tracking.end_run(ctx.home, run_id)
+        return ArtifactRef(name, uri, manifest["sha256"], run_id, round(time.time() - t0, 2), True,
+                           manifest.get("metrics", {}))
     run_id = tracking.start_run(ctx.home, name, tags, ctx.parent_run_id)
     try:
         ensure_ray(cfg.runtime)
@@ -197,7 +198,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         extra = {"scratch": str(scratch)} if stage.resumable else {}
         with atomic_dir(target) as tmp:
             user_envs = {ENV_VAR: json.dumps(cfg.world.environments)} if cfg.world.environments else None
-            ref = submit(stage.fn, stage.num_cpus, stage.threads, cfg, {k: v.path for k, v in inputs.items()}, tmp,
+            ref = submit(stage.fn, stage.num_cpus, stage.threads, cfg, {k: str(v) for k, v in local.items()}, tmp,
                          env_vars=user_envs, **dict(stage.params), **extra)
             result = await ref
             metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
@@ -208,9 +209,12 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
             tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(cfg.section(s))
                                                              for s in stage.sections}, **dict(stage.params)},
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
-                                tags={"artifact_uri": str(target), "artifact_sha256": digest})
+                                tags={"artifact_sha256": digest})
             for child in result.get("children", []):
                 _log_child(ctx.home, run_id, tags, child, target)
+        # published: a remote store's upload, manifest last, then the commit that makes it visible
+        uri = store.publish(target, name, key, digest) if store else str(target)
+        tracking.log_result(ctx.home, run_id, params={}, metrics={}, tags={"artifact_uri": uri})
     except BaseException as e:
         shown = getattr(e, "cause", None) or e  # a RayTaskError carries the stage's own exception
         detail = "".join(traceback.format_exception_only(type(shown), shown)).strip()
@@ -221,7 +225,25 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         raise StageFailed(f"stage {name} failed: {detail}") from e
     shutil.rmtree(scratch, ignore_errors=True)  # published: the resume state is no longer needed
     tracking.end_run(ctx.home, run_id)
-    return ArtifactRef(name, str(target), digest, run_id, round(time.time() - t0, 2), False, metrics)
+    return ArtifactRef(name, uri, digest, run_id, round(time.time() - t0, 2), False, metrics)
+
+
+def _cached(store: Store | None, name: str, key: str, target: Path) -> tuple[str, dict] | None:
+    """The artifact already made for this cache key, verified: (its URI, its manifest). A corrupted cache
+    entry is recomputed, never served; a local one whose upload failed is published now."""
+    try:
+        if store is None:
+            return (str(target), verify(target)) if target.exists() else None
+        committed = store.committed(name, key)
+        if committed:
+            store.fetch(*committed)
+            return committed[0], read_manifest(target)
+        if target.exists():
+            manifest = verify(target)
+            return store.publish(target, name, key, manifest["sha256"]), manifest
+    except DigestMismatch:
+        pass
+    return None
 
 
 def _log_child(home: str, parent: str, tags: dict, child: dict, target: Path) -> None:

@@ -101,7 +101,7 @@ def register_model(home: str, name: str, source: str, run_id: str, tags: dict[st
         c.get_registered_model(name)
     except Exception:
         c.create_registered_model(name, description="posttrain pipeline output; lineage: `posttrain lineage`")
-    tags = {**tags, "posttrain.artifact": source}  # where lineage finds the artifact and its manifest
+    tags = {"posttrain.artifact": source, **tags}  # where lineage finds the artifact and its manifest
     if server_uri():  # a server takes only sources inside a run's artifacts: the model goes to its store
         c.log_artifacts(run_id, source, "model")
         source = f"runs:/{run_id}/model"

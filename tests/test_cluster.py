@@ -1,5 +1,7 @@
-"""Against real servers on loopback, started by the test and stopped after it: an MLflow tracking server
-(sqlite backend, its own artifact store) receives every run, input, artifact and the registered model."""
+"""Against real servers on loopback, started by the test and stopped after it: an S3-compatible server (moto)
+holds the artifact store (POSTTRAIN_HOME=s3://...), an MLflow tracking server (sqlite backend, its own
+artifact store) receives every run, input, artifact and the registered model; then a fresh machine (an
+empty working directory, an empty local mirror) reads, audits and reruns from them."""
 import json
 import os
 import socket
@@ -46,15 +48,55 @@ def mlflow_server(tmp_path_factory):
     proc.wait(timeout=30)
 
 
-def test_a_run_is_tracked_on_the_server(mlflow_server, tmp_path):
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    import boto3
+    d = tmp_path_factory.mktemp("s3-server")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=open(d / "server.log", "w"), stderr=subprocess.STDOUT)
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"S3 server did not start:\n{(d / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+    s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                      aws_access_key_id="test", aws_secret_access_key="test")
+    s3.create_bucket(Bucket="posttrain-test")
+    yield env, s3
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _cli(args: list[str], env: dict, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "posttrain.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_run_on_the_s3_store_and_the_tracking_server(mlflow_server, s3_server, tmp_path):
     uri, server_dir = mlflow_server
-    home = tmp_path / "home"
-    env = {**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled", "MLFLOW_TRACKING_URI": uri}
-    p = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
+    aws, s3 = s3_server
+    mirror = tmp_path / "mirror"
+    env = {**os.environ, **aws, "POSTTRAIN_HOME": "s3://posttrain-test/home", "POSTTRAIN_LOCAL": str(mirror),
+           "RAY_AUTH_MODE": "disabled", "MLFLOW_TRACKING_URI": uri}
+    p = _cli(["run", "--profile", "smoke"], env, ROOT)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    assert not (home / "mlflow.db").exists() and not (home / "mlruns").exists()  # nothing tracked locally
-    report = json.loads((home / "latest" / "report.json").read_text())
+    assert not (mirror / "mlflow.db").exists() and not (mirror / "mlruns").exists()  # nothing tracked locally
+    report = json.loads(s3.get_object(Bucket="posttrain-test", Key="home/latest/report.json")["Body"].read())
+    keys = {o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="posttrain-test")
+            for o in page.get("Contents", [])}
+    for stage, v in report["stages"].items():  # each artifact in the bucket, committed, its manifest there
+        assert v["artifact"].startswith(f"s3://posttrain-test/home/artifacts/{stage}/"), v["artifact"]
+        prefix = v["artifact"].removeprefix("s3://posttrain-test/")
+        assert f"{prefix}/manifest.json" in keys and f"{prefix.rsplit('/', 1)[0]}/COMMIT" in keys
+    assert f"home/runs/{report['run_id']}/report.html" in keys
     c = MlflowClient(tracking_uri=uri, registry_uri=uri)
     parent = c.get_run(report["mlflow_run_id"])
     exp = parent.info.experiment_id
@@ -69,6 +111,24 @@ def test_a_run_is_tracked_on_the_server(mlflow_server, tmp_path):
     name, version = report["registered_model"].split("@")
     mv = c.get_model_version(name, version)  # the registered model's files are in the server's store too
     assert {f.path for f in c.list_artifacts(mv.run_id, "model")} >= {"model/model.safetensors", "model/manifest.json"}
-    lineage = subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", report["registered_model"]],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert lineage.returncode == 0 and "raw" in lineage.stdout, lineage.stderr[-2000:]
+
+    # a fresh machine: an empty working directory and an empty mirror; everything comes from the servers
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    fresh = {**env, "POSTTRAIN_LOCAL": str(tmp_path / "mirror2")}
+    shown = _cli(["report", "latest"], fresh, empty, 300)
+    assert shown.returncode == 0 and report["run_id"] in shown.stdout, shown.stderr[-2000:]
+    audit = _cli(["lineage", report["registered_model"]], fresh, empty, 300)
+    assert audit.returncode == 0 and "raw" in audit.stdout and "lineage verified" in audit.stdout, \
+        (audit.stdout + audit.stderr)[-2000:]
+    redo = _cli(["rerun", "quantize", "--from", "latest"], fresh, empty)
+    assert redo.returncode == 0, (redo.stdout + redo.stderr)[-3000:]
+
+    # a corrupted object in the bucket is refused, by name
+    opd = report["stages"]["opd"]["artifact"].removeprefix("s3://posttrain-test/")
+    s3.put_object(Bucket="posttrain-test", Key=f"{opd}/config.json", Body=b"{}")
+    tampered = {**env, "POSTTRAIN_LOCAL": str(tmp_path / "mirror3")}
+    audit = _cli(["lineage", report["registered_model"]], tampered, empty, 300)
+    assert audit.returncode == 1 and "file config.json has sha256" in audit.stdout, audit.stdout[-2000:]
+    redo = _cli(["rerun", "quantize", "--from", report["run_id"]], tampered, empty)
+    assert redo.returncode != 0 and "refused its input opd" in redo.stdout + redo.stderr, redo.stdout[-2000:]

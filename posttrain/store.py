@@ -1,0 +1,196 @@
+"""The artifact store: POSTTRAIN_HOME (or `storage.root`) is a local folder or any fsspec URL (s3://, gs://,
+abfs://, ...). With a URL, every node works in a local mirror (`home_dir()`) and the store is the truth:
+
+  <root>/artifacts/<stage>/<key16>/<version>/...   the files, manifest.json uploaded last
+  <root>/artifacts/<stage>/<key16>/COMMIT          {"version", "sha256"}: one PUT that makes it visible
+  <root>/runs/<run_id>/...                          report.json, config.json, report.html and plots
+  <root>/latest/report.json
+
+A half-uploaded artifact has no COMMIT (or an older one), so no consumer ever sees it; a consumer downloads
+the committed version into its mirror and verifies every file against the manifest before using it.
+Object stores have no rename, hence the commit object instead of the local store's atomic folder rename.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+
+from posttrain.artifacts import MANIFEST, ArtifactRef, DigestMismatch, atomic_dir, verify
+
+COMMIT = "COMMIT"
+
+
+def root_uri() -> str:
+    """POSTTRAIN_HOME as given: a URL, or a local folder (default ./.posttrain) made absolute."""
+    raw = os.environ.get("POSTTRAIN_HOME", "")
+    return raw.rstrip("/") if is_url(raw) else str(Path(raw or Path.cwd() / ".posttrain").resolve())
+
+
+def is_url(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def home_dir() -> Path:
+    """Where this process works: the store itself when it is local, else a local mirror of the URL
+    (POSTTRAIN_LOCAL, default ~/.cache/posttrain/<hash of the URL>)."""
+    root = root_uri()
+    if not is_url(root):
+        return Path(root)
+    local = os.environ.get("POSTTRAIN_LOCAL") or Path.home() / ".cache" / "posttrain" / \
+        hashlib.sha256(root.encode()).hexdigest()[:16]
+    return Path(local).resolve()
+
+
+class Store:
+    """A remote store at `root` (an fsspec URL), mirrored under `local`."""
+
+    def __init__(self, root: str, local: Path):
+        self.root, self.local = root.rstrip("/"), local
+        self.fs, self.base = _filesystem(self.root)
+        self.fs.invalidate_cache()  # fsspec shares instances per process: listings another process changed
+
+    def url(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def _path(self, rel: str) -> str:
+        return f"{self.base.rstrip('/')}/{rel}"
+
+    def _rel(self, uri: str) -> str:
+        if not uri.startswith(self.root + "/"):
+            raise DigestMismatch(f"{uri}: not in the store {self.root}")
+        return uri[len(self.root) + 1:]
+
+    # small files: run reports and configs
+    def put_text(self, rel: str, text: str) -> None:
+        with self.fs.open(self._path(rel), "w") as f:
+            f.write(text)
+
+    def get_text(self, rel: str) -> str | None:
+        try:
+            with self.fs.open(self._path(rel), "r") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def put_dir(self, local: Path, rel: str, last: str = "") -> None:
+        """Upload every file under `local` to `rel/`, the file named `last` after all others."""
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        for p in sorted(files, key=lambda p: p.name == last):
+            self.fs.put_file(str(p), self._path(f"{rel}/{p.relative_to(local).as_posix()}"))
+
+    # artifacts
+    def publish(self, folder: Path, stage: str, key: str, sha256: str) -> str:
+        """Upload a finished local artifact (manifest last), then commit it; returns its URI."""
+        rel = f"artifacts/{stage}/{key[:16]}"
+        version = f"{sha256[:16]}-{uuid.uuid4().hex[:8]}"
+        self.put_dir(folder, f"{rel}/{version}", last=MANIFEST)
+        self.put_text(f"{rel}/{COMMIT}", json.dumps({"version": version, "sha256": sha256}))
+        return self.url(f"{rel}/{version}")
+
+    def committed(self, stage: str, key: str) -> tuple[str, str] | None:
+        """(URI, sha256) of the committed version of `stage` at cache key `key`, if any."""
+        text = self.get_text(f"artifacts/{stage}/{key[:16]}/{COMMIT}")
+        if text is None:
+            return None
+        c = json.loads(text)
+        return self.url(f"artifacts/{stage}/{key[:16]}/{c['version']}"), c["sha256"]
+
+    def mirror(self, uri: str) -> Path:
+        """The local mirror folder of an artifact URI (artifacts/<stage>/<key16>)."""
+        parts = self._rel(uri).split("/")
+        return self.local.joinpath(*parts[:3])
+
+    def fetch(self, uri: str, sha256: str) -> Path:
+        """The artifact at `uri` in the local mirror, downloaded if the mirror lacks it, verified."""
+        target = self.mirror(uri)
+        try:
+            if verify(target, sha256):
+                return target
+        except DigestMismatch:
+            pass  # absent, stale or tampered locally: take the store's
+        src = self._path(self._rel(uri))
+        if not self.fs.exists(f"{src}/{MANIFEST}"):
+            raise DigestMismatch(f"{uri}: no {MANIFEST} in the store (not committed, or deleted)")
+        with atomic_dir(target) as tmp:
+            for path in self.fs.find(src):
+                dest = tmp / path[len(src) + 1:]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(path, str(dest))
+            try:
+                verify(tmp, sha256)
+            except DigestMismatch as e:  # name the object, not the temp folder
+                raise DigestMismatch(str(e).replace(str(tmp), uri)) from None
+        return target
+
+    def find_by_digest(self, sha256: str) -> str | None:
+        for commit in self.fs.glob(self._path(f"artifacts/*/*/{COMMIT}")):
+            with self.fs.open(commit, "r") as f:
+                c = json.loads(f.read())
+            if c["sha256"] == sha256:
+                rel = commit[len(self.base.rstrip("/")) + 1:].rsplit("/", 1)[0]
+                return self.url(f"{rel}/{c['version']}")
+        return None
+
+
+def _filesystem(root: str):
+    """fsspec's own implementation for the URL's protocol (s3fs, gcsfs, adlfs, ...): Flyte registers its
+    obstore-based filesystem for s3:// in-process, which this store does not rely on."""
+    import importlib
+
+    from fsspec.registry import known_implementations
+    protocol = root.split("://", 1)[0]
+    impl = known_implementations.get(protocol)
+    if impl is None:
+        import fsspec
+        return fsspec.core.url_to_fs(root)
+    module, _, name = impl["class"].rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except ImportError:
+        raise ImportError(f"POSTTRAIN_HOME={root}: {impl.get('err') or f'install {module}'}") from None
+    return cls(), cls._strip_protocol(root)
+
+
+def store() -> Store | None:
+    """The remote store of this process's POSTTRAIN_HOME (None: a local one)."""
+    root = root_uri()
+    return Store(root, home_dir()) if is_url(root) else None
+
+
+def local_path(ref: ArtifactRef | str, sha256: str = "") -> Path:
+    """An artifact as a local folder (downloaded and verified when the store is remote)."""
+    uri, sha = (ref.path, ref.sha256) if isinstance(ref, ArtifactRef) else (ref, sha256)
+    s = store() if is_url(uri) else None
+    return s.fetch(uri, sha) if s else Path(uri)
+
+
+def upload_run(run_dir: Path, run_id: str) -> None:
+    """A finished run's folder to the store (report.json last) and the `latest` pointer."""
+    s = store()
+    if s is None:
+        return
+    s.put_dir(run_dir, f"runs/{run_id}", last="report.json")
+    s.put_text("latest/report.json", (run_dir / "report.json").read_text())
+
+
+def download_run(run: str) -> None:
+    """An earlier run's report and config into the local mirror (`latest` resolved), when the store is remote."""
+    s = store()
+    if s is None:
+        return
+    if run == "latest":
+        text = s.get_text("latest/report.json")
+        if text is None:
+            return
+        run = json.loads(text)["run_id"]
+        (s.local / "latest").mkdir(parents=True, exist_ok=True)
+        (s.local / "latest" / "report.json").write_text(text)
+    for name in ("report.json", "config.json"):
+        text = s.get_text(f"runs/{run}/{name}")
+        if text is not None:
+            (s.local / "runs" / run).mkdir(parents=True, exist_ok=True)
+            (s.local / "runs" / run / name).write_text(text)
+
