@@ -51,6 +51,9 @@ def sha256_json(obj) -> str:
 
 
 def git_sha() -> str:
+    """The code's commit (with -dirty for uncommitted changes); in an image, the GIT_SHA it was built with."""
+    if baked := os.environ.get("POSTTRAIN_GIT_SHA"):
+        return baked
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
         sha = out.stdout.strip() or "nogit"

@@ -43,3 +43,10 @@ def test_find_by_digest(tmp_path):
     target, digest = _artifact(tmp_path)
     assert find_by_digest(tmp_path, digest) == target
     assert find_by_digest(tmp_path, "0" * 64) is None
+
+
+def test_an_image_without_git_records_the_sha_it_was_built_with(monkeypatch):
+    from posttrain.artifacts import git_sha
+    assert git_sha() != "0123abc"
+    monkeypatch.setenv("POSTTRAIN_GIT_SHA", "0123abc")  # containers/*/Dockerfile: ARG GIT_SHA -> this
+    assert git_sha() == "0123abc"
