@@ -25,6 +25,7 @@ from posttrain.data import load_pretrain_texts
 from posttrain.memory import peak_memory
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack, packing_efficiency
+from posttrain.store import checkpointed
 from posttrain.train import eval_loss, summarize, train
 
 
@@ -172,6 +173,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
             if saved:
                 save_checkpoint(model, tok, saved)
                 (saved / "stage.json").write_text(json.dumps(child))
+                checkpointed(scratch)  # to the artifact store too, when it is remote
         save_checkpoint(model, tok, out / child["path"])
         curves[child["name"]] = {int(L): a for L, a in child["long_context"].items()}
         children.append(child)

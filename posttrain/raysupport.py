@@ -67,6 +67,9 @@ def _call(fn_path: str, threads: int, *args, **kwargs):
 
     import torch
     torch.set_num_threads(threads)
+    if kwargs.get("scratch"):  # where the work runs: a resumable stage lost with its machine resumes here
+        from posttrain.store import restore_scratch
+        restore_scratch(kwargs["scratch"])
     mod, name = fn_path.split(":")
     return getattr(importlib.import_module(mod), name)(*args, **kwargs)
 

@@ -17,7 +17,7 @@ from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, dir_dig
     sha256_json, verify, verify_ref, write_manifest
 from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
-from posttrain.store import Store
+from posttrain.store import SCRATCH_VAR, Store, drop_scratch
 
 
 @dataclass(frozen=True)
@@ -196,10 +196,13 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         ensure_ray(cfg.runtime)
         scratch = Path(ctx.home) / "scratch" / name / key[:16]  # same key after a crash: resume from it
         extra = {"scratch": str(scratch)} if stage.resumable else {}
+        scratch_url = store.url(f"scratch/{name}/{key[:16]}") if store and stage.resumable else ""
         with atomic_dir(target) as tmp:
-            user_envs = {ENV_VAR: json.dumps(cfg.world.environments)} if cfg.world.environments else None
+            user_envs = {ENV_VAR: json.dumps(cfg.world.environments)} if cfg.world.environments else {}
+            if scratch_url:  # resume checkpoints go to the store too (posttrain.store.checkpointed)
+                user_envs[SCRATCH_VAR] = scratch_url
             ref = submit(stage.fn, stage.num_cpus, stage.threads, cfg, {k: str(v) for k, v in local.items()}, tmp,
-                         env_vars=user_envs, **dict(stage.params), **extra)
+                         env_vars=user_envs or None, **dict(stage.params), **extra)
             result = await ref
             metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
             digest = write_manifest(tmp, stage=name, parents={k: v.sha256 for k, v in inputs.items()},
@@ -224,6 +227,8 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
             raise
         raise StageFailed(f"stage {name} failed: {detail}") from e
     shutil.rmtree(scratch, ignore_errors=True)  # published: the resume state is no longer needed
+    if scratch_url:
+        drop_scratch(scratch_url)
     tracking.end_run(ctx.home, run_id)
     return ArtifactRef(name, uri, digest, run_id, round(time.time() - t0, 2), False, metrics)
 

@@ -5,6 +5,7 @@ abfs://, ...). With a URL, every node works in a local mirror (`home_dir()`) and
   <root>/artifacts/<stage>/<key16>/COMMIT          {"version", "sha256"}: one PUT that makes it visible
   <root>/runs/<run_id>/...                          report.json, config.json, report.html and plots
   <root>/latest/report.json
+  <root>/scratch/<stage>/<key16>/...                a resumable stage's last checkpoint, SNAPSHOT last
 
 A half-uploaded artifact has no COMMIT (or an older one), so no consumer ever sees it; a consumer downloads
 the committed version into its mirror and verifies every file against the manifest before using it.
@@ -21,6 +22,10 @@ from pathlib import Path
 from posttrain.artifacts import MANIFEST, ArtifactRef, DigestMismatch, atomic_dir, verify
 
 COMMIT = "COMMIT"
+SNAPSHOT = "SNAPSHOT"
+# the store URL of a running resumable stage's scratch; set in the stage's Ray runtime_env by execute, so the
+# stage and every task and actor it starts (Ray Train workers) can reach it
+SCRATCH_VAR = "POSTTRAIN_SCRATCH_URL"
 
 
 def root_uri() -> str:
@@ -194,3 +199,48 @@ def download_run(run: str) -> None:
             (s.local / "runs" / run).mkdir(parents=True, exist_ok=True)
             (s.local / "runs" / run / name).write_text(text)
 
+
+_PUSHED: dict[tuple[str, str], tuple[int, int]] = {}  # (url, relative path) -> (size, mtime_ns) uploaded
+
+
+def checkpointed(scratch: str | Path) -> None:
+    """Call right after a complete resume checkpoint is written into `scratch`: against a remote store, its
+    changed files are uploaded, then SNAPSHOT (the list of current files) that makes it the one a stage
+    resumed on another machine starts from. No-op with a local store."""
+    url = os.environ.get(SCRATCH_VAR)
+    if not url:
+        return
+    fs, base = _filesystem(url)
+    local = Path(scratch)
+    files = {p.relative_to(local).as_posix(): p for p in sorted(local.rglob("*")) if p.is_file()}
+    for rel, p in files.items():
+        st = p.stat()
+        if _PUSHED.get((url, rel)) != (st.st_size, st.st_mtime_ns):
+            fs.put_file(str(p), f"{base}/{rel}")
+            _PUSHED[(url, rel)] = (st.st_size, st.st_mtime_ns)
+    fs.pipe_file(f"{base}/{SNAPSHOT}", json.dumps(sorted(files)).encode())
+
+
+def restore_scratch(scratch: str | Path) -> bool:
+    """Before a resumable stage starts: fill an empty local `scratch` from the store's last snapshot (a stage
+    lost with its machine resumes on another). True if something was restored."""
+    url, local = os.environ.get(SCRATCH_VAR), Path(scratch)
+    if not url or (local.exists() and any(local.iterdir())):
+        return False
+    fs, base = _filesystem(url)
+    try:
+        names = json.loads(fs.cat_file(f"{base}/{SNAPSHOT}"))
+    except FileNotFoundError:
+        return False
+    for rel in names:
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f"{base}/{rel}", str(local / rel))
+    print(f"[store] restored {len(names)} scratch files from {url}", flush=True)
+    return True
+
+
+def drop_scratch(url: str) -> None:
+    """The stage published: its resume state in the store is no longer needed."""
+    fs, base = _filesystem(url)
+    if fs.exists(base):
+        fs.rm(base, recursive=True)

@@ -124,6 +124,23 @@ def test_a_run_on_the_s3_store_and_the_tracking_server(mlflow_server, s3_server,
     redo = _cli(["rerun", "quantize", "--from", "latest"], fresh, empty)
     assert redo.returncode == 0, (redo.stdout + redo.stderr)[-3000:]
 
+    # a resumable stage killed on one machine resumes on another from the store's snapshot of its scratch
+    args = ["rerun", "rl-general", "--from", report["run_id"], "--set", "rl.checkpoint_every=1"]
+    killed = _cli(args, {**fresh, "POSTTRAIN_KILL_AT": "rl-general:1"}, empty)
+    assert killed.returncode == 1 and "stage rl-general failed" in killed.stderr, killed.stderr[-2000:]
+    other = {**env, "POSTTRAIN_LOCAL": str(tmp_path / "mirror4")}  # that machine's local scratch is gone
+    resumed = _cli(args, other, empty)
+    assert resumed.returncode == 0 and "resuming at step 1 of 2" in resumed.stdout + resumed.stderr, \
+        (resumed.stdout + resumed.stderr)[-3000:]
+    again = json.loads(s3.get_object(Bucket="posttrain-test", Key="home/latest/report.json")["Body"].read())
+    weights = [s3.get_object(Bucket="posttrain-test", Key=r["stages"]["rl-general"]["artifact"]
+                             .removeprefix("s3://posttrain-test/") + "/model.safetensors")["Body"].read()
+               for r in (report, again)]
+    assert weights[0] == weights[1]  # the resumed run's weights are the uninterrupted run's
+    assert not any(k.startswith("home/scratch/") for page in
+                   s3.get_paginator("list_objects_v2").paginate(Bucket="posttrain-test", Prefix="home/scratch/")
+                   for k in [o["Key"] for o in page.get("Contents", [])])  # dropped once published
+
     # a corrupted object in the bucket is refused, by name
     opd = report["stages"]["opd"]["artifact"].removeprefix("s3://posttrain-test/")
     s3.put_object(Bucket="posttrain-test", Key=f"{opd}/config.json", Body=b"{}")

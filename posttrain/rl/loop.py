@@ -26,6 +26,7 @@ from environments.base import Task
 from posttrain.config import RLConfig
 from posttrain.engines import TrainEngine, as_rollout_engine, train_engine
 from posttrain.model import seed_all
+from posttrain.store import checkpointed
 from posttrain.rl.opd_loss import distill_backward
 from posttrain.rl.rollout import run_episodes
 from posttrain.rl.step import train_step
@@ -271,6 +272,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             if ckpt and r.checkpoint_every and done % r.checkpoint_every == 0 and done < r.steps:
                 st = feed.st = feed.snapshot(done, hist, st.attempts, time.perf_counter() - t0, drain=True)
                 eng.save(ckpt, st)
+                checkpointed(ckpt.parent)  # to the artifact store too, when it is remote
                 if kill_at == done:  # fault injection for the resume test
                     os.kill(os.getpid(), signal.SIGKILL)
         st = feed.snapshot(r.steps, hist, st.attempts, time.perf_counter() - t0, drain=False)
