@@ -7,7 +7,7 @@ PROFILE ?= tiny
 B       ?=
 SEEDS   ?= 0 1 2
 
-.PHONY: install run test bench figures clean
+.PHONY: install run test test-cluster bench figures clean
 
 install: $(STAMP)
 
@@ -23,7 +23,11 @@ run: install
 	$(BIN)/posttrain run --profile $(PROFILE)
 
 test: install
-	$(BIN)/python -m pytest -x -q --durations=15  # the slowest tests, for keeping the suite short
+	$(BIN)/python -m pytest -x -q --durations=15 --ignore=tests/test_cluster.py  # the slowest, to keep it short
+
+# against real servers on loopback (S3, MLflow): longer than the suite's budget, so apart; CI runs both
+test-cluster: install
+	$(BIN)/python -m pytest -x -q --durations=5 tests/test_cluster.py
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install -q -e ".[test,bench]"
