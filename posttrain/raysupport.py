@@ -71,7 +71,9 @@ def _call(fn_path: str, threads: int, *args, **kwargs):
         from posttrain.store import restore_scratch
         restore_scratch(kwargs["scratch"])
     mod, name = fn_path.split(":")
-    return getattr(importlib.import_module(mod), name)(*args, **kwargs)
+    out = getattr(importlib.import_module(mod), name)(*args, **kwargs)
+    # which Ray node did the work (on a cluster: a worker node, never the head with num-cpus 0)
+    return {**out, "ray_node": ray.get_runtime_context().get_node_id()} if isinstance(out, dict) else out
 
 
 _remote_call = ray.remote(_call)

@@ -212,7 +212,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
             tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(cfg.section(s))
                                                              for s in stage.sections}, **dict(stage.params)},
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
-                                tags={"artifact_sha256": digest})
+                                tags={"artifact_sha256": digest, "ray_node": result.get("ray_node", "")})
             for child in result.get("children", []):
                 _log_child(ctx.home, run_id, tags, child, target)
         # published: a remote store's upload, manifest last, then the commit that makes it visible

@@ -1,12 +1,15 @@
-"""Against real servers on loopback, started by the test and stopped after it: an S3-compatible server (moto)
-holds the artifact store (POSTTRAIN_HOME=s3://...), an MLflow tracking server (sqlite backend, its own
-artifact store) receives every run, input, artifact and the registered model; then a fresh machine (an
-empty working directory, an empty local mirror) reads, audits and reruns from them."""
+"""Against real servers on loopback, started by the test and stopped after it: a Ray cluster of two nodes (a
+head with no CPUs and a worker node) does the stages' work, an S3-compatible server (moto) holds the artifact
+store (POSTTRAIN_HOME=s3://...), an MLflow tracking server (sqlite backend, its own artifact store) receives
+every run, input, artifact and the registered model; then a fresh machine (an empty working directory, an
+empty local mirror) reads, audits, reruns and resumes from them."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -75,18 +78,41 @@ def s3_server(tmp_path_factory):
     proc.wait(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """`ray start --head --num-cpus 0`, then a worker node joining it, in their own temp dir (short: Ray's
+    socket paths have a length limit); stopped by that dir, so no other Ray on the machine is touched."""
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats", f"--temp-dir={temp}"]
+    for extra in (["--head", "--num-cpus=0", f"--port={port}", "--include-dashboard=false"],
+                  [f"--address=127.0.0.1:{port}", "--num-cpus=2", "--object-store-memory=300000000"]):
+        subprocess.run(ray + extra, env=env, check=True, capture_output=True, timeout=180)
+    nodes = subprocess.run([sys.executable, "-c", "import json, ray; ray.init(address='127.0.0.1:%d'); "
+                            "print(json.dumps([(n['NodeID'], n['Resources'].get('CPU', 0)) for n in ray.nodes() "
+                            "if n['Alive']]))" % port], env=env, capture_output=True, text=True, timeout=120)
+    workers = [nid for nid, cpus in json.loads(nodes.stdout.strip().splitlines()[-1]) if cpus]
+    assert len(workers) == 1, nodes.stdout + nodes.stderr
+    yield f"127.0.0.1:{port}", workers[0]
+    subprocess.run(["pkill", "-f", temp], check=False)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
 def _cli(args: list[str], env: dict, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "posttrain.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
-def test_a_run_on_the_s3_store_and_the_tracking_server(mlflow_server, s3_server, tmp_path):
+def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_server, s3_server, ray_cluster,
+                                                                      tmp_path):
     uri, server_dir = mlflow_server
     aws, s3 = s3_server
+    address, worker_node = ray_cluster
     mirror = tmp_path / "mirror"
     env = {**os.environ, **aws, "POSTTRAIN_HOME": "s3://posttrain-test/home", "POSTTRAIN_LOCAL": str(mirror),
            "RAY_AUTH_MODE": "disabled", "MLFLOW_TRACKING_URI": uri}
-    p = _cli(["run", "--profile", "smoke"], env, ROOT)
+    p = _cli(["run", "--profile", "smoke"], {**env, "RAY_ADDRESS": address}, ROOT)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     assert not (mirror / "mlflow.db").exists() and not (mirror / "mlruns").exists()  # nothing tracked locally
     report = json.loads(s3.get_object(Bucket="posttrain-test", Key="home/latest/report.json")["Body"].read())
@@ -103,6 +129,9 @@ def test_a_run_on_the_s3_store_and_the_tracking_server(mlflow_server, s3_server,
     children = c.search_runs([exp], f"tags.mlflow.parentRunId = '{parent.info.run_id}'", max_results=100)
     stages = {r.data.tags["posttrain.stage"] for r in children}
     assert {"raw", "curate", "base", "sft", "rl-agentic", "opd", "quantize", "evaluate"} <= stages
+    # every stage's work ran on the worker node (the head has no CPUs)
+    assert {r.data.tags["ray_node"] for r in children if r.data.tags.get("posttrain.cache_hit") != "true"} == \
+        {worker_node}
     sft = next(r for r in children if r.data.tags["posttrain.stage"] == "sft")
     assert sft.inputs.dataset_inputs and "loss_last" in sft.data.metrics
     # artifacts reached the server's artifact store, not the run's home
