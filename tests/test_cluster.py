@@ -95,7 +95,7 @@ def ray_cluster():
     workers = [nid for nid, cpus in json.loads(nodes.stdout.strip().splitlines()[-1]) if cpus]
     assert len(workers) == 1, nodes.stdout + nodes.stderr
     yield f"127.0.0.1:{port}", workers[0]
-    subprocess.run(["pkill", "-f", temp], check=False)
+    subprocess.run(["pkill", "-9", "-f", temp], check=False)  # ray stop would stop every Ray on the machine
     shutil.rmtree(temp, ignore_errors=True)
 
 
