@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import shutil
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -13,8 +14,7 @@ from pathlib import Path
 
 from environments import ENV_VAR
 from posttrain import tracking
-from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, dir_digest, git_sha, read_manifest, \
-    sha256_json, verify, verify_ref, write_manifest
+from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, dir_digest, git_sha, sha256_json, verify, verify_ref, write_manifest
 from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
 from posttrain.store import SCRATCH_VAR, Store, drop_scratch
@@ -168,12 +168,10 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     if missing:
         raise StageFailed(f"{name}: missing inputs {sorted(missing)}")
     store = Store(ctx.store, Path(ctx.home)) if ctx.store else None
-    local: dict[str, Path] = {}
-    for k, ref in inputs.items():
-        try:  # refuses a tampered or half-written upstream artifact
-            local[k] = store.fetch(ref.path, ref.sha256) if store else Path(ref.path)
-            store or verify_ref(ref)
-        except (DigestMismatch, OSError) as e:
+    for k, ref in inputs.items() if store is None else ():  # remote: the worker verifies what it downloads
+        try:  # refuses a tampered or half-written upstream artifact, cache hit or not
+            verify_ref(ref)
+        except DigestMismatch as e:
             raise StageFailed(f"stage {name} refused its input {k}: {e}") from e
     key = cache_key(stage, cfg, code, inputs)
     target = Path(ctx.home) / "artifacts" / name / key[:16]
@@ -192,32 +190,31 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         return ArtifactRef(name, uri, manifest["sha256"], run_id, round(time.time() - t0, 2), True,
                            manifest.get("metrics", {}))
     run_id = tracking.start_run(ctx.home, name, tags, ctx.parent_run_id)
+    scratch_url = store.url(f"scratch/{name}/{key[:16]}") if store and stage.resumable else ""
     try:
         ensure_ray(cfg.runtime)
-        scratch = Path(ctx.home) / "scratch" / name / key[:16]  # same key after a crash: resume from it
-        extra = {"scratch": str(scratch)} if stage.resumable else {}
-        scratch_url = store.url(f"scratch/{name}/{key[:16]}") if store and stage.resumable else ""
-        with atomic_dir(target) as tmp:
-            user_envs = {ENV_VAR: json.dumps(cfg.world.environments)} if cfg.world.environments else {}
-            if scratch_url:  # resume checkpoints go to the store too (posttrain.store.checkpointed)
-                user_envs[SCRATCH_VAR] = scratch_url
-            ref = submit(stage.fn, stage.num_cpus, stage.threads, cfg, {k: str(v) for k, v in local.items()}, tmp,
-                         env_vars=user_envs or None, **dict(stage.params), **extra)
-            result = await ref
-            metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
-            digest = write_manifest(tmp, stage=name, parents={k: v.sha256 for k, v in inputs.items()},
-                                    config_digest=cfg.digest(*stage.sections), code_digest=code,
-                                    mlflow_run_id=run_id, extra={"metrics": metrics})
-            files = _small_files(tmp)
-            tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(cfg.section(s))
-                                                             for s in stage.sections}, **dict(stage.params)},
+        env_vars = {ENV_VAR: json.dumps(cfg.world.environments)} if cfg.world.environments else {}
+        if scratch_url:  # resume checkpoints go to the store too (posttrain.store.checkpointed)
+            env_vars[SCRATCH_VAR] = scratch_url
+        # same key after a crash: resume from it
+        extra = {"scratch": str(Path(ctx.home) / "scratch" / name / key[:16])} if stage.resumable else {}
+        manifest = {"stage": name, "parents": {k: v.sha256 for k, v in inputs.items()},
+                    "config_digest": cfg.digest(*stage.sections), "code_digest": code, "mlflow_run_id": run_id}
+        result = await submit("posttrain.stages:produce", stage.num_cpus, stage.threads, stage.fn, cfg,
+                              {k: (v.path, v.sha256) for k, v in inputs.items()}, ctx.home, ctx.store, key,
+                              manifest, dict(stage.params), env_vars=env_vars or None, **extra)
+        uri, digest, metrics = result["uri"], result["digest"], result["metrics"]
+        with tempfile.TemporaryDirectory() as d:  # the worker's tables and plots, for the MLflow run
+            files = [Path(d) / f for f in result["files"]]
+            for path, data in zip(files, result["files"].values()):
+                path.write_bytes(data)
+            tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(cfg.section(s)) for s in stage.sections},
+                                                          **dict(stage.params)},
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
-                                tags={"artifact_sha256": digest, "ray_node": result.get("ray_node", "")})
-            for child in result.get("children", []):
-                _log_child(ctx.home, run_id, tags, child, target)
-        # published: a remote store's upload, manifest last, then the commit that makes it visible
-        uri = store.publish(target, name, key, digest) if store else str(target)
-        tracking.log_result(ctx.home, run_id, params={}, metrics={}, tags={"artifact_uri": uri})
+                                tags={"artifact_sha256": digest, "artifact_uri": uri,
+                                      "ray_node": result.get("ray_node", "")})
+        for child in result.get("children", []):
+            _log_child(ctx.home, run_id, tags, child, uri)
     except BaseException as e:
         shown = getattr(e, "cause", None) or e  # a RayTaskError carries the stage's own exception
         detail = "".join(traceback.format_exception_only(type(shown), shown)).strip()
@@ -226,23 +223,52 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         if isinstance(e, (KeyboardInterrupt, asyncio.CancelledError)):
             raise
         raise StageFailed(f"stage {name} failed: {detail}") from e
-    shutil.rmtree(scratch, ignore_errors=True)  # published: the resume state is no longer needed
-    if scratch_url:
+    if scratch_url:  # published: the resume state is no longer needed
         drop_scratch(scratch_url)
     tracking.end_run(ctx.home, run_id)
     return ArtifactRef(name, uri, digest, run_id, round(time.time() - t0, 2), False, metrics)
 
 
+def produce(fn: str, cfg: PipelineConfig, inputs: dict[str, tuple[str, str]], home: str, store_root: str,
+            key: str, manifest: dict, params: dict, scratch: str = "") -> dict:
+    """A stage's work, on the machine Ray placed it: fetch and verify its inputs (from the store into this
+    machine's mirror), run `fn` into a temp folder, write the manifest, publish (a remote store: upload,
+    manifest last, then the commit that makes it visible). Returns the stage's result with the artifact's
+    URI, digest, metrics and small files (tables, plots) for the driver's MLflow run."""
+    import importlib
+    store = Store(store_root, Path(home)) if store_root else None
+    local: dict[str, Path] = {}
+    for k, (path, sha) in inputs.items():
+        try:  # refuses a tampered or half-written upstream artifact
+            local[k] = store.fetch(path, sha) if store else Path(path)
+            store or verify(path, sha)
+        except (DigestMismatch, OSError) as e:
+            raise DigestMismatch(f"refused its input {k}: {e}") from None
+    name = manifest["stage"]
+    target = Path(home) / "artifacts" / name / key[:16]
+    module, attr = fn.split(":")
+    work = getattr(importlib.import_module(module), attr)
+    with atomic_dir(target) as tmp:
+        result = work(cfg, {k: str(v) for k, v in local.items()}, tmp, **params,
+                      **({"scratch": scratch} if scratch else {}))
+        metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
+        digest = write_manifest(tmp, **manifest, extra={"metrics": metrics})
+        files = {p.name: p.read_bytes() for p in _small_files(tmp)}
+    uri = store.publish(target, name, key, digest) if store else str(target)
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {**result, "metrics": metrics, "digest": digest, "uri": uri, "files": files}
+
+
 def _cached(store: Store | None, name: str, key: str, target: Path) -> tuple[str, dict] | None:
-    """The artifact already made for this cache key, verified: (its URI, its manifest). A corrupted cache
+    """The artifact already made for this cache key: (its URI, its verified manifest). A corrupted cache
     entry is recomputed, never served; a local one whose upload failed is published now."""
     try:
         if store is None:
             return (str(target), verify(target)) if target.exists() else None
         committed = store.committed(name, key)
-        if committed:
-            store.fetch(*committed)
-            return committed[0], read_manifest(target)
+        if committed:  # its manifest only: whoever consumes it downloads and verifies every file
+            return committed[0], store.manifest(*committed)
         if target.exists():
             manifest = verify(target)
             return store.publish(target, name, key, manifest["sha256"]), manifest
@@ -251,10 +277,10 @@ def _cached(store: Store | None, name: str, key: str, target: Path) -> tuple[str
     return None
 
 
-def _log_child(home: str, parent: str, tags: dict, child: dict, target: Path) -> None:
+def _log_child(home: str, parent: str, tags: dict, child: dict, uri: str) -> None:
     """A sub-step of a node (a ramp stage) as its own MLflow run under the node's run."""
-    run_id = tracking.start_run(home, child["name"], {**tags, "artifact_uri": str(target / child.get("path", ""))},
-                                parent)
+    where = f"{uri}/{child['path']}" if child.get("path") else uri
+    run_id = tracking.start_run(home, child["name"], {**tags, "artifact_uri": where}, parent)
     tracking.log_result(home, run_id, params=child.get("params", {}), metrics=child.get("metrics", {}),
                         history=child.get("history"))
     tracking.end_run(home, run_id)

@@ -19,7 +19,7 @@ import os
 import uuid
 from pathlib import Path
 
-from posttrain.artifacts import MANIFEST, ArtifactRef, DigestMismatch, atomic_dir, verify
+from posttrain.artifacts import MANIFEST, ArtifactRef, DigestMismatch, atomic_dir, sha256_json, verify
 
 COMMIT = "COMMIT"
 SNAPSHOT = "SNAPSHOT"
@@ -102,6 +102,17 @@ class Store:
             return None
         c = json.loads(text)
         return self.url(f"artifacts/{stage}/{key[:16]}/{c['version']}"), c["sha256"]
+
+    def manifest(self, uri: str, sha256: str) -> dict:
+        """The manifest of the artifact at `uri`, checked to be the one with digest `sha256`."""
+        text = self.get_text(f"{self._rel(uri)}/{MANIFEST}")
+        if text is None:
+            raise DigestMismatch(f"{uri}: no {MANIFEST} in the store")
+        m = json.loads(text)
+        body = {k: m[k] for k in ("stage", "files", "parents", "config_digest", "code_digest")}
+        if m.get("sha256") != sha256 or sha256_json(body) != sha256:
+            raise DigestMismatch(f"{uri}/{MANIFEST}: does not hash to the committed digest {sha256[:12]}")
+        return m
 
     def mirror(self, uri: str) -> Path:
         """The local mirror folder of an artifact URI (artifacts/<stage>/<key16>)."""

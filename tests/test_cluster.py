@@ -79,12 +79,13 @@ def s3_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(s3_server):
     """`ray start --head --num-cpus 0`, then a worker node joining it, in their own temp dir (short: Ray's
-    socket paths have a length limit); stopped by that dir, so no other Ray on the machine is touched."""
+    socket paths have a length limit); stopped by that dir, so no other Ray on the machine is touched. The
+    nodes hold the store's credentials, as a cluster's pods do (the stages' work reads and writes the store)."""
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
     port = _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, **s3_server[0], "RAY_AUTH_MODE": "disabled"}
     ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats", f"--temp-dir={temp}"]
     for extra in (["--head", "--num-cpus=0", f"--port={port}", "--include-dashboard=false"],
                   [f"--address=127.0.0.1:{port}", "--num-cpus=2", "--object-store-memory=300000000"]):
