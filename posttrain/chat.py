@@ -237,11 +237,15 @@ def tool_response_ids(tok, content: str, *, enable_thinking: bool = True) -> lis
             {"role": "assistant", "content": "", "reasoning_content": "x",
              "tool_calls": [{"type": "function", "function": {"name": "read", "arguments": {"path": "a.txt"}}}]}]
     kw = {"enable_thinking": enable_thinking, "preserve_thinking": True}
-    before = render_text(tok, call, **kw)
+    memo = f"_posttrain_tool_call_{enable_thinking}"  # the call's rendering does not depend on the response
+    if memo not in tok.__dict__:
+        before = render_text(tok, call, **kw)
+        enc = tok(before, add_special_tokens=False, return_offsets_mapping=True)
+        cut = max(b for i, (_, b) in zip(enc["input_ids"], enc["offset_mapping"]) if i in fmt.stop_ids)
+        tok.__dict__[memo] = before[:cut]
+    prefix = tok.__dict__[memo]
     after = render_text(tok, call + [{"role": "tool", "content": content}], add_generation_prompt=True, **kw)
-    enc = tok(before, add_special_tokens=False, return_offsets_mapping=True)
-    cut = max(b for i, (_, b) in zip(enc["input_ids"], enc["offset_mapping"]) if i in fmt.stop_ids)
-    if not after.startswith(before[:cut]):
+    if not after.startswith(prefix):
         raise ChatFormatError(f"{fmt.template}: the template renders an assistant tool call differently once a "
                               f"tool response follows it; token in, token out cannot hold")
-    return list(tok(after[cut:], add_special_tokens=False)["input_ids"])
+    return list(tok(after[len(prefix):], add_special_tokens=False)["input_ids"])

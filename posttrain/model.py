@@ -90,19 +90,24 @@ def save_checkpoint(model, tok, out: str | Path, max_shard_size: str = MAX_SHARD
     """Save in the dtype family of the checkpoint the chain started from (bf16 in, bf16 out), sharded past
     `max_shard_size`."""
     name = model.config.__dict__.pop(SAVE_DTYPE, "float32")  # runtime only: config.json's dtype says it
-    dtype = getattr(torch, str(name), None)
-    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-    state = None
-    if dtype != torch.float32:
-        cast: dict[int, torch.Tensor] = {}  # tied weights stay one tensor
-        state = {k: cast.setdefault(v.data_ptr(), v.detach().to(dtype)) for k, v in model.state_dict().items()}
-    model.save_pretrained(out, safe_serialization=True, state_dict=state, max_shard_size=max_shard_size)
-    if state is not None:  # config.json says what the files hold
-        cfg_path = Path(out) / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["dtype"] = str(dtype).removeprefix("torch.")
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    setattr(model.config, SAVE_DTYPE, name)
+    try:
+        dtype = getattr(torch, str(name), None)
+        dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+        state = None
+        if dtype != torch.float32:
+            state, cast = {}, {}  # tied weights stay one tensor, cast once
+            for k, v in model.state_dict().items():
+                if v.data_ptr() not in cast:
+                    cast[v.data_ptr()] = v.detach().to(dtype)
+                state[k] = cast[v.data_ptr()]
+        model.save_pretrained(out, safe_serialization=True, state_dict=state, max_shard_size=max_shard_size)
+        if state is not None:  # config.json says what the files hold
+            cfg_path = Path(out) / "config.json"
+            cfg = json.loads(cfg_path.read_text())
+            cfg["dtype"] = str(dtype).removeprefix("torch.")
+            cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    finally:  # kept for the next save, even when this one failed
+        setattr(model.config, SAVE_DTYPE, name)
     tok.save_pretrained(out)
 
 
