@@ -46,8 +46,11 @@ def _run_flyte(task, cfg, remote: bool, **kwargs) -> dict | None:
         kwargs["run_id"] = new_run_id()
         ensure_ray(cfg.runtime, home_dir() / "runs" / kwargs["run_id"] / "ray.log")
     _flyte_init(remote)
-    if remote:
-        run = flyte.with_runcontext(mode="remote", version=git_sha()).run(task, **kwargs)
+    if remote:  # the pods find the store and the tracking server as this shell does (a local path stays here)
+        from posttrain.store import is_url
+        env = {k: v for k in ("POSTTRAIN_HOME", "MLFLOW_TRACKING_URI") if (v := os.environ.get(k))
+               and (k != "POSTTRAIN_HOME" or is_url(v))}
+        run = flyte.with_runcontext(mode="remote", version=git_sha(), env_vars=env).run(task, **kwargs)
         print(f"submitted: {run.url}")
         return None
     out = flyte.with_runcontext(mode="local").run(task, **kwargs).outputs()[0]
