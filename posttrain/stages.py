@@ -239,9 +239,8 @@ def produce(fn: str, cfg: PipelineConfig, inputs: dict[str, tuple[str, str]], ho
     store = Store(store_root, Path(home)) if store_root else None
     local: dict[str, Path] = {}
     for k, (path, sha) in inputs.items():
-        try:  # refuses a tampered or half-written upstream artifact
+        try:  # refuses a tampered or half-written upstream artifact (a local store's: execute verified it)
             local[k] = store.fetch(path, sha) if store else Path(path)
-            store or verify(path, sha)
         except (DigestMismatch, OSError) as e:
             raise DigestMismatch(f"refused its input {k}: {e}") from None
     name = manifest["stage"]
@@ -273,7 +272,7 @@ def _cached(store: Store | None, name: str, key: str, target: Path) -> tuple[str
             manifest = verify(target)
             return store.publish(target, name, key, manifest["sha256"]), manifest
     except DigestMismatch:
-        pass
+        return None  # corrupted: recomputed, never served
     return None
 
 

@@ -21,3 +21,25 @@ def tok(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok")
     train_tokenizer(texts, 400).save_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
+
+
+PARITY_ENV = ("from environments.base import Task, collect, verify_number\n"
+              "def generate(split, n, seed, **_):\n"
+              "    def make(rng):\n"
+              "        x = rng.randint(0, 10**6)\n"
+              "        return str(x), Task(id='', domain='parity', split='', prompt=f'Parity of {x}?',\n"
+              "                            answer=str(x % 2), demo=[{'role': 'assistant', 'reasoning_content': '',\n"
+              "                                                      'content': str(x % 2)}])\n"
+              "    return collect('parity', split, n, seed, make)\n"
+              "verify = verify_number\n")
+
+
+@pytest.fixture
+def parity_env(tmp_path, monkeypatch):
+    """A user's environment outside the repo: module `parity_env` on sys.path, forgotten after the test."""
+    import environments
+    (tmp_path / "parity_env.py").write_text(PARITY_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "parity_env"
+    environments.REGISTRY.pop("parity", None)
+    sys.modules.pop("parity_env", None)

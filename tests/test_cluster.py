@@ -26,6 +26,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Until `url` answers; a server that exits or never answers fails the test with its log."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"{url} did not come up:\n{log.read_text()[-2000:]}")
+            time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("mlflow-server")
@@ -36,16 +50,7 @@ def mlflow_server(tmp_path_factory):
                             stdout=open(d / "server.log", "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail(f"mlflow server did not start:\n{(d / 'server.log').read_text()[-2000:]}")
-            time.sleep(1)
+    _wait_until_up(f"{uri}/health", proc, d / "server.log", 120)
     yield uri, d
     proc.terminate()
     proc.wait(timeout=30)
@@ -60,16 +65,7 @@ def s3_server(tmp_path_factory):
                             stdout=open(d / "server.log", "w"), stderr=subprocess.STDOUT)
     env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    deadline = time.time() + 60
-    while True:
-        try:
-            urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail(f"S3 server did not start:\n{(d / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+    _wait_until_up(env["AWS_ENDPOINT_URL"], proc, d / "server.log", 60)
     s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
                       aws_access_key_id="test", aws_secret_access_key="test")
     s3.create_bucket(Bucket="posttrain-test")

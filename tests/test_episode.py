@@ -1,6 +1,5 @@
 """The step API: token in, token out, consistent with the chat template token for token."""
 import json
-import sys
 
 import pytest
 
@@ -39,17 +38,7 @@ def test_single_turn_and_wrong_answer(tok):
         ep.step([1])
 
 
-def test_a_user_environment_named_in_the_config(tmp_path, monkeypatch):
-    (tmp_path / "parity_env.py").write_text(
-        "from environments.base import Task, collect, verify_number\n"
-        "def generate(split, n, seed, **_):\n"
-        "    def make(rng):\n"
-        "        x = rng.randint(0, 10**6)\n"
-        "        return str(x), Task(id='', domain='parity', split='', prompt=f'Parity of {x}?', answer=str(x % 2),\n"
-        "                            demo=[{'role': 'assistant', 'reasoning_content': '', 'content': str(x % 2)}])\n"
-        "    return collect('parity', split, n, seed, make)\n"
-        "verify = verify_number\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_a_user_environment_named_in_the_config(tmp_path, parity_env):
     cfg = load_config("smoke", ["world.environments={parity: parity_env}"])
     assert environments.names(cfg.world.environments)[-1] == "parity"
     from posttrain import data
@@ -61,8 +50,6 @@ def test_a_user_environment_named_in_the_config(tmp_path, monkeypatch):
     tasks = data.load_tasks(out, "test", "parity")  # curated sets (and so SFT and eval) include it
     assert len(tasks) == cfg.world.n_test
     assert environments.get("parity").verify(tasks[0], tasks[0].answer)[0] == 1.0
-    environments.REGISTRY.pop("parity")
-    sys.modules.pop("parity_env", None)
 
 
 def test_export_test_split_as_jsonl(tmp_path):

@@ -1,30 +1,13 @@
 """The DAG as one table: workflows derive their nodes and waves from it, domains come from the config."""
-import sys
-
 import pytest
 
-import environments
 from posttrain.config import ConfigError, load_config
 from posttrain.pipeline import check_domains
 from posttrain.stages import downstream, graph, upstream, waves
 
-PARITY = ("from environments.base import Task, collect, verify_number\n"
-          "def generate(split, n, seed, **_):\n"
-          "    def make(rng):\n"
-          "        x = rng.randint(0, 10**6)\n"
-          "        return str(x), Task(id='', domain='parity', split='', prompt=f'Parity of {x}?', answer=str(x % 2),\n"
-          "                            demo=[{'role': 'assistant', 'reasoning_content': '', 'content': str(x % 2)}])\n"
-          "    return collect('parity', split, n, seed, make)\n"
-          "verify = verify_number\n")
-
-
 @pytest.fixture
-def parity(tmp_path, monkeypatch):
-    (tmp_path / "parity_env.py").write_text(PARITY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield ["world.environments={parity: parity_env}", "rl.domains=[reasoning, agentic, general, parity]"]
-    environments.REGISTRY.pop("parity", None)
-    sys.modules.pop("parity_env", None)
+def parity(parity_env):
+    return [f"world.environments={{parity: {parity_env}}}", "rl.domains=[reasoning, agentic, general, parity]"]
 
 
 def test_waves_are_the_dags_levels():
