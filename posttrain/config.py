@@ -321,6 +321,8 @@ class TrackingConfig(_Strict):
 
 
 class RuntimeConfig(_Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"   # auto: CUDA where the Ray cluster has GPUs
+    gpus_per_stage: NonNegative = 1.0    # Ray GPUs a training or evaluation stage reserves on CUDA (0.25: share)
     ray_num_cpus: AtLeast1 = 2
     torch_threads: AtLeast1 = 2
     object_store_mb: AtLeast1 = 256

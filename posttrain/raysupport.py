@@ -80,12 +80,12 @@ _remote_call = ray.remote(_call)
 
 
 def submit(fn_path: str, num_cpus: float, threads: int, *args, env_vars: dict[str, str] | None = None,
-           **kwargs) -> ray.ObjectRef:
+           num_gpus: float = 0.0, **kwargs) -> ray.ObjectRef:
     """Run `module:function` as a Ray task reserving `num_cpus`, with `threads` torch threads; `env_vars`
     reach it and every task and actor it starts (Ray's runtime_env is inherited)."""
     options = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
-    return _remote_call.options(num_cpus=num_cpus, max_retries=0, **options).remote(fn_path, threads, *args,
-                                                                                   **kwargs)
+    return _remote_call.options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0, **options).remote(
+        fn_path, threads, *args, **kwargs)
 
 
 def map_tasks(fn, calls: list[tuple], desc: str, num_cpus: float = 1.0) -> list:

@@ -20,6 +20,7 @@ from environments.base import Task
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
+from posttrain.device import stage_gpus
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
 from posttrain.train import eval_loss, pad_examples, summarize, train
@@ -164,7 +165,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     trainer = TorchTrainer(
         _worker, train_loop_config={"cfg": cfg, "init": inputs["ramp"], "examples": examples, "val": val,
                                     "threads": max(1, cfg.runtime.torch_threads // s.workers)},
-        scaling_config=ScalingConfig(num_workers=s.workers, use_gpu=torch.cuda.is_available()),
+        scaling_config=ScalingConfig(num_workers=s.workers,
+                                     use_gpu=stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) > 0),
         run_config=RunConfig(name="sft", storage_path=str(storage), failure_config=FailureConfig(max_failures=0),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
     # Ray Train's fit() installs a SIGINT handler holding the controller actor's handle, which keeps the

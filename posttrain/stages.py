@@ -17,6 +17,8 @@ from posttrain import tracking
 from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, dir_digest, git_sha, sha256_json, verify, verify_ref, write_manifest
 from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
+from posttrain.device import ENV as DEVICE_VAR
+from posttrain.device import stage_gpus
 from posttrain.store import SCRATCH_VAR, Store, drop_scratch
 
 
@@ -31,6 +33,7 @@ class Stage:
     num_cpus: float = 1.0        # Ray CPUs reserved; the specialists take a share so they run at once
     threads: int = 2
     resumable: bool = False      # gets a `scratch` dir that survives a crash, for its training checkpoints
+    gpu: bool = True             # its task computes on the run's device (sft's Ray Train workers ask themselves)
     workflow: str = "post_train"  # post_train: the GLM-5.2 DAG; cross_stage: the GLM-5 chains and comparison
 
 
@@ -58,17 +61,17 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
     evaluated = ("base", "ramp", "sft", *specialists, "opd", "quantize", "curate")
     stages = [
         Stage("raw", "posttrain.curate.stage:make_raw", (), ("world", "curate"), "tasks.curate:raw", num_cpus=1,
-              threads=1),
+              threads=1, gpu=False),
         # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
         Stage("curate", "posttrain.curate.stage:run", ("raw",), ("world", "curate"), "tasks.curate:curate",
-              num_cpus=0.1, threads=1),
+              num_cpus=0.1, threads=1, gpu=False),
         Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base"), "tasks.base:base"),
         Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
               ("seed", "world.seed", "model", "ramp", "eval.n_per_suite", "eval.max_new_tokens", "eval.batch_size"),
               "tasks.ramp:ramp", resumable=True),
         # sft's own Ray task only waits on its Ray Train workers
         Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), "tasks.sft:sft", num_cpus=0.1,
-              resumable=True),
+              resumable=True, gpu=False),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
         *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}"), "tasks.rl:rl",
                 (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
@@ -194,6 +197,9 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     try:
         ensure_ray(cfg.runtime)
         env_vars = {ENV_VAR: json.dumps(cfg.world.environments)} if cfg.world.environments else {}
+        if cfg.runtime.device != "auto":
+            env_vars[DEVICE_VAR] = cfg.runtime.device
+        gpus = stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) if stage.gpu else 0.0
         if scratch_url:  # resume checkpoints go to the store too (posttrain.store.checkpointed)
             env_vars[SCRATCH_VAR] = scratch_url
         # same key after a crash: resume from it
@@ -202,7 +208,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
                     "config_digest": cfg.digest(*stage.sections), "code_digest": code, "mlflow_run_id": run_id}
         result = await submit("posttrain.stages:produce", stage.num_cpus, stage.threads, stage.fn, cfg,
                               {k: (v.path, v.sha256) for k, v in inputs.items()}, ctx.home, ctx.store, key,
-                              manifest, dict(stage.params), env_vars=env_vars or None, **extra)
+                              manifest, dict(stage.params), env_vars=env_vars or None, num_gpus=gpus, **extra)
         uri, digest, metrics = result["uri"], result["digest"], result["metrics"]
         with tempfile.TemporaryDirectory() as d:  # the worker's tables and plots, for the MLflow run
             files = [Path(d) / f for f in result["files"]]

@@ -7,22 +7,24 @@ import random
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
+
+from posttrain.head import sequence_logprobs
 
 Batch = dict[str, torch.Tensor]
 
 
 def masked_lm_loss(model, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy, the mean weighted by `loss_mask` of the target token (0: no loss).
+    """Next-token cross-entropy, the mean weighted by `loss_mask` of the target token (0: no loss; those
+    positions never reach the output head on the fused path, posttrain.head).
 
     No KV cache: with one, transformers would not read packed documents out of `position_ids`."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   position_ids=batch.get("position_ids"), use_cache=False).logits[:, :-1]
-    target = batch["input_ids"][:, 1:]
-    mask = batch["loss_mask"][:, 1:].float()
-    ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="none")
-    return (ce * mask.reshape(-1)).sum() / mask.sum().clamp(min=1)
+    dev = next(model.parameters()).device
+    batch = {k: v.to(dev) for k, v in batch.items() if v is not None}
+    mask = batch["loss_mask"][:, 1:]
+    logp = sequence_logprobs(model, batch["input_ids"], batch["loss_mask"], attention_mask=batch.get("attention_mask"),
+                             position_ids=batch.get("position_ids"), use_cache=False)
+    return -(logp * mask[mask != 0].float()).sum() / mask.float().sum().clamp(min=1)
 
 
 def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float) -> float:

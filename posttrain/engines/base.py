@@ -52,6 +52,14 @@ class TrainEngine(Protocol):
         """The model's output at the position predicting each completion token ([samples, longest, ...]):
         logits for a policy, values for a critic (posttrain.rl.batches's completion layout)."""
 
+    def logprobs(self, samples: list, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A policy's (log-probability, entropy) of each completion token at `temperature`, [samples, longest]:
+        what the policy losses need, without the [tokens, vocab] logits where the engine can avoid them."""
+
+    def reverse_kl(self, samples: list, teacher: list[torch.Tensor], temperature: float) -> torch.Tensor:
+        """Full-vocabulary KL(policy || teacher) at each generated position, [samples, longest] (0 elsewhere);
+        `teacher[i]`: the teacher's log-probabilities at sample i's generated positions, [generated, vocab]."""
+
     def backward(self, loss: torch.Tensor) -> None: ...
 
     def step(self, max_grad_norm: float = 1.0) -> float:

@@ -13,19 +13,20 @@ from posttrain.chat import chat_format
 from posttrain.engines.base import Generation, WeightSource
 
 
-def prefill_distinct(model, prompts: list[list[int]], pad_id: int):
+def prefill_distinct(model, prompts: list[list[int]], pad_id: int, **extra):
     """Run each distinct prompt once (left-padded) and index its KV cache out to every row that has it.
 
     Returns (the model's output for the distinct prompts, the per-row cache, the per-row attention mask,
     `which`: row -> distinct prompt). Groups of samples share a prompt; this is where they share its work."""
     uniq: dict[tuple[int, ...], int] = {}
-    which = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts])
+    dev = next(model.parameters()).device
+    which = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], device=dev)
     L = max(map(len, uniq))
-    ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in uniq])
-    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in uniq])
+    ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in uniq], device=dev)
+    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in uniq], device=dev)
     cache = DynamicCache()
-    # a causal LM computes logits only where they are used: the prompt's last position
-    extra = {"logits_to_keep": 1} if hasattr(model, "lm_head") else {}
+    if hasattr(model, "lm_head"):  # a causal LM computes logits only where they are used: the last position
+        extra["logits_to_keep"] = 1
     out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
                 past_key_values=cache, use_cache=True, **extra)
     cache.batch_select_indices(which)
@@ -41,15 +42,16 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature:
     the batch once an eighth of it has finished, so the cost follows the unfinished rows."""
     out, cache, attn, which = prefill_distinct(model, prompts, pad_id)
     logits = out.logits[:, -1].float()[which]
-    rows = torch.arange(len(prompts))          # batch row -> prompt index
-    live = torch.ones(len(prompts), dtype=torch.bool)
+    rows = torch.arange(len(prompts), device=logits.device)          # batch row -> prompt index
+    live = torch.ones(len(prompts), dtype=torch.bool, device=logits.device)
     out_ids, out_lp = [[] for _ in prompts], [[] for _ in prompts]
     stopped = [False] * len(prompts)
-    stop = torch.tensor(sorted(stop_ids))
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
         if temperature > 0:  # Gumbel-max: an exact draw from softmax(logp), cheaper than multinomial
-            nxt = (logp - torch.empty_like(logp).exponential_(generator=generator).log()).argmax(-1)
+            noise = torch.empty(logp.shape).exponential_(generator=generator).to(logp.device)  # CPU draws
+            nxt = (logp - noise.log()).argmax(-1)
         else:
             nxt = logits.argmax(-1)
         lp = logp.gather(1, nxt[:, None]).squeeze(1)
@@ -85,8 +87,10 @@ class TorchRolloutEngine:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> "TorchRolloutEngine":
+        from posttrain.device import device
         from posttrain.quant.int_linear import load_any  # plain or W4A8 compressed-tensors
-        return cls(*load_any(path))
+        model, tok = load_any(path)
+        return cls(model.to(device()), tok)
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
                  generator: torch.Generator | None = None) -> list[Generation]:
@@ -109,12 +113,12 @@ class TorchRolloutEngine:
                 pos = torch.tensor([j for j, m in enumerate(mask) if m], dtype=torch.long)
                 lp = logp[row, pos]
                 if mode == "sampled":
-                    out[i] = lp.gather(-1, torch.tensor(ids)[pos, None]).squeeze(-1).tolist()
+                    out[i] = lp.gather(-1, torch.tensor(ids, device=lp.device)[pos, None]).squeeze(-1).tolist()
                 elif mode == "topk":
                     v, k = lp.topk(min(top_k, lp.size(-1)), -1)
-                    out[i] = (k.to(torch.int32).numpy(), v.numpy())
+                    out[i] = (k.to(torch.int32).cpu().numpy(), v.cpu().numpy())
                 else:
-                    out[i] = lp.numpy().astype(np.float32)
+                    out[i] = lp.cpu().numpy().astype(np.float32)
         return out
 
     def update_weights(self, source: WeightSource, version: int) -> None:

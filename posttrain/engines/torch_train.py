@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain.device import autocast
 from posttrain.engines.base import Forward
 
 
@@ -24,11 +25,13 @@ class TorchTrainEngine:
 
     def __init__(self, model: torch.nn.Module, forward: Forward, *, lr: float | None = None,
                  weight_decay: float = 0.0, optimizer: torch.optim.Optimizer | None = None,
-                 schedule: Callable[[int], float] | None = None, device: str | torch.device = "cpu", tokenizer=None):
+                 schedule: Callable[[int], float] | None = None, device: str | torch.device | None = None,
+                 tokenizer=None, pad_id: int = 0):
+        from posttrain.device import device as default_device
         from posttrain.train import make_optimizer
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else default_device()
         self.model, self.tokenizer = model.to(self.device), tokenizer
-        self._forward = forward
+        self._forward, self.pad_id = forward, pad_id
         self.opt = optimizer or (make_optimizer(model, lr, weight_decay) if lr is not None else None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
 
@@ -46,8 +49,8 @@ class TorchTrainEngine:
         model, tok = load_checkpoint(path)
         pad = pad_id(tok)
         if role == "reference":
-            return cls(model.eval(), policy_logits(pad), tokenizer=tok)
-        return cls(model, policy_logits(pad), lr=lr, tokenizer=tok)
+            return cls(model.eval(), policy_logits(pad), tokenizer=tok, pad_id=pad)
+        return cls(model, policy_logits(pad), lr=lr, tokenizer=tok, pad_id=pad)
 
     @property
     def _module(self) -> torch.nn.Module:  # the model itself under a DDP wrapper
@@ -58,7 +61,18 @@ class TorchTrainEngine:
         return self.opt.param_groups[0]["lr"]
 
     def forward(self, samples) -> torch.Tensor:
-        return self._forward(self.model, samples)
+        with autocast(self.device):
+            return self._forward(self.model, samples)
+
+    def logprobs(self, samples, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from posttrain.head import completion_scores
+        with autocast(self.device):
+            return completion_scores(self.model, samples, self.pad_id, temperature)
+
+    def reverse_kl(self, samples, teacher: list[torch.Tensor], temperature: float) -> torch.Tensor:
+        from posttrain.head import completion_reverse_kl
+        with autocast(self.device):
+            return completion_reverse_kl(self.model, samples, self.pad_id, teacher, temperature)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

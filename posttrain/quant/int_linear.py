@@ -3,28 +3,33 @@
 Each quantized Linear becomes an `IntLinear`: activations are quantized per token to int8 on the fly,
 multiplied with the int8 (or int4, held unpacked as int8) weights by `torch._int_mm` (int8 x int8 -> int32),
 and rescaled per group. transformers' own compressed-tensors loader only decompresses to float weights,
-and torchao's int4 paths need CUDA/XPU kernels: this is the CPU path our evaluation runs on."""
+and torchao's int4 paths need CUDA/XPU kernels: this is the CPU path our evaluation runs on. On CUDA, 4-bit
+weights go through the packed W4A8 Triton kernel (`kernels.w4a8`) instead."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from kernels import use_triton
 
 
 class IntLinear(torch.nn.Module):
     """y = sum over groups g of (x_q[:, g] @ W_q[g]^T) * s_w[g] * s_x; x_q per-token int8."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, act_bits: int = 8):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, act_bits: int = 8, weight_bits: int = 8):
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = self.in_features // scales.shape[1]
         self.act_max = 2 ** (act_bits - 1) - 1
         self.register_buffer("qweight_t", q.to(torch.int8).t().contiguous())   # [in, out]
         self.register_buffer("scales_t", scales.float().t().contiguous())      # [groups, out]
+        self.kernel_fits = weight_bits == 4 and act_bits == 8 and self.group_size % 16 == 0
+        self._packed: torch.Tensor | None = None  # the Triton kernel's layout, packed where it first runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -32,6 +37,12 @@ class IntLinear(torch.nn.Module):
         sx = (x2.abs().amax(-1, keepdim=True) / self.act_max).clamp(min=1e-8)
         xq = torch.round(x2 / sx).clamp(-self.act_max - 1, self.act_max).to(torch.int8)
         g = self.group_size
+        if self.kernel_fits and use_triton(x2):
+            from kernels.w4a8 import w4a8_matmul
+            if self._packed is None or self._packed.device != x2.device:
+                self._packed = pack_to_int32(self.qweight_t.t(), 4)
+            y = w4a8_matmul(xq, sx.squeeze(-1), self._packed, self.scales_t.t())
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if g == self.in_features:
             acc = torch._int_mm(xq, self.qweight_t).float() * self.scales_t[0]
         else:
@@ -71,12 +82,14 @@ def load_compressed(path: str | Path):
     for name, module in list(model.named_modules()):
         if f"{name}.weight_scale" not in tensors:
             continue
+        w_bits = 8
         if f"{name}.weight_packed" in tensors:
             shape = torch.Size(tensors[f"{name}.weight_shape"].tolist())
-            q = unpack_from_int32(tensors[f"{name}.weight_packed"], min(packed_bits), shape)
+            w_bits = min(packed_bits)
+            q = unpack_from_int32(tensors[f"{name}.weight_packed"], w_bits, shape)
         else:
             q = tensors[f"{name}.weight"]
-        model.set_submodule(name, IntLinear(q, tensors[f"{name}.weight_scale"], act_bits))
+        model.set_submodule(name, IntLinear(q, tensors[f"{name}.weight_scale"], act_bits, w_bits))
         replaced.add(name)
     rest = {k: v.float() for k, v in tensors.items() if k.rsplit(".", 1)[0] not in replaced}
     missing, unexpected = model.load_state_dict(rest, strict=False)

@@ -12,9 +12,9 @@ import torch
 from posttrain.engines.torch_rollout import prefill_distinct
 
 
-def _pad(rows: list[list], value, dtype=None) -> torch.Tensor:
+def pad_rows(rows: list[list], value, dtype=None, device=None) -> torch.Tensor:
     n = max(1, max(map(len, rows)))
-    return torch.tensor([list(r) + [value] * (n - len(r)) for r in rows], dtype=dtype)
+    return torch.tensor([list(r) + [value] * (n - len(r)) for r in rows], dtype=dtype, device=device)
 
 
 def micro_batches(samples: list, max_cells: int) -> list[list[int]]:
@@ -29,21 +29,30 @@ def micro_batches(samples: list, max_cells: int) -> list[list[int]]:
     return chunks
 
 
-def completion_batch(samples: list) -> dict[str, torch.Tensor]:
+def completion_batch(samples: list, device=None) -> dict[str, torch.Tensor]:
     """Right-padded completions: column j is token ids[j] (generated or tool output), its mask and logprob."""
-    return {"ids": _pad([s.ids for s in samples], 0),
-            "mask": _pad([s.gen_mask for s in samples], 0, torch.float),
-            "old_logprobs": _pad([s.logprobs for s in samples], 0.0, torch.float)}
+    return {"ids": pad_rows([s.ids for s in samples], 0, device=device),
+            "mask": pad_rows([s.gen_mask for s in samples], 0, torch.float, device),
+            "old_logprobs": pad_rows([s.logprobs for s in samples], 0.0, torch.float, device)}
 
 
-def prefix_forward(model, samples: list, pad_id: int, output: str = "logits") -> torch.Tensor:
+def prefix_forward(model, samples: list, pad_id: int, output: str = "logits"):
     """`output` ("logits" or "last_hidden_state") at the position predicting each completion token:
-    result[:, j] is computed from the prompt and ids[:j], shape [samples, longest completion, dim]."""
-    head, cache, p_att, which = prefill_distinct(model, [s.prompt_ids for s in samples], pad_id)
-    c_ids = _pad([s.ids for s in samples], pad_id)
-    c_att = _pad([[1] * len(s.ids) for s in samples], 0)
+    result[:, j] is computed from the prompt and ids[:j], shape [samples, longest completion, dim].
+    "hidden" (a causal LM's last hidden state, its head run on one position only, posttrain.head) returns
+    (that, the model's output for the completions)."""
+    hidden = output == "hidden"
+    extra = {"output_hidden_states": True, "logits_to_keep": 1} if hidden else {}
+    head, cache, p_att, which = prefill_distinct(model, [s.prompt_ids for s in samples], pad_id, **extra)
+    c_ids = pad_rows([s.ids for s in samples], pad_id, device=p_att.device)
+    c_att = pad_rows([[1] * len(s.ids) for s in samples], 0, device=p_att.device)
     tail = model(input_ids=c_ids, attention_mask=torch.cat([p_att, c_att], 1),
-                 position_ids=p_att.sum(-1)[:, None] + torch.arange(c_ids.size(1)), past_key_values=cache,
-                 use_cache=True)
-    first = getattr(head, output)[:, -1][which]
-    return torch.cat([first[:, None], getattr(tail, output)[:, :-1]], 1)
+                 position_ids=p_att.sum(-1)[:, None] + torch.arange(c_ids.size(1), device=p_att.device),
+                 past_key_values=cache,
+                 use_cache=True, **extra)
+    if hidden:
+        first, rest = head.hidden_states[-1][:, -1][which], tail.hidden_states[-1]
+    else:
+        first, rest = getattr(head, output)[:, -1][which], getattr(tail, output)
+    out = torch.cat([first[:, None], rest[:, :-1]], 1)
+    return (out, tail) if hidden else out

@@ -17,4 +17,4 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, samples: list, pad_id: int) -> torch.Tensor:
         """V(state before completion token j) for every j, in posttrain.rl.batches's completion layout."""
-        return self.head(prefix_forward(self.backbone, samples, pad_id, "last_hidden_state")).squeeze(-1)
+        return self.head(prefix_forward(self.backbone, samples, pad_id, "last_hidden_state")).squeeze(-1).float()

@@ -30,7 +30,8 @@ def gae(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: 
         delta = r + gamma * nxt - v
         n = v.numel()
         # A_t = sum_k (gamma lam)^(k-t) delta_k, as one upper-triangular matrix product
-        expo = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(min=0).to(v.dtype)
+        k = torch.arange(n, device=v.device)
+        expo = (k[None, :] - k[:, None]).clamp(min=0).to(v.dtype)
         disc = torch.triu((gamma * lam) ** expo)
         adv[i, idx] = disc @ delta
     return adv, adv + values
@@ -93,10 +94,9 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     return float("nan") if var == 0 else (1 - (returns - values).var(unbiased=False) / var).item()
 
 
-def entropy(logp_all: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean per-token entropy of the policy over generated positions (from full log-distributions)."""
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    return (ent * mask).sum() / mask.sum().clamp(min=1)
+def token_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of a per-token quantity (the policy's entropy) over the generated positions."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,12 @@ def reverse_kl_terms(logp_all: torch.Tensor, ids: torch.Tensor, sub: list, mode:
     return kl
 
 
+def _at_generated(mask: torch.Tensor, rows: list) -> torch.Tensor:
+    """Per-sample values of the generated positions placed at them in the completion layout (0 elsewhere)."""
+    values = torch.cat([torch.as_tensor(r, dtype=torch.float) for r in rows]).to(mask.device)
+    return torch.zeros(mask.shape, device=mask.device).masked_scatter(mask > 0, values)
+
+
 def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: float = 1.0,
                      reward_weight: float = 0.0, temperature: float = 1.0, clip_eps: float = 0.2,
                      is_lower: float = 0.5, is_upper: float = 2.0, max_cells: int = 2048,
@@ -58,17 +64,25 @@ def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: floa
     """Accumulate the gradient of the distillation loss (mean over the batch's generated tokens, times
     `weight`) on `samples`, whose `teacher` field holds their teacher's scores; returns statistics."""
     n_tokens = float(sum(s.n_generated for s in samples)) or 1.0
-    row_adv = reward_advantages(samples) * reward_weight if reward_weight else torch.zeros(len(samples))
+    row_adv = (reward_advantages(samples) * reward_weight if reward_weight else torch.zeros(len(samples))
+               ).to(policy.device)
     stats: dict[str, float] = {"distill_loss": 0.0, "reverse_kl": 0.0, "distill_masked_fraction": 0.0}
     per_domain: dict[str, list[float]] = {}  # domain -> [KL sum, tokens]
     for idx in micro_batches(samples, max_cells):
         sub = [samples[i] for i in idx]
-        b = completion_batch(sub)
+        b = completion_batch(sub, policy.device)
         mask, ids = b["mask"], b["ids"]
-        logp_all = torch.log_softmax(policy.forward(sub) / temperature, -1)
-        logp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
-        kl = reverse_kl_terms(logp_all, ids, sub, mode)
+        logp = None
+        if mode == "topk":  # needs the student's log-probabilities at the teacher's k tokens: the full logits
+            logp_all = torch.log_softmax(policy.forward(sub).float() / temperature, -1)
+            logp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
+            kl = reverse_kl_terms(logp_all, ids, sub, mode)
+        elif mode == "full":
+            kl = policy.reverse_kl(sub, [torch.as_tensor(np.asarray(s.teacher)) for s in sub], temperature)
+        if mode == "sampled" or reward_weight:
+            logp = policy.logprobs(sub, temperature)[0] if logp is None else logp
         if mode == "sampled":
+            kl = (logp.detach() - _at_generated(mask, [s.teacher for s in sub])) * mask
             adv = -coef * kl + row_adv[idx, None]
             loss, st = policy_loss(logp, b["old_logprobs"], adv * mask, mask, clip_eps=clip_eps, is_lower=is_lower,
                                    is_upper=is_upper, agg="token", n_tokens=n_tokens)

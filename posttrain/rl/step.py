@@ -8,8 +8,8 @@ import torch
 from posttrain.config import RLConfig
 from posttrain.engines import TrainEngine
 from posttrain.rl.batches import completion_batch, micro_batches
-from posttrain.rl.losses import entropy, explained_variance, gae, group_advantages, kl_to_reference, policy_loss, \
-    value_loss
+from posttrain.rl.losses import explained_variance, gae, group_advantages, kl_to_reference, policy_loss, \
+    token_mean, value_loss
 from posttrain.rl.workers import Sample
 
 
@@ -25,7 +25,8 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         stats = extra() if extra else {}
         stats["grad_norm"] = policy.step(1.0)
         return stats
-    rewards = torch.tensor([s.reward for s in samples])
+    dev = policy.device
+    rewards = torch.tensor([s.reward for s in samples], device=dev)
     n_tokens = float(sum(s.n_generated for s in samples))
     norm = {"n_tokens": n_tokens, "n_rows": float(sum(s.n_generated > 0 for s in samples))}
     if critic is None:
@@ -37,7 +38,7 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         live[0] = True  # keep one row: an all-zero batch still takes its (zero-gradient) optimizer step
         samples, adv, rewards = [s for s, k in zip(samples, live.tolist()) if k], adv[live], rewards[live]
     chunks = [(idx, [samples[i] for i in idx]) for idx in micro_batches(samples, r.micro_batch_cells)]
-    batches = [completion_batch(sub) for _, sub in chunks]
+    batches = [completion_batch(sub, dev) for _, sub in chunks]
     if critic is None:
         advs = [adv[idx] for idx, _ in chunks]
     else:
@@ -49,27 +50,23 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         flat = torch.cat([a[b["mask"] > 0] for (a, _), b in zip(gaes, batches)])  # whitened over the whole batch
         advs = [(a - flat.mean()) / (flat.std() + 1e-6) * b["mask"] for (a, _), b in zip(gaes, batches)]
 
-    def logprobs(engine: TrainEngine, sub) -> torch.Tensor:  # at the sampling temperature, as the behaviour's
-        return torch.log_softmax(engine.forward(sub) / r.temperature, -1)
-
     trained = sum(b["mask"].sum().item() for b in batches)
     stats: dict[str, float] = {}
     for _ in range(r.ppo_epochs):
         stats = {}
         policy.zero_grad()
         for (_, sub), b, a in zip(chunks, batches, advs):
-            mask, target = b["mask"], b["ids"]
+            mask = b["mask"]
             share = mask.sum().item() / n_tokens  # this micro-batch's part of a token mean over the batch
-            logp_all = logprobs(policy, sub)
-            logp = logp_all.gather(-1, target[..., None]).squeeze(-1)
+            logp, ent_tok = policy.logprobs(sub, r.temperature)  # at the sampling temperature, as the behaviour's
             loss, st = policy_loss(logp, b["old_logprobs"], a, mask, clip_eps=r.clip_eps, is_lower=r.is_lower,
                                    is_upper=r.is_upper, agg=r.loss_agg, **norm)
-            ent = entropy(logp_all if r.entropy_coef else logp_all.detach(), mask)
+            ent = token_mean(ent_tok if r.entropy_coef else ent_tok.detach(), mask)
             loss = loss - r.entropy_coef * ent * share
             st["entropy"] = ent.item()
             if ref is not None:
                 with torch.no_grad():
-                    ref_logp = logprobs(ref, sub).gather(-1, target[..., None]).squeeze(-1)
+                    ref_logp = ref.logprobs(sub, r.temperature)[0]
                 kl = kl_to_reference(logp, ref_logp, mask)
                 loss = loss + r.kl_coef * kl * share
                 st["kl_ref"] = kl.item()

@@ -1,0 +1,144 @@
+"""bench/kernels: each Triton kernel against its plain-torch reference, and the fused log-probability kernel
+against Liger-Kernel's fused linear cross-entropy, forward + backward, time (median of REPS after a warm-up)
+and peak memory above the inputs, at realistic shapes on a GPU: 16k tokens, hidden 4096, vocab 152k, bf16;
+the W4A8 GEMM at 4096 -> 14336 against the bf16 matmul for batches 1..256.
+
+Without a GPU it records the interpreter's correctness (`kernels.selfcheck` under TRITON_INTERPRET=1) and
+null GPU figures, saying so. `python -m bench.kernels --dry` runs the GPU figures' code at tiny shapes on CPU
+under the interpreter (a check of the benchmark itself; its numbers mean nothing)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(".posttrain/bench")
+REPS = 5
+FULL = {"tokens": 16384, "hidden": 4096, "vocab": 152064, "kl_tokens": 4096, "w4a8_k": 4096, "w4a8_n": 14336,
+        "batches": [1, 4, 16, 64, 256], "group": 128}
+DRY = {"tokens": 64, "hidden": 32, "vocab": 500, "kl_tokens": 32, "w4a8_k": 64, "w4a8_n": 48,
+       "batches": [1, 16], "group": 32}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure(fn, device: str, reps: int = REPS) -> tuple[float, float | None]:
+    """(median seconds, peak MB allocated above what was live before) of fn()."""
+    fn()  # warm-up: compilation, autotuning, allocator
+    _sync(device)
+    peak = None
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    if device == "cuda":
+        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    return statistics.median(times), peak
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or not b else round(a / b, 3)
+
+
+def gpu_figures(device: str, s: dict, dtype: torch.dtype) -> dict:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    from kernels.logprob import linear_logprob, linear_logprob_reference
+    from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_reference
+    from kernels.w4a8 import quantize_activations, w4a8_matmul
+    g = torch.Generator(device=device).manual_seed(0)
+    n, d, v = s["tokens"], s["hidden"], s["vocab"]
+    h = (torch.randn(n, d, device=device, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    w = (torch.randn(v, d, device=device, generator=g, dtype=dtype) * 0.02).requires_grad_()
+    target = torch.randint(0, v, (n,), device=device, generator=g)
+
+    def step(loss_fn):
+        def run():
+            h.grad = w.grad = None
+            loss_fn().backward()
+        return run
+    liger = LigerFusedLinearCrossEntropyLoss()
+    rows = {"torch": step(lambda: -linear_logprob_reference(h, w, target)[0].mean()),
+            "fused": step(lambda: -linear_logprob(h, w, target)[0].mean()),
+            "liger": step(lambda: liger(w, h, target))}
+    logprob = {k: _measure(f, device) for k, f in rows.items()}
+    m = s["kl_tokens"]
+    hk = h[:m].detach().clone().requires_grad_()
+    teacher = torch.log_softmax(torch.randn(m, v, device=device, generator=g), -1)
+
+    def kl_step(fn):
+        def run():
+            hk.grad = w.grad = None
+            fn(hk, w, teacher).mean().backward()
+        return run
+    kl = {"torch": _measure(kl_step(linear_reverse_kl_reference), device),
+          "fused": _measure(kl_step(linear_reverse_kl), device)}
+    k, cols, group = s["w4a8_k"], s["w4a8_n"], s["group"]
+    q = torch.randint(-8, 8, (cols, k), dtype=torch.int8)
+    packed = pack_to_int32(q, 4).to(device)
+    scales = (torch.rand(cols, k // group) * 0.01).to(device)
+    w_bf16 = (q.float() * 0.01).to(device, dtype)
+    w4a8 = {}
+    for b in s["batches"]:
+        x = torch.randn(b, k, device=device, dtype=dtype)
+        t_bf16, _ = _measure(lambda: x @ w_bf16.t(), device, reps=20)
+        t_w4a8, _ = _measure(lambda: w4a8_matmul(*quantize_activations(x), packed, scales), device, reps=20)
+        w4a8[b] = {"bf16_s": t_bf16, "w4a8_s": t_w4a8, "speedup": _ratio(t_bf16, t_w4a8)}
+    small = [w4a8[b]["speedup"] for b in s["batches"] if b <= 16]
+    return {
+        "logprob_peak_mem_ratio_vs_torch": _ratio(logprob["fused"][1], logprob["torch"][1]),
+        "logprob_speed_ratio_vs_liger": _ratio(logprob["liger"][0], logprob["fused"][0]),
+        "logprob_speed_ratio_vs_torch": _ratio(logprob["torch"][0], logprob["fused"][0]),
+        "reverse_kl_peak_mem_ratio_vs_torch": _ratio(kl["fused"][1], kl["torch"][1]),
+        "reverse_kl_speed_ratio_vs_torch": _ratio(kl["torch"][0], kl["fused"][0]),
+        "w4a8_speed_ratio_vs_bf16": min(small) if small and None not in small else None,
+        "logprob": {k: {"s": t, "peak_mb": p} for k, (t, p) in logprob.items()},
+        "reverse_kl": {k: {"s": t, "peak_mb": p} for k, (t, p) in kl.items()},
+        "w4a8": w4a8, "shapes": s, "dtype": str(dtype).removeprefix("torch."), "reps": REPS,
+        "peers": {"liger": "liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss() (defaults: mean over "
+                           "tokens, no ignore, no softcap)", "torch": "log_softmax over the full logits"}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kernels.selfcheck import interpreted
+    argv = sys.argv[1:] if argv is None else argv
+    errors = interpreted()
+    errors.pop("triton")
+    fig = {"interpret_max_abs_err": max(errors.values()), "interpret_errors": errors,
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+    null = dict.fromkeys(["logprob_peak_mem_ratio_vs_torch", "logprob_speed_ratio_vs_liger",
+                          "reverse_kl_peak_mem_ratio_vs_torch", "w4a8_speed_ratio_vs_bf16"])
+    if torch.cuda.is_available():
+        fig["device"] = torch.cuda.get_device_name()
+        fig.update(gpu_figures("cuda", FULL, torch.bfloat16))
+    elif "--dry" in argv:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--dry runs the Triton kernels on CPU: run it with TRITON_INTERPRET=1")
+        fig.update(device="cpu (dry run under TRITON_INTERPRET=1: the figures mean nothing)",
+                   **gpu_figures("cpu", DRY, torch.float32))
+    else:
+        fig.update(device=None, note="no GPU on this machine: GPU figures are null, not estimated", **null)
+    OUT.mkdir(parents=True, exist_ok=True)
+    name = "kernels-dry.json" if "--dry" in argv and not torch.cuda.is_available() else "kernels.json"
+    (OUT / name).write_text(json.dumps(fig, indent=1))
+    print(json.dumps(fig, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Fused output head -> log-probability of the target token and entropy, forward and backward.
+
+At vocab 152k, 16k tokens of fp32 logits are 10 GB, and log_softmax, its exp and their gradients each make
+another copy. Here the tokens go through the head in chunks of `chunk_tokens` (sized so a chunk's logits are
+about the size of the hidden states); per chunk, one pass over the vocabulary (in blocks, online softmax)
+gives log Z, the target's log-probability and the entropy, and the logits are dropped. The backward
+recomputes a chunk's logits, turns them into their gradient in place, and multiplies back into the hidden
+states and the head. Unlike Liger's fused cross-entropy, which folds the gradient into the forward, the
+upstream gradient here is not known at forward time (a policy loss is not linear in the log-probabilities),
+so the backward recomputes: one more head matmul, for a loss of any shape.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels import jit_cache, use_triton
+
+BLOCK_V = 1024
+
+
+def linear_logprob_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), entropy) per row of `hidden` [N, D] under logits `hidden @ weight.T / temperature`."""
+    logp_all = torch.log_softmax((hidden @ weight.t()).float() / temperature, -1)
+    return logp_all.gather(-1, target[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def default_chunk(n: int, vocab: int, dim: int) -> int:
+    """Tokens per chunk: a chunk's logits about the size of all hidden states (Liger's rule), a power of 2."""
+    return max(1, min(n, 2 ** math.ceil(math.log2(max(1, math.ceil(n / math.ceil(vocab / dim)))))))
+
+
+@jit_cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stats(z_ptr, target_ptr, lse_ptr, logp_ptr, ent_ptr, V, stride, inv_t, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = z_ptr + row.to(tl.int64) * stride
+        m = -float("inf")
+        s = 0.0
+        t = 0.0  # sum of exp(z - m) * z, for the entropy
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            z = tl.load(base + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_t
+            m_new = tl.maximum(m, tl.max(z, 0))
+            e = tl.exp(z - m_new)
+            scale = tl.exp(m - m_new)
+            s = s * scale + tl.sum(e, 0)
+            t = t * scale + tl.sum(e * tl.where(cols < V, z, 0.0), 0)  # e is 0 off the end
+            m = m_new
+        lse = m + tl.log(s)
+        tgt = tl.load(target_ptr + row)
+        z_t = tl.load(base + tgt).to(tl.float32) * inv_t
+        tl.store(lse_ptr + row, lse)
+        tl.store(logp_ptr + row, z_t - lse)
+        tl.store(ent_ptr + row, lse - t / s)
+
+    @triton.jit
+    def grad(z_ptr, target_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, V, stride, inv_t, BLOCK: tl.constexpr):
+        # d logp_t / dz = onehot(t) - p ; d H / dz = -p (log p + H); times inv_t for the logits; in place
+        row = tl.program_id(0)
+        base = z_ptr + row.to(tl.int64) * stride
+        lse = tl.load(lse_ptr + row)
+        ent = tl.load(ent_ptr + row)
+        g_lp = tl.load(g_lp_ptr + row)
+        g_ent = tl.load(g_ent_ptr + row)
+        tgt = tl.load(target_ptr + row)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            logp = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32) * inv_t - lse
+            dz = -tl.exp(logp) * (g_lp + g_ent * (logp + ent)) + tl.where(cols == tgt, g_lp, 0.0)
+            tl.store(base + cols, (dz * inv_t).to(z_ptr.dtype.element_ty), mask=cols < V)
+
+    return stats, grad
+
+
+def _stats(z: torch.Tensor, target: torch.Tensor, inv_t: float):
+    n, v = z.shape
+    if use_triton(z):
+        lse, logp, ent = (torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3))
+        _kernels()[0][(n,)](z, target, lse, logp, ent, v, z.stride(0), inv_t, BLOCK=pow2_block(v))
+        return logp, ent, lse
+    zf = z.float() * inv_t
+    lse = zf.logsumexp(-1)
+    logp = zf.gather(-1, target[:, None]).squeeze(-1) - lse
+    return logp, lse - (torch.softmax(zf, -1) * zf).sum(-1), lse
+
+
+def _grad_in_place(z: torch.Tensor, target: torch.Tensor, lse, ent, g_lp, g_ent, inv_t: float) -> torch.Tensor:
+    n, v = z.shape
+    if use_triton(z):
+        _kernels()[1][(n,)](z, target, lse, ent, g_lp, g_ent, v, z.stride(0), inv_t, BLOCK=pow2_block(v))
+        return z
+    logp = z.float() * inv_t - lse[:, None]
+    dz = -logp.exp() * (g_lp[:, None] + g_ent[:, None] * (logp + ent[:, None]))
+    dz[torch.arange(n, device=z.device), target] += g_lp
+    return dz.mul_(inv_t).to(z.dtype)
+
+
+def pow2_block(v: int) -> int:
+    """The vocabulary block of a row kernel: a power of 2, at least 16, at most BLOCK_V."""
+    return min(BLOCK_V, 1 << max(4, (v - 1).bit_length()))
+
+
+def head_backward(hidden: torch.Tensor, weight: torch.Tensor, chunk: int, needs: tuple[bool, bool], dz_of):
+    """Gradients of `hidden` and `weight` from a chunk's logits gradient `dz_of(logits, rows)`, the logits
+    recomputed chunk by chunk; the head's gradient accumulates in fp32."""
+    d_hidden = torch.empty_like(hidden) if needs[0] else None
+    d_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs[1] else None
+    for a in range(0, hidden.size(0), chunk):
+        h, rows = hidden[a:a + chunk], slice(a, a + chunk)
+        dz = dz_of(h @ weight.t(), rows)
+        if d_hidden is not None:
+            d_hidden[rows] = dz @ weight
+        if d_weight is not None:  # in the inputs' dtype (bf16 tensor cores on GPU), summed over chunks in fp32
+            if dz.dtype == torch.float32:
+                d_weight.addmm_(dz.t(), h)
+            else:
+                d_weight += dz.t() @ h
+    return d_hidden, None if d_weight is None else d_weight.to(weight.dtype)
+
+
+class _LinearLogprob(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")  # the backward runs under the forward's autocast state
+    def forward(ctx, hidden, weight, target, temperature, chunk):
+        inv_t = 1.0 / temperature
+        outs = [_stats(hidden[a:a + chunk] @ weight.t(), target[a:a + chunk], inv_t)
+                for a in range(0, hidden.size(0), chunk)]
+        logp, ent, lse = (torch.cat(x) for x in zip(*outs))
+        ctx.save_for_backward(hidden, weight, target, lse, ent)
+        ctx.inv_t, ctx.chunk = inv_t, chunk
+        return logp, ent
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, target, lse, ent = ctx.saved_tensors
+        g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
+        g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float().contiguous()
+        d_hidden, d_weight = head_backward(
+            hidden, weight, ctx.chunk, ctx.needs_input_grad[:2],
+            lambda z, sl: _grad_in_place(z, target[sl], lse[sl], ent[sl], g_lp[sl], g_ent[sl], ctx.inv_t))
+        return d_hidden, d_weight, None, None, None
+
+
+def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, temperature: float = 1.0,
+                   chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_logprob_reference`'s (log p(target), entropy), both fp32, without the [N, vocab] logits;
+    differentiable in `hidden` and `weight`. `hidden` is [N, D] (flatten the batch first)."""
+    if hidden.dim() != 2 or target.shape != hidden.shape[:1]:
+        raise ValueError(f"linear_logprob: hidden must be [N, D] and target [N]; got {tuple(hidden.shape)} and "
+                         f"{tuple(target.shape)}")
+    chunk = chunk_tokens or default_chunk(hidden.size(0), weight.size(0), weight.size(1))
+    return _LinearLogprob.apply(hidden.contiguous(), weight, target.contiguous(), float(temperature), chunk)

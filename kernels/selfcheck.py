@@ -1,0 +1,80 @@
+"""Every kernel against its plain-torch reference at small shapes, forward and backward: the worst absolute
+error per check. `python -m kernels.selfcheck` prints them as JSON; `interpreted()` runs that in a child
+process under TRITON_INTERPRET=1 (the mode is fixed when triton is imported), which is how a machine without
+a GPU checks the Triton code itself."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels import use_triton
+
+
+def _grads(fn, params, weights):
+    outs = fn(*params)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    loss = sum((o.double() * w).sum() for o, w in zip(outs, weights))
+    grads = torch.autograd.grad(loss, params)
+    return [o.detach() for o in outs], grads
+
+
+def _worst(a, b) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
+
+
+def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from kernels.logprob import linear_logprob, linear_logprob_reference
+    from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_reference
+    from kernels.w4a8 import quantize_activations, w4a8_matmul, w4a8_reference
+    from posttrain.quant.int_linear import IntLinear
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, float] = {}
+    # vocab 2500: blocks of 1024 with a ragged last; 37 tokens in chunks of 8 with a ragged last
+    n, d, v, temp = 37, 16, 2500, 0.7
+    h = torch.randn(n, d, generator=g).to(device).requires_grad_()
+    w = torch.randn(v, d, generator=g).to(device).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=g).to(device)
+    weights = [torch.randn(n, generator=g, dtype=torch.float64).to(device) for _ in range(2)]
+    ref_out, ref_grad = _grads(lambda a, b: linear_logprob_reference(a, b, target, temp), [h, w], weights)
+    got_out, got_grad = _grads(lambda a, b: linear_logprob(a, b, target, temp, chunk_tokens=8), [h, w], weights)
+    out["logprob_forward"], out["logprob_backward"] = _worst(got_out, ref_out), _worst(got_grad, ref_grad)
+    teacher = torch.log_softmax(torch.randn(n, v, generator=g), -1).to(device)
+    ref_out, ref_grad = _grads(lambda a, b: linear_reverse_kl_reference(a, b, teacher, temp), [h, w], weights[:1])
+    got_out, got_grad = _grads(lambda a, b: linear_reverse_kl(a, b, teacher, temp, chunk_tokens=8), [h, w],
+                               weights[:1])
+    out["reverse_kl_forward"], out["reverse_kl_backward"] = _worst(got_out, ref_out), _worst(got_grad, ref_grad)
+    m, k, cols, group = 5, 96, 70, 32
+    q = torch.randint(-8, 8, (cols, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(cols, k // group, generator=g) * 0.01
+    x = torch.randn(m, k, generator=g)
+    layer = IntLinear(q, scales, act_bits=8, weight_bits=4)
+    xq, sx = quantize_activations(x)
+    ref = w4a8_reference(xq, sx, pack_to_int32(q, 4), scales)
+    if use_triton(x.to(device)):
+        out["w4a8"] = _worst([w4a8_matmul(*(t.to(device) for t in (xq, sx, pack_to_int32(q, 4), scales)))], [ref])
+    out["int_linear"] = _worst([layer.to(device)(x.to(device))], [ref])  # the model's layer: kernel or _int_mm
+    out["triton"] = float(use_triton(x.to(device)))
+    return out
+
+
+def interpreted(timeout: float = 600) -> dict[str, float]:
+    """`check()` in a child process with TRITON_INTERPRET=1 (the Triton code, interpreted on CPU)."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "kernels.selfcheck"], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"kernels.selfcheck under TRITON_INTERPRET=1 failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(check("cuda" if torch.cuda.is_available() else "cpu")))

@@ -1,0 +1,100 @@
+"""Token log-probabilities, entropies and reverse KL of a causal LM, through its full logits or through the fused
+head kernels (`kernels.logprob`, `kernels.reverse_kl`), which never build the [tokens, vocab] logits.
+
+The fused path takes the model's last hidden state (`output_hidden_states`, with `logits_to_keep=1` so the
+model's own head runs on one position only) and the output embeddings; it is used where it pays, on CUDA
+and at vocabularies of 32k and more, and is checked once per model: the kept position's logits must equal
+hidden @ W.T, so a head with a bias, a soft-cap or a scale fails loudly instead of training the wrong thing.
+`POSTTRAIN_FUSED_LOGPROB=1` / `=0` forces it on or off (benchmarks, tests)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+FUSED_MIN_VOCAB = 32768
+ENV = "POSTTRAIN_FUSED_LOGPROB"
+_SCALING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)  # DDP
+
+
+def fused(model: torch.nn.Module) -> bool:
+    """Whether `model`'s token scores go through the fused head kernels."""
+    forced = os.environ.get(ENV, "")
+    m = unwrap(model)
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return False
+    if forced in ("0", "1"):
+        return forced == "1"
+    return head.weight.is_cuda or head.out_features >= FUSED_MIN_VOCAB
+
+
+def _head_weight(model, out) -> torch.Tensor:
+    """The output embeddings, after checking once that the model's logits are hidden @ W.T."""
+    m = unwrap(model)
+    head = m.get_output_embeddings()
+    if not getattr(m, "_posttrain_head_checked", False):
+        scaled = {k: getattr(m.config, k) for k in _SCALING if getattr(m.config, k, None) not in (None, 1, 1.0)}
+        with torch.no_grad():
+            got = out.hidden_states[-1][:, -1] @ head.weight.t()
+            want = out.logits[:, -1].to(got.dtype)
+            tol = 1e-3 if got.dtype == torch.float32 else 3e-2  # bf16 matmuls may round differently
+            off = (got - want).abs().max().item() > tol * max(1.0, want.abs().max().item())
+        if head.bias is not None or scaled or off:
+            raise ValueError(f"{type(m).__name__}: the logits are not the last hidden state times the output "
+                             f"embeddings (bias={head.bias is not None}, scaling={scaled}, mismatch={off}), so the "
+                             f"fused log-probability kernels would compute something else; set {ENV}=0")
+        m._posttrain_head_checked = True
+    return head.weight
+
+
+def sequence_logprobs(model, input_ids: torch.Tensor, targets_mask: torch.Tensor, **inputs) -> torch.Tensor:
+    """log p(input_ids[:, t+1] | ...) at the positions where `targets_mask[:, t+1]` is non-zero, flattened in
+    row-major order (the masked_lm_loss layout); other positions cost nothing on the fused path."""
+    target, sel = input_ids[:, 1:], targets_mask[:, 1:] != 0
+    if fused(model):
+        from kernels.logprob import linear_logprob
+        out = model(input_ids=input_ids, **inputs, output_hidden_states=True, logits_to_keep=1)
+        return linear_logprob(out.hidden_states[-1][:, :-1][sel], _head_weight(model, out), target[sel])[0]
+    logits = model(input_ids=input_ids, **inputs).logits[:, :-1]
+    return -F.cross_entropy(logits[sel], target[sel], reduction="none")
+
+
+def completion_scores(model, samples: list, pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability, entropy) [samples, longest completion] of each completion token at `temperature`
+    (0 past a completion's end), in posttrain.rl.batches's completion layout."""
+    from posttrain.rl.batches import pad_rows, prefix_forward
+    dev = next(model.parameters()).device
+    ids = pad_rows([s.ids for s in samples], 0, device=dev)
+    real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, dev)
+    if not fused(model):
+        logp_all = torch.log_softmax(prefix_forward(model, samples, pad_id).float() / temperature, -1)
+        logp, ent = logp_all.gather(-1, ids[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+        return logp.masked_fill(~real, 0.0), ent.masked_fill(~real, 0.0)
+    from kernels.logprob import linear_logprob
+    hidden, out = prefix_forward(model, samples, pad_id, "hidden")
+    logp, ent = linear_logprob(hidden[real], _head_weight(model, out), ids[real], temperature)
+    return logp.new_zeros(ids.shape).masked_scatter(real, logp), ent.new_zeros(ids.shape).masked_scatter(real, ent)
+
+
+def completion_reverse_kl(model, samples: list, pad_id: int, teacher: list[torch.Tensor],
+                          temperature: float) -> torch.Tensor:
+    """Full-vocabulary KL(student || teacher) [samples, longest completion] at each sample's generated
+    positions (0 elsewhere); `teacher[i]` holds the teacher's log-probabilities there, [generated, vocab]."""
+    from posttrain.rl.batches import pad_rows, prefix_forward
+    dev = next(model.parameters()).device
+    mask = pad_rows([s.gen_mask for s in samples], 0, device=dev) > 0
+    lt = torch.cat([t.float() for t in teacher]).to(dev)
+    if not fused(model):
+        ls = torch.log_softmax(prefix_forward(model, samples, pad_id).float() / temperature, -1)[mask]
+        kl = (ls.exp() * (ls - lt)).sum(-1)
+    else:
+        from kernels.reverse_kl import linear_reverse_kl
+        hidden, out = prefix_forward(model, samples, pad_id, "hidden")
+        kl = linear_reverse_kl(hidden[mask], _head_weight(model, out), lt, temperature)
+    return kl.new_zeros(mask.shape).masked_scatter(mask, kl)

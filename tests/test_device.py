@@ -1,0 +1,19 @@
+"""Where stages compute: runtime.device (auto | cpu | cuda) through POSTTRAIN_DEVICE."""
+import pytest
+import torch
+
+from posttrain.device import ENV, device, stage_gpus
+
+
+def test_auto_picks_cuda_only_where_there_is_one(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv(ENV, "cpu")
+    assert device().type == "cpu" and stage_gpus("cpu", 1.0) == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_asking_for_cuda_without_one_fails_naming_the_setting(monkeypatch):
+    monkeypatch.setenv(ENV, "cuda")
+    with pytest.raises(RuntimeError, match=r"runtime\.device"):
+        device()
