@@ -89,7 +89,9 @@ class TorchTrainEngine:
         self.opt.zero_grad(set_to_none=True)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return self._module.state_dict()
+        """On CPU (no copy there): rollout workers and teachers reserve no GPU, and a CUDA tensor does not
+        unpickle in a process that has none."""
+        return {k: v.detach().cpu() for k, v in self._module.state_dict().items()}
 
     def state_dict(self) -> dict:
         return {"model": self._module.state_dict(), "opt": self.opt.state_dict() if self.opt else None,

@@ -18,6 +18,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from kernels import use_triton
 
 
+def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 x int8 -> int32; CUDA's `_int_mm` wants more than 16 rows, so a decode step's few rows are padded."""
+    if a.is_cuda and a.size(0) <= 16:
+        return torch._int_mm(torch.nn.functional.pad(a, (0, 0, 0, 17 - a.size(0))), b)[:a.size(0)]
+    return torch._int_mm(a, b)
+
+
 class IntLinear(torch.nn.Module):
     """y = sum over groups g of (x_q[:, g] @ W_q[g]^T) * s_w[g] * s_x; x_q per-token int8."""
 
@@ -44,9 +51,9 @@ class IntLinear(torch.nn.Module):
             y = w4a8_matmul(xq, sx.squeeze(-1), self._packed, self.scales_t.t())
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if g == self.in_features:
-            acc = torch._int_mm(xq, self.qweight_t).float() * self.scales_t[0]
+            acc = _int_mm(xq, self.qweight_t).float() * self.scales_t[0]
         else:
-            acc = sum(torch._int_mm(xq[:, a:a + g].contiguous(), self.qweight_t[a:a + g]).float() * self.scales_t[k]
+            acc = sum(_int_mm(xq[:, a:a + g].contiguous(), self.qweight_t[a:a + g]).float() * self.scales_t[k]
                       for k, a in enumerate(range(0, self.in_features, g)))
         return (acc * sx).to(x.dtype).reshape(*shape[:-1], self.out_features)
 
