@@ -107,6 +107,13 @@ def pow2_block(v: int) -> int:
     return min(BLOCK_V, 1 << max(4, (v - 1).bit_length()))
 
 
+def head_forward(hidden: torch.Tensor, weight: torch.Tensor, chunk: int, stats_of) -> tuple[torch.Tensor, ...]:
+    """`stats_of(logits, rows)` per chunk of tokens, its per-row outputs concatenated; each chunk's logits are
+    dropped before the next one's exist."""
+    outs = [stats_of(hidden[a:a + chunk] @ weight.t(), slice(a, a + chunk)) for a in range(0, hidden.size(0), chunk)]
+    return tuple(torch.cat(x) for x in zip(*outs))
+
+
 def head_backward(hidden: torch.Tensor, weight: torch.Tensor, chunk: int, needs: tuple[bool, bool], dz_of):
     """Gradients of `hidden` and `weight` from a chunk's logits gradient `dz_of(logits, rows)`, the logits
     recomputed chunk by chunk; the head's gradient accumulates in fp32."""
@@ -130,9 +137,7 @@ class _LinearLogprob(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")  # the backward runs under the forward's autocast state
     def forward(ctx, hidden, weight, target, temperature, chunk):
         inv_t = 1.0 / temperature
-        outs = [_stats(hidden[a:a + chunk] @ weight.t(), target[a:a + chunk], inv_t)
-                for a in range(0, hidden.size(0), chunk)]
-        logp, ent, lse = (torch.cat(x) for x in zip(*outs))
+        logp, ent, lse = head_forward(hidden, weight, chunk, lambda z, rows: _stats(z, target[rows], inv_t))
         ctx.save_for_backward(hidden, weight, target, lse, ent)
         ctx.inv_t, ctx.chunk = inv_t, chunk
         return logp, ent

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels import jit_cache, use_triton
-from kernels.logprob import default_chunk, head_backward, pow2_block
+from kernels.logprob import default_chunk, head_backward, head_forward, pow2_block
 
 
 def linear_reverse_kl_reference(hidden: torch.Tensor, weight: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -89,9 +89,7 @@ class _LinearReverseKL(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")  # the backward runs under the forward's autocast state
     def forward(ctx, hidden, weight, teacher, temperature, chunk):
         inv_t = 1.0 / temperature
-        outs = [_stats(hidden[a:a + chunk] @ weight.t(), teacher[a:a + chunk], inv_t)
-                for a in range(0, hidden.size(0), chunk)]
-        kl, lse = (torch.cat(x) for x in zip(*outs))
+        kl, lse = head_forward(hidden, weight, chunk, lambda z, rows: _stats(z, teacher[rows], inv_t))
         ctx.save_for_backward(hidden, weight, teacher, lse, kl)
         ctx.inv_t, ctx.chunk = inv_t, chunk
         return kl

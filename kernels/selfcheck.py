@@ -65,16 +65,17 @@ def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
 
 
 def interpreted(timeout: float = 600) -> dict[str, float]:
-    """`check()` in a child process with TRITON_INTERPRET=1 (the Triton code, interpreted on CPU)."""
+    """`check("cpu")` in a child process with TRITON_INTERPRET=1 (the Triton code, interpreted on CPU, also on a
+    machine with a GPU)."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "kernels.selfcheck"], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "kernels.selfcheck", "cpu"], env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode:
         raise RuntimeError(f"kernels.selfcheck under TRITON_INTERPRET=1 failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-if __name__ == "__main__":
-    print(json.dumps(check("cuda" if torch.cuda.is_available() else "cpu")))
+if __name__ == "__main__":  # python -m kernels.selfcheck [cpu|cuda] (default: cuda where present)
+    print(json.dumps(check(sys.argv[1] if len(sys.argv) > 1 else "cuda" if torch.cuda.is_available() else "cpu")))

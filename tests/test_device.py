@@ -12,6 +12,7 @@ def test_auto_picks_cuda_only_where_there_is_one(monkeypatch):
     assert device().type == "cpu" and stage_gpus("cpu", 1.0) == 0.0
 
 
+# deliberate: the refusal can only be observed where torch sees no CUDA device (the CI machines)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_asking_for_cuda_without_one_fails_naming_the_setting(monkeypatch):
     monkeypatch.setenv(ENV, "cuda")
