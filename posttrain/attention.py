@@ -1,8 +1,8 @@
 """The attention implementation is chosen by config (`ramp.attention`): the seam sparse attention plugs into.
 
 transformers dispatches attention (and the mask built for it) through two registries; `register` adds a
-name to both, so a DSA indexer + sparse kernel (the kernels work) becomes `ramp.attention: dsa` without
-touching the trainer. "sdpa" (default) and "eager" are the dense references on CPU.
+name to both; posttrain.dsa registers "dsa" this way (its indexers installed by `posttrain.dsa.install`).
+"sdpa" (default) and "eager" are the dense references on CPU.
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from posttrain import dsa as _dsa  # noqa: F401  (registers "dsa")
 
 
 def register(name: str, attention: Callable, mask: Callable = sdpa_mask) -> None:
@@ -28,5 +30,8 @@ def use(model, name: str):
     if name not in known():
         raise ValueError(f"unknown attention implementation {name!r}; known: {', '.join(known())} "
                          f"(add one with posttrain.attention.register)")
+    if name == "dsa" and not hasattr(model.model.layers[0].self_attn, "dsa_state"):
+        raise ValueError("attention 'dsa' needs lightning indexers: posttrain.dsa.install(model, top_k=...) "
+                         "(the ramp does it for ramp.attention: dsa)")
     model.set_attn_implementation(name)
     return model

@@ -127,13 +127,26 @@ class RampStage(_Strict):
     long_share: Share = 0.3      # share of rows holding long-context documents
 
 
+class DSAConfig(_Strict):
+    """DeepSeek Sparse Attention, adopted at the first ramp stage when `ramp.attention: dsa` (posttrain.dsa)."""
+    top_k: AtLeast1 = 256         # keys each query attends to (GLM-5: 2048 at 200k)
+    index_share: AtLeast1 = 1     # one indexer per this many layers, its selection reused (GLM-5.2 IndexShare: 4)
+    heads: AtLeast1 = 4           # indexer heads
+    warmup_steps: AtLeast0 = 100  # dense warm-up: only the indexers train, towards the dense attention (KL)
+    warmup_lr: Positive = 1e-3
+    kl_queries: AtLeast1 = 64     # queries per row the indexer loss samples
+    kl_weight: NonNegative = 1.0  # the indexer loss's weight in sparse training (it reaches only the indexers)
+    adopt_at: AtLeast1 | None = None  # the stage length DSA starts at; None: the first longer than top_k
+
+
 class RampConfig(_Strict):
     batch_size: AtLeast1 = 8     # rows of seq_len tokens per micro-batch
     grad_accum: AtLeast1 = 1
     weight_decay: NonNegative = 0.1
     mask_documents: bool = True  # attention stays inside each packed document; positions restart
     activation_checkpointing: bool = False
-    attention: str = "sdpa"      # a transformers attention implementation or one from posttrain.attention.register
+    attention: str = "sdpa"      # a transformers attention implementation, one from posttrain.attention.register, or dsa
+    dsa: DSAConfig = DSAConfig()
     long_docs: AtLeast0 = 2000   # distinct long-context documents per stage, lengths spread up to seq_len
     long_loss_weight: NonNegative = 8.0  # weight of a long document's answer tokens against a pretraining token
     stages: list[RampStage] = Field(default_factory=lambda: [
@@ -149,7 +162,16 @@ class RampConfig(_Strict):
             if s.tokens < self.batch_size * self.grad_accum * s.seq_len:
                 raise ValueError(f"ramp.stages.{k}.tokens: {s.tokens} is less than one step "
                                  f"({self.batch_size} x {self.grad_accum} x {s.seq_len})")
+        if self.attention == "dsa" and self.dsa.top_k >= lens[-1]:
+            raise ValueError(f"ramp.dsa.top_k: {self.dsa.top_k} is not below the longest stage's seq_len {lens[-1]}: "
+                             f"every key would be selected (dense attention at an indexer's cost)")
+        if self.attention == "dsa" and self.dsa.adopt_at and self.dsa.adopt_at not in lens:
+            raise ValueError(f"ramp.dsa.adopt_at: {self.dsa.adopt_at} is not a stage's seq_len ({lens})")
         return self
+
+    def dsa_start(self) -> int:
+        """The seq_len of the stage that adopts DSA (dense warm-up, then sparse from there on)."""
+        return self.dsa.adopt_at or min(s.seq_len for s in self.stages if s.seq_len > self.dsa.top_k)
 
     def steps(self, stage: RampStage) -> int:
         return stage.tokens // (self.batch_size * self.grad_accum * stage.seq_len)

@@ -80,10 +80,22 @@ def load_checkpoint(path: str | Path) -> tuple[LlamaForCausalLM, object]:
     """Load model + tokenizer with the plain Auto classes, as any HF user would: fp32 to train on CPU, single or
     sharded safetensors. The checkpoint's own dtype is remembered, so `save_checkpoint` writes the same family."""
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = load_pretrained(AutoModelForCausalLM, path)
     saved = json.loads((Path(path) / "config.json").read_text())
     setattr(model.config, SAVE_DTYPE, saved.get("dtype") or saved.get("torch_dtype") or "float32")
     return model, tok
+
+
+def load_pretrained(auto_class, path: str | Path):
+    """`auto_class.from_pretrained` in fp32, with the DSA indexers the checkpoint's config names reinstalled."""
+    from posttrain import dsa
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # else transformers reports the indexers' weights as unexpected
+    try:
+        model = auto_class.from_pretrained(path, dtype=torch.float32)
+    finally:
+        hf_logging.set_verbosity(level)
+    return dsa.restore(model, path)
 
 
 def save_checkpoint(model, tok, out: str | Path, max_shard_size: str = MAX_SHARD) -> None:

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from environments import long_context
 from environments.base import Task
-from posttrain import attention
+from posttrain import attention, dsa
 from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig, RampStage
@@ -26,7 +26,7 @@ from posttrain.memory import peak_memory
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack, packing_efficiency
 from posttrain.store import checkpointed
-from posttrain.train import eval_loss, summarize, train
+from posttrain.train import eval_loss, masked_lm_loss, summarize, train
 
 
 def prose_len(tok, task: Task, extra: int = 0) -> int:
@@ -78,7 +78,7 @@ def with_rope(model, stage: RampStage):
     config = AutoConfig.for_model(**model.config.to_dict())
     config.rope_parameters = {"rope_type": "default", **dict(stage.rope_scaling), "rope_theta": stage.rope_theta}
     config.max_position_embeddings = stage.seq_len
-    new = AutoModelForCausalLM.from_config(config).float()
+    new = dsa.restore(AutoModelForCausalLM.from_config(config).float())
     new.load_state_dict(model.state_dict())
     return new
 
@@ -121,24 +121,86 @@ def plot_accuracy(curves: dict[str, dict[int, float]], trained: dict[str, int], 
     plt.close(fig)
 
 
+def _with_indexer_loss(weight: float, curves: dict[str, list[float]]):
+    """The LM loss, plus the indexers' KL as a gradient only (the reported loss stays comparable with dense)."""
+    def loss_fn(model, batch):
+        loss = masked_lm_loss(model, batch)
+        aux, kl, recall = dsa.state(model).pop()
+        if aux is None:
+            return loss
+        curves["indexer_kl"].append(kl)
+        curves["topk_recall"].append(recall)
+        return loss + weight * (aux - aux.detach())
+    return loss_fn
+
+
+def _indexer_warmup(cfg: PipelineConfig, model, next_batch, name: str) -> dict:
+    """GLM-5's adoption of DSA: dense attention, everything frozen but the new indexers, which learn the dense
+    attention distribution (KL) before sparse training starts."""
+    d, st = cfg.ramp.dsa, dsa.state(model)
+    curves: dict[str, list[float]] = {"indexer_kl": [], "topk_recall": []}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    for p in dsa.indexer_parameters(model):
+        p.requires_grad_(True)
+
+    def indexer_loss(m, batch):
+        batch = {k: v.to(next(m.parameters()).device) for k, v in batch.items() if v is not None}
+        m.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                position_ids=batch.get("position_ids"), use_cache=False)  # the indexers hook into the layers
+        aux, kl, recall = st.pop()
+        curves["indexer_kl"].append(kl)
+        curves["topk_recall"].append(recall)
+        return aux
+
+    st.mode = "warmup"
+    try:
+        train(model, next_batch, steps=d.warmup_steps, lr=d.warmup_lr, warmup=max(1, d.warmup_steps // 10),
+              desc=f"{name} indexer warm-up", loss_fn=indexer_loss)
+    finally:
+        st.mode = "sparse"
+        for p in trainable:
+            p.requires_grad_(True)
+    return curves
+
+
 def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: list[list[int]],
                 sets: dict[int, list[Task]], short_val: dict):
     """One rung of the ladder: RoPE + attention set, packed mixture trained, then measured."""
     r = cfg.ramp
-    model = attention.use(with_rope(model, st), r.attention)
+    model = with_rope(model, st)
+    adopt = r.attention == "dsa" and dsa.state(model) is None and st.seq_len >= r.dsa_start()
+    if adopt:
+        dsa.install(model, r.dsa.top_k, r.dsa.index_share, r.dsa.heads, r.dsa.kl_queries)
+    elif dsa.state(model) is None:  # dense stages before DSA's adoption run sdpa
+        model = attention.use(model, "sdpa" if r.attention == "dsa" else r.attention)
     if r.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     short_rows = pack([(d, [1] * len(d)) for d in docs], st.seq_len)
     long_rows = pack(long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight), st.seq_len)
     name, steps = f"ramp@{st.seq_len}", r.steps(st)
+    next_batch = _sampler(cfg, k, short_rows, long_rows, st, pad_id(tok))
+    curves: dict[str, list[float]] = {"indexer_kl": [], "topk_recall": []}
+    extra: dict[str, float] = {}
     with peak_memory() as peak:
-        hist = train(model, _sampler(cfg, k, short_rows, long_rows, st, pad_id(tok)), steps=steps, lr=st.lr,
-                     warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
-                     weight_decay=r.weight_decay, desc=name)
+        if dsa.state(model):
+            dsa.state(model).collect = True
+        if adopt and r.dsa.warmup_steps:
+            warm = _indexer_warmup(cfg, model, lambda i: next_batch(10_000_000 + i), name)
+            extra = {f"dsa_warmup.{key}": v for c in warm for key, v in summarize(warm, c).items()}
+        hist = train(model, next_batch, steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio,
+                     grad_accum=r.grad_accum, weight_decay=r.weight_decay, desc=name,
+                     loss_fn=_with_indexer_loss(r.dsa.kl_weight, curves) if dsa.state(model) else masked_lm_loss)
+        if dsa.state(model):
+            dsa.state(model).collect = False
     if r.activation_checkpointing:
         model.activation_checkpointing_disable()
+    if curves["indexer_kl"]:
+        hist.update(curves)
+        extra.update({key: v for c in curves for key, v in summarize(curves, c).items()})
     acc = long_context_accuracy(cfg, model, tok, sets)  # beyond the stage's length too: the contrast
-    metrics = {**summarize(hist), "steps": steps, "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
+    metrics = {**summarize(hist), **extra, "steps": steps, "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
                "peak_memory_mb": peak["mb"], "short_val_loss": round(eval_loss(model, [short_val]), 4),
                "packing_efficiency": round(packing_efficiency(short_rows + long_rows, st.seq_len), 4),
                **{f"long_context@{L}": a for L, a in acc.items()}}

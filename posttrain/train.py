@@ -45,16 +45,17 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
           weight_decay: float = 0.0, grad_clip: float = 1.0, desc: str = "train",
           eval_fn: Callable[[], float] | None = None, eval_every: int = 0, grad_accum: int = 1,
           state: dict | None = None, checkpoint: Callable[[dict], None] | None = None,
-          checkpoint_every: int = 0, zero_loss_hint: str = "") -> dict[str, list[float]]:
+          checkpoint_every: int = 0, zero_loss_hint: str = "",
+          loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor] = masked_lm_loss) -> dict[str, list[float]]:
     """Run `steps` optimizer steps; return the history (loss per step, eval loss when asked).
 
     Each step takes `grad_accum` micro-batches `next_batch(step * grad_accum + i)`: the data order is a
     function of the step, so resuming from `state` (what `checkpoint` was given) continues exactly.
     A loss of exactly 0 over the first steps means nothing is being trained (an empty loss mask): it stops,
-    naming `desc` and `zero_loss_hint`.
+    naming `desc` and `zero_loss_hint`. `loss_fn(model, batch)` is the masked LM loss unless given.
     """
     from posttrain.engines.torch_train import TorchTrainEngine
-    engine = TorchTrainEngine(model, masked_lm_loss, lr=lr, weight_decay=weight_decay,
+    engine = TorchTrainEngine(model, loss_fn, lr=lr, weight_decay=weight_decay,
                               schedule=lambda s: cosine_schedule(s, steps, warmup, min_lr_ratio))
     hist: dict[str, list[float]] = {"loss": [], "lr": []}
     start = 0

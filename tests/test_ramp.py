@@ -87,7 +87,9 @@ def test_attention_implementation_is_chosen_by_config():
     model = tiny_llama("counting_sdpa")
     model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
     assert len(calls) == 2  # one per layer
-    with pytest.raises(ValueError, match="unknown attention implementation 'dsa'.*sdpa"):
+    with pytest.raises(ValueError, match="unknown attention implementation 'nope'.*dsa.*sdpa"):
+        attention.use(model, "nope")
+    with pytest.raises(ValueError, match="needs lightning indexers"):
         attention.use(model, "dsa")
 
 

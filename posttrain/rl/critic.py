@@ -4,13 +4,14 @@ from __future__ import annotations
 import torch
 from transformers import AutoModel
 
+from posttrain.model import load_pretrained
 from posttrain.rl.batches import prefix_forward
 
 
 class ValueModel(torch.nn.Module):
     def __init__(self, checkpoint: str):
         super().__init__()
-        self.backbone = AutoModel.from_pretrained(checkpoint, dtype=torch.float32)
+        self.backbone = load_pretrained(AutoModel, checkpoint)
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)  # starts predicting 0 everywhere: no made-up baseline
         torch.nn.init.zeros_(self.head.bias)
