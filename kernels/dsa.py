@@ -31,8 +31,11 @@ def indexer_scores(qi: torch.Tensor, w: torch.Tensor, ki: torch.Tensor) -> torch
 def indexer_topk_reference(qi, w, ki, allowed, top_k: int) -> torch.Tensor:
     scores = indexer_scores(qi, w, ki)
     allowed = causal(qi.shape[1], ki.shape[1], qi.device) if allowed is None else allowed
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    vals, idx = scores.topk(min(top_k, scores.shape[-1]), dim=-1)
+    scores = scores.masked_fill(~allowed, float("-inf")).flip(-1)
+    # equal scores (ReLU makes exact zeros common) go to the later key, as in the kernel: a stable sort of the
+    # reversed keys, so the choice does not depend on where a packed document starts
+    vals, idx = scores.sort(dim=-1, descending=True, stable=True)
+    vals, idx = vals[..., :top_k], scores.shape[-1] - 1 - idx[..., :top_k]
     idx = idx.masked_fill(vals == float("-inf"), -1).int()
     if idx.shape[-1] < top_k:
         idx = torch.nn.functional.pad(idx, (0, top_k - idx.shape[-1]), value=-1)

@@ -60,7 +60,35 @@ def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
     if use_triton(x.to(device)):
         out["w4a8"] = _worst([w4a8_matmul(*(t.to(device) for t in (xq, sx, pack_to_int32(q, 4), scales)))], [ref])
     out["int_linear"] = _worst([layer.to(device)(x.to(device))], [ref])  # the model's layer: kernel or _int_mm
+    out.update(_check_dsa(device, g))
     out["triton"] = float(use_triton(x.to(device)))
+    return out
+
+
+def _check_dsa(device: str, g: torch.Generator) -> dict[str, float]:
+    """DSA's indexer top-k (compared by the scores it selected: equal scores may tie in any order) under a causal
+    and a document mask, top_k not a power of 2; sparse attention with GQA and rows selecting fewer than top_k."""
+    from kernels import dsa
+    out: dict[str, float] = {}
+    b, lq, lk, hi, d, top_k = 2, 20, 33, 2, 16, 12
+    qi, w = torch.randn(b, lq, hi, d, generator=g), torch.randn(b, lq, hi, generator=g)
+    ki = torch.randn(b, lk, d, generator=g)
+    docs = (torch.rand(b, lq, lk, generator=g) > 0.3) & dsa.causal(lq, lk)
+    scores = dsa.indexer_scores(qi, w, ki)
+
+    def picked(idx):  # each query's selected scores, sorted; -1 entries count as -1e9
+        return [scores.gather(-1, idx.cpu().long().clamp(min=0)).masked_fill(idx.cpu() < 0, -1e9).sort(-1).values]
+    out["dsa_topk"] = max(_worst(picked(dsa.indexer_topk(*(t.to(device) for t in (qi, w, ki)),
+                                                         None if a is None else a.to(device), top_k)),
+                                 picked(dsa.indexer_topk_reference(qi, w, ki, a, top_k))) for a in (None, docs))
+    h, hkv = 4, 2
+    q = torch.randn(b, h, lq, d, generator=g).to(device).requires_grad_()
+    k, v = (torch.randn(b, hkv, lk, d, generator=g).to(device).requires_grad_() for _ in range(2))
+    idx = dsa.indexer_topk_reference(qi, w, ki, docs, top_k).to(device)
+    weights = [torch.randn(b, h, lq, d, generator=g, dtype=torch.float64).to(device)]
+    ref_out, ref_grad = _grads(lambda *t: dsa.sparse_attention_reference(*t, idx, 0.25), [q, k, v], weights)
+    got_out, got_grad = _grads(lambda *t: dsa.sparse_attention(*t, idx, 0.25), [q, k, v], weights)
+    out["dsa_attention_forward"], out["dsa_attention_backward"] = _worst(got_out, ref_out), _worst(got_grad, ref_grad)
     return out
 
 

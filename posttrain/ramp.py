@@ -154,7 +154,7 @@ def _indexer_warmup(cfg: PipelineConfig, model, next_batch, name: str) -> dict:
         curves["topk_recall"].append(recall)
         return aux
 
-    st.mode = "warmup"
+    st.mode, st.collect = "warmup", True
     try:
         train(model, next_batch, steps=d.warmup_steps, lr=d.warmup_lr, warmup=max(1, d.warmup_steps // 10),
               desc=f"{name} indexer warm-up", loss_fn=indexer_loss)
