@@ -104,3 +104,15 @@ def test_dsa_settings_that_would_do_nothing_are_refused():
     with pytest.raises(ConfigError, match="ramp.dsa.adopt_at: 100 is not a stage's seq_len"):
         load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, adopt_at: 100}"])
     assert load_config("smoke", ["ramp.attention=dsa", "ramp.dsa.top_k=100"]).ramp.dsa_start() == 128
+
+
+def test_the_w4a8_export_keeps_dsa(model, tok, tmp_path):
+    from posttrain.config import QuantizeConfig
+    from posttrain.quant.int_linear import load_compressed
+    from posttrain.quant.stage import calibrate, export
+    dsa.install(model, top_k=8)
+    qcfg = QuantizeConfig(group_size=64)
+    export(model, tok, calibrate(model, IDS[:, :32], qcfg), qcfg, tmp_path)
+    again, _ = load_compressed(tmp_path)
+    assert again.config._attn_implementation == "dsa" and dsa.state(again).top_k == 8
+    assert all(torch.equal(p, dict(model.named_parameters())[n]) for n, p in again.named_parameters() if ".indexer." in n)
