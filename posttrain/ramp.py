@@ -154,12 +154,12 @@ def _indexer_warmup(cfg: PipelineConfig, model, next_batch, name: str) -> dict:
         curves["topk_recall"].append(recall)
         return aux
 
-    st.mode, st.collect = "warmup", True
+    collecting, st.mode, st.collect = st.collect, "warmup", True
     try:
         train(model, next_batch, steps=d.warmup_steps, lr=d.warmup_lr, warmup=max(1, d.warmup_steps // 10),
               desc=f"{name} indexer warm-up", loss_fn=indexer_loss)
     finally:
-        st.mode = "sparse"
+        st.mode, st.collect = "sparse", collecting
         for p in trainable:
             p.requires_grad_(True)
     return curves
