@@ -158,10 +158,10 @@ def evidence(seeds: list[int]) -> dict:
         fig[f"long_context_top_{key}_std"] = round(stdev(xs), 4) if len(xs) > 1 else None
     for name in ("dsa", "dsa_indexshare"):
         fig[f"{name}_minus_dense_per_seed"] = [round(a - b, 4) for a, b in zip(acc(name), acc("dense"))]
-        for key in ("indexer_kl_last", "topk_recall_last", "dsa_warmup.indexer_kl_first", "dsa_warmup.indexer_kl_last"):
-            vals = [runs[name][s].get(f"ramp@{top}.{key}") or runs[name][s].get(f"ramp@{cfg.ramp.stages[1].seq_len}.{key}")
-                    for s in seeds]
-            fig[f"{name}.{key}@{top}" if "warmup" not in key else f"{name}.{key}"] = vals
+        start = load_config("tiny", VARIANTS[name]).ramp.dsa_start()  # the warm-up ran at the adopting stage
+        for key, at in (("indexer_kl_last", top), ("topk_recall_last", top), ("dsa_warmup.indexer_kl_first", start),
+                        ("dsa_warmup.indexer_kl_last", start)):
+            fig[f"{name}.{key}@{at}"] = [runs[name][s][f"ramp@{at}.{key}"] for s in seeds]
     fig["ramp_seconds"] = {name: [runs[name][s]["seconds"] for s in seeds] for name in VARIANTS}
     return fig
 

@@ -42,6 +42,9 @@ class Indexer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries [B, L, HI, D] (rotated like the layer's queries) and head weights [B, L, HI]."""
+        if cos.shape[-1] != self.head_dim:
+            raise ValueError(f"dsa: rotary embeddings cover {cos.shape[-1]} of the head's {self.head_dim} dimensions "
+                             f"(partial rotary); the indexer supports full-head RoPE only")
         q = self.q(h).view(*h.shape[:-1], self.heads, self.head_dim)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
         half = self.head_dim // 2
@@ -72,6 +75,9 @@ class DSAState:
 
 
 def _stash(module, args, kwargs):
+    if kwargs.get("position_embeddings") is None:
+        raise ValueError(f"dsa: {type(module).__name__} is not given rotary position embeddings; the indexer "
+                         f"rotates its queries like the layer's (RoPE decoders: Llama, Qwen, Mistral, ...)")
     module._dsa_in = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
                       kwargs["position_embeddings"])
 
