@@ -177,6 +177,14 @@ class RampConfig(_Strict):
         return stage.tokens // (self.batch_size * self.grad_accum * stage.seq_len)
 
 
+class MTPConfig(_Strict):
+    """Multi-token prediction (posttrain.mtp): one shared extra layer drafting `depth` tokens, trained as an
+    auxiliary loss in the ramp (installed at its first stage) and sft; rollouts and evaluation then decode
+    speculatively with it. 0: off."""
+    depth: AtLeast0 = 0           # draft tokens per verification (GLM-5: 3 layers' worth, shared; GLM-5.2: 5)
+    loss_weight: NonNegative = 0.3  # the MTP loss's weight beside the LM loss
+
+
 class SFTConfig(TrainConfig):
     # the same ranges as TrainConfig's: a redefined field keeps only its own annotation
     steps: AtLeast1 = 1500
@@ -359,6 +367,7 @@ class PipelineConfig(_Strict):
     model: ModelConfig = ModelConfig()
     base: BaseConfig = BaseConfig()
     ramp: RampConfig = RampConfig()
+    mtp: MTPConfig = MTPConfig()
     sft: SFTConfig = SFTConfig()
     rl: RLConfig = RLConfig()
     opd: OPDConfig = OPDConfig()

@@ -87,15 +87,16 @@ def load_checkpoint(path: str | Path) -> tuple[LlamaForCausalLM, object]:
 
 
 def load_pretrained(auto_class, path: str | Path):
-    """`auto_class.from_pretrained` in fp32, with the DSA indexers the checkpoint's config names reinstalled."""
-    from posttrain import dsa
+    """`auto_class.from_pretrained` in fp32, with the DSA indexers and MTP layer the checkpoint's config names
+    reinstalled."""
+    from posttrain import dsa, mtp
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # else transformers reports the indexers' weights as unexpected
     try:
         model = auto_class.from_pretrained(path, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(level)
-    return dsa.restore(model, path)
+    return mtp.restore(dsa.restore(model, path), path)
 
 
 def save_checkpoint(model, tok, out: str | Path, max_shard_size: str = MAX_SHARD) -> None:

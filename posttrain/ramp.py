@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from environments import long_context
 from environments.base import Task
-from posttrain import attention, dsa
+from posttrain import attention, dsa, mtp
 from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig, RampStage
@@ -78,7 +78,7 @@ def with_rope(model, stage: RampStage):
     config = AutoConfig.for_model(**model.config.to_dict())
     config.rope_parameters = {"rope_type": "default", **dict(stage.rope_scaling), "rope_theta": stage.rope_theta}
     config.max_position_embeddings = stage.seq_len
-    new = dsa.restore(AutoModelForCausalLM.from_config(config).float())
+    new = mtp.restore(dsa.restore(AutoModelForCausalLM.from_config(config).float()))
     new.load_state_dict(model.state_dict())
     return new
 
@@ -175,6 +175,8 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
         dsa.install(model, r.dsa.top_k, r.dsa.index_share, r.dsa.heads, r.dsa.kl_queries)
     elif dsa.state(model) is None:  # dense stages before DSA's adoption run sdpa
         model = attention.use(model, "sdpa" if r.attention == "dsa" else r.attention)
+    if cfg.mtp.depth and mtp.get(model) is None:
+        mtp.install(model, cfg.mtp.depth)
     if r.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     short_rows = pack([(d, [1] * len(d)) for d in docs], st.seq_len)
@@ -189,16 +191,17 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
         if adopt and r.dsa.warmup_steps:
             warm = _indexer_warmup(cfg, model, lambda i: next_batch(10_000_000 + i), name)
             extra = {f"dsa_warmup.{key}": v for c in warm for key, v in summarize(warm, c).items()}
+        loss_fn = _with_indexer_loss(r.dsa.kl_weight, curves) if dsa.state(model) else masked_lm_loss
         hist = train(model, next_batch, steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio,
                      grad_accum=r.grad_accum, weight_decay=r.weight_decay, desc=name,
-                     loss_fn=_with_indexer_loss(r.dsa.kl_weight, curves) if dsa.state(model) else masked_lm_loss)
+                     loss_fn=mtp.with_loss(loss_fn, cfg.mtp.loss_weight, curves))
         if dsa.state(model):
             dsa.state(model).collect = False
     if r.activation_checkpointing:
         model.activation_checkpointing_disable()
-    if curves["indexer_kl"]:
-        hist.update(curves)
-        extra.update({key: v for c in curves for key, v in summarize(curves, c).items()})
+    curves = {c: xs for c, xs in curves.items() if xs}
+    hist.update(curves)
+    extra.update({key: v for c in curves for key, v in summarize(curves, c).items()})
     acc = long_context_accuracy(cfg, model, tok, sets)  # beyond the stage's length too: the contrast
     metrics = {**summarize(hist), **extra, "steps": steps, "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
                "peak_memory_mb": peak["mb"], "short_val_loss": round(eval_loss(model, [short_val]), 4),

@@ -17,13 +17,14 @@ import torch
 import environments
 from environments import long_context
 from environments.base import Task
+from posttrain import mtp
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.device import stage_gpus
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
-from posttrain.train import eval_loss, pad_examples, summarize, train
+from posttrain.train import eval_loss, masked_lm_loss, pad_examples, summarize, train
 
 STATE = "state.pt"
 
@@ -106,7 +107,7 @@ def _worker(config: dict) -> None:
     s = cfg.sft
     torch.set_num_threads(config["threads"])
     seed_all(cfg.seed)
-    model, tok = load_checkpoint(config["init"])
+    model, tok = with_mtp(cfg, *load_checkpoint(config["init"]))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     state = None
@@ -124,7 +125,11 @@ def _worker(config: dict) -> None:
     val_batches = [pad_examples(config["val"][i:i + s.batch_size], pad_id(tok), s.seq_len)
                    for i in range(0, len(config["val"]), s.batch_size)]
 
+    # the MTP curves live in the history (the same lists), so a resumed run continues them
+    curves = {k: state["hist"][k] for k in ("mtp_loss", "mtp_acc1") if state and k in state["hist"]}
+
     def checkpoint(st: dict) -> None:
+        st["hist"].update(curves)
         with tempfile.TemporaryDirectory() as d:
             if rank == 0:
                 torch.save(st, Path(d) / STATE)
@@ -138,7 +143,16 @@ def _worker(config: dict) -> None:
           weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="sft", grad_accum=s.grad_accum,
           zero_loss_hint=f"chat template {chat_format(tok).template}",
           eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, s.steps // 5),
-          state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every)
+          state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every,
+          loss_fn=mtp.with_loss(masked_lm_loss, cfg.mtp.loss_weight, curves))
+
+
+def with_mtp(cfg: PipelineConfig, model, tok):
+    """The model with the MTP layer `mtp.depth` asks for (the ramp installs it; a ramp output without one
+    gets a new one here)."""
+    if cfg.mtp.depth and mtp.get(model) is None:
+        mtp.install(model, cfg.mtp.depth)
+    return model, tok
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
@@ -147,7 +161,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     from ray.train.torch import TorchTrainer
     seed_all(cfg.seed)
     s = cfg.sft
-    model, tok = load_checkpoint(inputs["ramp"])
+    model, tok = with_mtp(cfg, *load_checkpoint(inputs["ramp"]))
     domains = environments.names(cfg.world.environments)
     train_tasks = [t for d in domains for t in load_tasks(inputs["curate"], "sft", d)]
     long_tasks = _long_tasks(tok, "train", len(train_tasks) // 6, cfg.seed, s.seq_len)
@@ -187,5 +201,6 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     (out / "history.json").write_text(json.dumps(hist))
     n_tok = sum(sum(m) for _, m in examples)
     return {"metrics": {"examples": len(examples), "long_context_examples": len(long_tasks),
-                        "assistant_tokens": n_tok, **summarize(hist),
+                        "assistant_tokens": n_tok, **summarize(hist), **summarize(hist, "mtp_loss"),
+                        **summarize(hist, "mtp_acc1"),
                         **summarize(hist, "val_loss", 1)}, "history": hist}

@@ -67,10 +67,11 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
               num_cpus=0.1, threads=1, gpu=False),
         Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base"), "tasks.base:base"),
         Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
-              ("seed", "world.seed", "model", "ramp", "eval.n_per_suite", "eval.max_new_tokens", "eval.batch_size"),
+              ("seed", "world.seed", "model", "ramp", "mtp", "eval.n_per_suite", "eval.max_new_tokens",
+               "eval.batch_size"),
               "tasks.ramp:ramp", resumable=True),
         # sft's own Ray task only waits on its Ray Train workers
-        Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft"), "tasks.sft:sft", num_cpus=0.1,
+        Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft", "mtp"), "tasks.sft:sft", num_cpus=0.1,
               resumable=True, gpu=False),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
         *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}"), "tasks.rl:rl",

@@ -82,6 +82,9 @@ class TorchRolloutEngine:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.pad_id, self.max_cells = chat_format(tokenizer).pad_id, max_cells
         self.version = 0
+        # decode with the model's MTP layer as the draft when it has one (posttrain.mtp); `stats` counts its
+        # verifications and the tokens they produced (acceptance length = accepted / verifications)
+        self.speculative, self.stats = True, {}
         self._open = threading.Event()
         self._open.set()
 
@@ -95,6 +98,11 @@ class TorchRolloutEngine:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
                  generator: torch.Generator | None = None) -> list[Generation]:
         self._open.wait()
+        from posttrain import mtp
+        if self.speculative and mtp.get(self.model) is not None:
+            from posttrain.engines.speculative import sample_speculative
+            return sample_speculative(self.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      stop_ids=stop_ids, pad_id=self.pad_id, generator=generator, stats=self.stats)
         return sample(self.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                       stop_ids=stop_ids, pad_id=self.pad_id, generator=generator)
 

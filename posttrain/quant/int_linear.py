@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kernels import use_triton
-from posttrain import dsa
+from posttrain import dsa, mtp
 
 
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -84,7 +84,7 @@ def load_compressed(path: str | Path):
     act_bits = max(a for _, a in bits.values())
     if len(packed_bits) > 1:
         raise ValueError(f"{path / 'config.json'}: pack-quantized groups of different widths {sorted(packed_bits)}")
-    model = dsa.restore(AutoModelForCausalLM.from_config(config, dtype=torch.float32)).eval()
+    model = mtp.restore(dsa.restore(AutoModelForCausalLM.from_config(config, dtype=torch.float32))).eval()
     tensors = load_file(str(path / "model.safetensors"))
     replaced = set()
     for name, module in list(model.named_modules()):

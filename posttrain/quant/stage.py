@@ -41,7 +41,7 @@ def scheme(qcfg: QuantizeConfig) -> QuantizationConfig:
     attn = QuantizationScheme(
         targets=[r"re:.*self_attn\.(q|k|v|o)_proj$"], input_activations=act, format="int-quantized",
         weights=QuantizationArgs(num_bits=qcfg.attn_bits, type="int", symmetric=True, strategy="channel"))
-    return QuantizationConfig(config_groups={"mlp_w4a8": mlp, "attn_w8a8": attn}, ignore=["lm_head"],
+    return QuantizationConfig(config_groups={"mlp_w4a8": mlp, "attn_w8a8": attn}, ignore=["lm_head", r"re:mtp\..*"],
                               format="mixed-precision")
 
 
@@ -50,7 +50,8 @@ def targets(model, qcfg: QuantizeConfig) -> dict[str, tuple[torch.nn.Linear, int
     out = {}
     for name, m in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(m, torch.nn.Linear) and leaf in MLP + ATTN:
+        # the MTP layer only drafts (every token is checked by the quantized model): it stays in 16-bit
+        if isinstance(m, torch.nn.Linear) and leaf in MLP + ATTN and not name.startswith("mtp."):
             bits = qcfg.mlp_bits if leaf in MLP else qcfg.attn_bits
             g = qcfg.group_size if leaf in MLP else m.in_features
             if m.in_features % g:

@@ -1,0 +1,148 @@
+"""Speculative decoding with the model's own MTP layer (posttrain.mtp): draft `depth` tokens, check them in one
+forward of the model, keep what the model itself would have produced.
+
+Greedy: a draft is kept while it equals the model's argmax, and the model's own next token follows, so the
+output is plain greedy decoding's. Sampling: speculative sampling (Leviathan et al. 2023; Chen et al. 2023):
+draft d ~ q is kept with probability min(1, p(d) / q(d)), else one token is drawn from max(0, p - q) and the
+rest of the draft dropped; every emitted token then follows p exactly, so RL's behaviour log-probabilities (p's
+own, returned per token) stay token in, token out.
+
+The batch decodes together: every row feeds `depth + 1` slots to the model per verification and rejected slots
+stay in the KV cache with their attention mask set to 0 (positions count valid slots only), so rows that keep
+different numbers of tokens never need their caches cut to different lengths. The MTP layer keeps its own cache
+the same way: one slot per position (the model's hidden state there and the next token), rebuilt for the
+positions a verification accepted, plus the draft steps' slots, dropped after each verification.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from posttrain import mtp as mtp_module
+from posttrain.engines.base import Generation
+
+
+def _draw(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample per row of log-probabilities (Gumbel-max; the noise drawn on the CPU, as `sample` does)."""
+    noise = torch.empty(logp.shape).exponential_(generator=generator).to(logp.device)
+    return (logp - noise.log()).argmax(-1)
+
+
+def verify(logp: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, temperature: float,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many drafts each row keeps, and the token that follows them.
+
+    logp: the model's log-probabilities [B, n + 1, V] at the positions predicting draft 1..n and the one after;
+    q: the draft probabilities [B, n, V]; drafts [B, n]. Greedy when `temperature` is 0."""
+    B, n = drafts.shape
+    if temperature <= 0:
+        best = logp.argmax(-1)
+        kept = (drafts == best[:, :n]).long().cumprod(1).sum(1)
+        return kept, best.gather(1, kept[:, None]).squeeze(1)
+    p = logp.exp()
+    pd, qd = p[:, :n].gather(2, drafts[..., None]).squeeze(2), q.gather(2, drafts[..., None]).squeeze(2)
+    u = torch.rand((B, n), generator=generator).to(p.device)
+    kept = (u * qd < pd).long().cumprod(1).sum(1)
+    rows = torch.arange(B, device=p.device)
+    q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, kept]    # no draft after the last: q = 0
+    residual = (p[rows, kept] - q_next).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, kept])
+    return kept, _draw(residual.log(), generator)
+
+
+def _mask(valid: torch.Tensor, q_len: int) -> torch.Tensor:
+    """[B, 1, q_len, S] boolean mask for the last `q_len` of S slots: valid keys at or before the query's slot,
+    and always the query itself (a padding query then attends to something)."""
+    S = valid.shape[1]
+    slots = torch.arange(S, device=valid.device)
+    q_slots = slots[S - q_len:]
+    allowed = valid.bool()[:, None, :] & (slots[None, :] <= q_slots[:, None])[None]
+    allowed |= (slots[None, :] == q_slots[:, None])[None]
+    return allowed[:, None]
+
+
+@torch.no_grad()
+def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                       stop_ids: set[int], pad_id: int, generator: torch.Generator | None = None,
+                       stats: dict | None = None) -> list[Generation]:
+    """`posttrain.engines.torch_rollout.sample`, drafting with the model's MTP layer. `stats` gains
+    `verifications` (row-forwards of the model after the first token) and `accepted` (tokens they produced)."""
+    from posttrain.engines.torch_rollout import prefill_distinct
+    mtp = mtp_module.get(model)
+    n, base, head = mtp.depth, model.base_model, model.get_output_embeddings()
+    out, cache, attn, which = prefill_distinct(base, prompts, pad_id)
+    h = out.last_hidden_state[which]
+    dev = h.device
+    L = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in prompts], device=dev)
+
+    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token, log-probability under the model at the temperature) for [B, V] logits."""
+        logp = torch.log_softmax(logits.float() / temperature if temperature > 0 else logits.float(), -1)
+        tok = _draw(logp, generator) if temperature > 0 else logits.argmax(-1)
+        return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+    def draft_probs(logits: torch.Tensor) -> torch.Tensor:
+        if temperature > 0:
+            return torch.softmax(logits.float() / temperature, -1)
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+
+    x, x_lp = pick(head(h[:, -1]))
+    out_ids, out_lp = [[t] for t in x.tolist()], [[v] for v in x_lp.tolist()]
+    stopped = [t in stop_ids for t in x.tolist()]
+    rows = torch.arange(len(prompts), device=dev)
+    pos = attn.sum(-1)                                     # where each row's next token goes
+    # the MTP layer over the prompt: slot j holds (hidden state at j, token j + 1)
+    dcache, dattn = DynamicCache(), attn.clone()
+    g, lg = mtp.step(model, h, torch.cat([ids[:, 1:], x[:, None]], 1), (attn.cumsum(-1) - 1).clamp(min=0),
+                     _mask(dattn, L), dcache)
+    g, lg = g[:, -1:], lg[:, -1]
+    ar = torch.arange(n + 1, device=dev)
+    while True:
+        live = [i for i, r in enumerate(rows.tolist()) if not stopped[r] and len(out_ids[r]) < max_new_tokens]
+        if not live:
+            break
+        if len(live) < len(rows):
+            keep = torch.tensor(live, dtype=torch.long, device=dev)
+            cache.batch_select_indices(keep)
+            dcache.batch_select_indices(keep)
+            rows, attn, dattn, x, pos, g, lg = rows[keep], attn[keep], dattn[keep], x[keep], pos[keep], g[keep], lg[keep]
+        # draft n tokens: step 1 came from the last catch-up; steps 2..n extend the MTP layer's cache
+        q = [draft_probs(lg)]
+        drafts = [_draw(q[0].log(), generator) if temperature > 0 else lg.argmax(-1)]
+        for s in range(1, n):
+            dattn = torch.cat([dattn, torch.ones_like(dattn[:, :1])], 1)
+            g, lgs = mtp.step(model, g, drafts[-1][:, None], (pos - 1 + s)[:, None], _mask(dattn, 1), dcache)
+            lg = lgs[:, -1]
+            q.append(draft_probs(lg))
+            drafts.append(_draw(q[-1].log(), generator) if temperature > 0 else lg.argmax(-1))
+        d = torch.stack(drafts, 1)
+        # verify: the model on [x, d1..dn] in one forward
+        attn = torch.cat([attn, torch.ones_like(attn[:, :n + 1])], 1)
+        hid = base(input_ids=torch.cat([x[:, None], d], 1), attention_mask=attn, position_ids=pos[:, None] + ar,
+                   past_key_values=cache, use_cache=True).last_hidden_state
+        logits = head(hid).float()
+        logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
+        kept, y = verify(logp, torch.stack(q, 1), d, temperature, generator)
+        new = torch.cat([d, y[:, None]], 1).scatter(1, kept[:, None], y[:, None])   # d1..d_kept, y
+        new_lp = logp.gather(2, new[..., None]).squeeze(2)
+        valid = (ar[None] <= kept[:, None]).long()         # x and the kept drafts stay in the model's cache
+        attn[:, -(n + 1):] = valid
+        if n > 1:
+            dattn[:, -(n - 1):] = 0                        # the draft steps' slots
+        if stats is not None:
+            stats["verifications"] = stats.get("verifications", 0) + len(rows)
+            stats["accepted"] = stats.get("accepted", 0) + int((kept + 1).sum())
+        for r, k, toks, lps in zip(rows.tolist(), kept.tolist(), new.tolist(), new_lp.tolist()):
+            for t, v in zip(toks[:k + 1], lps[:k + 1]):
+                if stopped[r] or len(out_ids[r]) >= max_new_tokens:
+                    break
+                out_ids[r].append(t)
+                out_lp[r].append(v)
+                stopped[r] = t in stop_ids
+        # catch up the MTP layer on the accepted positions: slot j = (hidden state at pos + j, token pos + j + 1)
+        dattn = torch.cat([dattn, valid], 1)
+        g, lgs = mtp.step(model, hid, new, pos[:, None] + ar, _mask(dattn, n + 1), dcache)
+        g, lg = g.gather(1, kept[:, None, None].expand(-1, 1, g.shape[-1])), lgs[torch.arange(len(kept)), kept]
+        x, pos = y, pos + kept + 1
+    return [Generation(i, lp, "stop" if s else "length") for i, lp, s in zip(out_ids, out_lp, stopped)]

@@ -1,0 +1,173 @@
+"""Multi-token prediction (MTP) on a Hugging Face causal LM, as GLM-5 uses it: one extra transformer layer whose
+parameters are shared across `depth` draft steps, with the model's own embedding and output head.
+
+Draft step k at position i reads the previous step's state there (the model's last hidden state for k = 1) and
+the embedding of token i + k, runs the MTP layer (causal attention over the same positions) and predicts token
+i + k + 1 through the shared head (DeepSeek-V3's MTP with GLM-5's parameter sharing). Training adds the mean
+cross-entropy of the `depth` steps, times a weight, to the LM loss (`with_loss`), at the positions whose target
+the LM loss trains; the MTP layer starts as a copy of the model's last layer. Its weights sit under `mtp.` in the
+checkpoint and its settings in config.json (`posttrain_mtp`), so `restore` reinstalls it on load.
+
+Decoding with it (`posttrain.engines.speculative`) drafts `depth` tokens, checks them in one forward of the
+model and keeps what the model would have produced: greedy output is plain greedy output, and sampled output
+follows the model's distribution exactly (speculative sampling).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_KEY = "posttrain_mtp"
+
+
+def _layers(model) -> nn.ModuleList:
+    return model.base_model.layers
+
+
+class MTP(nn.Module):
+    """The shared MTP layer: norms of the incoming state and of the next token's embedding, a projection of
+    both to the hidden size, one decoder layer of the model's own class, a final norm before the shared head."""
+
+    def __init__(self, model, depth: int):
+        super().__init__()
+        base, last = model.base_model, _layers(model)[-1]
+        config = copy.deepcopy(model.config)
+        # the draft layer needs a plain attention that takes explicit masks: DSA's selection is per model layer
+        config._attn_implementation = "eager" if model.config._attn_implementation == "eager" else "sdpa"
+        self.depth, hidden = depth, model.config.hidden_size
+        self.norm_h, self.norm_e, self.norm_out = (copy.deepcopy(base.norm) for _ in range(3))
+        self.proj = nn.Linear(2 * hidden, hidden, bias=False)
+        with torch.no_grad():  # starts as "the state, plus a little of the next token"
+            self.proj.weight.zero_()
+            self.proj.weight[:, :hidden].copy_(torch.eye(hidden))
+            nn.init.normal_(self.proj.weight[:, hidden:], std=model.config.initializer_range)
+        self.layer = type(last)(config, layer_idx=0)
+        self.layer.load_state_dict({k: v for k, v in last.state_dict().items() if ".indexer." not in k}, strict=False)
+        self.to(next(model.parameters()).device, next(model.parameters()).dtype)
+
+    def step(self, model, state: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step over [B, T] positions: (its state, its logits)."""
+        x = self.proj(torch.cat([self.norm_h(state), self.norm_e(model.get_input_embeddings()(next_ids))], -1))
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
+                         position_embeddings=model.base_model.rotary_emb(x, position_ids), past_key_values=cache,
+                         use_cache=cache is not None)
+        out = out[0] if isinstance(out, tuple) else out
+        return out, model.get_output_embeddings()(self.norm_out(out))
+
+    def __repr__(self) -> str:
+        return f"MTP(depth={self.depth}, layer={type(self.layer).__name__})"
+
+
+def get(model) -> MTP | None:
+    return getattr(getattr(model, "module", model), "mtp", None)
+
+
+def install(model, depth: int):
+    """Give `model` an MTP layer of `depth` draft steps (new: a copy of its last layer); kept if it has one."""
+    if depth < 1:
+        raise ValueError(f"mtp: depth must be >= 1 (got {depth})")
+    from posttrain.head import _SCALING
+    scaled = [k for k in _SCALING if getattr(model.config, k, None) not in (None, 1, 1.0)]
+    head = model.get_output_embeddings()
+    if scaled or not isinstance(head, nn.Linear) or head.bias is not None:
+        raise ValueError(f"mtp: {type(model).__name__}'s logits are not its last hidden state times the output "
+                         f"embeddings ({scaled or 'a biased or non-linear head'}); the MTP layer shares that head")
+    if get(model) is None:
+        model.mtp = MTP(model, depth)
+        _capture_hooks(model)
+    get(model).depth = depth
+    setattr(model.config, CONFIG_KEY, {"depth": depth})
+    return model
+
+
+def restore(model, checkpoint: str | Path | None = None):
+    """Reinstall the MTP layer config.json names (`posttrain_mtp`), its weights from `checkpoint`; a model
+    without one (or a bare backbone, which has no head) is returned as is."""
+    settings = getattr(model.config, CONFIG_KEY, None)
+    if not settings or model.get_output_embeddings() is None:
+        return model
+    install(model, **settings)
+    if checkpoint is not None:
+        from safetensors import safe_open
+        weights = {}
+        for f in sorted(Path(checkpoint).glob("*.safetensors")):
+            with safe_open(f, "pt") as st:
+                weights.update({k: st.get_tensor(k) for k in st.keys() if k.startswith("mtp.")})
+        expected = {k for k in model.state_dict() if k.startswith("mtp.")}
+        if set(weights) != expected:
+            raise ValueError(f"{checkpoint}: config.json names an MTP layer, but the weights hold "
+                             f"{len(set(weights) & expected)} of its {len(expected)} tensors")
+        model.load_state_dict(weights, strict=False)
+    return model
+
+
+def _capture_hooks(model) -> None:
+    """While `mtp.capture` is set, keep what the training loss needs from the model's own forward: the last
+    hidden state and the mask and positions the last layer was given (packed documents included)."""
+    mtp = model.mtp
+    mtp.capture, mtp.seen = False, {}
+
+    def before_last(_, args, kwargs):
+        if mtp.capture:
+            mtp.seen.update(mask=kwargs.get("attention_mask"), position_ids=kwargs.get("position_ids"))
+
+    def after_base(_, args, output):
+        if mtp.capture:
+            mtp.seen["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    _layers(model)[-1].register_forward_pre_hook(before_last, with_kwargs=True)
+    model.base_model.register_forward_hook(after_base)
+
+
+def loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+    """The MTP loss of the forward the model just ran on `batch` (with `capture` set): the mean over draft steps
+    of the cross-entropy of token i + k + 1 where `loss_mask` trains it; and each step's top-1 accuracy."""
+    m = getattr(model, "module", model)
+    mtp, seen = m.mtp, m.mtp.seen
+    dev = seen["hidden"].device
+    ids, mask = batch["input_ids"].to(dev), batch["loss_mask"].to(dev)
+    B, T = ids.shape
+    pos = seen["position_ids"]
+    pos = pos.expand(B, T) if pos is not None else torch.arange(T, device=dev).expand(B, T)
+    state, losses, accs = seen["hidden"], [], []
+    for k in range(1, mtp.depth + 1):
+        if T <= k + 1:
+            break
+        nxt = F.pad(ids[:, k:], (0, k))                       # token i + k at position i
+        target, tmask = F.pad(ids[:, k + 1:], (0, k + 1)), F.pad(mask[:, k + 1:], (0, k + 1)) != 0
+        state, logits = mtp.step(m, state, nxt, pos, seen["mask"])
+        if not tmask.any():
+            continue
+        lg = logits[tmask].float()
+        losses.append(F.cross_entropy(lg, target[tmask]))
+        accs.append((lg.argmax(-1) == target[tmask]).float().mean().item())
+    seen.clear()
+    if not losses:
+        return torch.zeros((), device=dev), accs
+    return torch.stack(losses).mean(), accs
+
+
+def with_loss(loss_fn, weight: float, curves: dict[str, list[float]]):
+    """`loss_fn` plus `weight` x the MTP loss, which also trains the model through its hidden states (as in
+    DeepSeek-V3); `curves` collects the MTP loss and the first draft step's accuracy (a greedy acceptance
+    estimate). A model without MTP gets `loss_fn` unchanged."""
+    def fn(model, batch):
+        mtp = get(model)
+        if mtp is None:
+            return loss_fn(model, batch)
+        mtp.capture = True
+        try:
+            main = loss_fn(model, batch)
+        finally:
+            mtp.capture = False
+        aux, accs = loss(model, batch)
+        curves.setdefault("mtp_loss", []).append(aux.item())
+        if accs:
+            curves.setdefault("mtp_acc1", []).append(accs[0])
+        return main + weight * aux
+    return fn
