@@ -107,25 +107,33 @@ def _plot(fig: dict, path: Path) -> None:
     plt.close(f)
 
 
-def evidence(seeds: list[int]) -> dict:
-    from posttrain import base, ramp
+def tiny_inputs(seed: int) -> tuple[Path, Path]:
+    """The tiny profile's curated data and its base model for `seed`, made once under WORK (bench/mtp too)."""
+    from posttrain import base
     from posttrain.config import load_config
     from posttrain.curate.stage import make_raw
     from posttrain.curate.stage import run as curate
     cfg = load_config("tiny")
-    top = cfg.ramp.stages[-1].seq_len
     raw, cur = WORK / "raw", WORK / "curate"
     if not (cur / "done").exists():
         shutil.rmtree(WORK, ignore_errors=True)
         make_raw(cfg, {}, raw)
         curate(cfg, {"raw": str(raw)}, cur)
         (cur / "done").touch()
+    b = WORK / f"base-{seed}"
+    if not (b / "done").exists():
+        base.run(load_config("tiny", [f"seed={seed}"]), {"curate": str(cur)}, b)
+        (b / "done").touch()
+    return cur, b
+
+
+def evidence(seeds: list[int]) -> dict:
+    from posttrain import ramp
+    from posttrain.config import load_config
+    top = load_config("tiny").ramp.stages[-1].seq_len
     runs: dict[str, dict[int, dict]] = {v: {} for v in VARIANTS}
     for seed in seeds:
-        b = WORK / f"base-{seed}"
-        if not (b / "done").exists():
-            base.run(load_config("tiny", [f"seed={seed}"]), {"curate": str(cur)}, b)
-            (b / "done").touch()
+        cur, b = tiny_inputs(seed)
         for name, sets in VARIANTS.items():
             vcfg = load_config("tiny", [f"seed={seed}", *sets])
             out, scratch = WORK / f"ramp-{seed}-{name}", WORK / f"scratch-{seed}-{name}"

@@ -55,9 +55,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, completion: bool = False,
-                        samples: int = 0) -> tuple[dict, dict, dict]:
+                        samples: int = 0) -> tuple[dict, dict, dict, dict]:
     """Greedy score and mean generated tokens per suite; with `samples`, pass@1 and pass@samples of
-    that many sampled answers per task (a sample passes on full reward) for the domain suites."""
+    that many sampled answers per task (a sample passes on full reward) for the domain suites; and, for a
+    checkpoint with an MTP layer (decoded speculatively), the mean tokens per model forward."""
     torch.manual_seed(cfg.seed)
     engine = rollout_engine(cfg.rl.rollout_engine, path)
     tok = engine.tokenizer
@@ -81,7 +82,10 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
             passed = [sum(r[i + j * len(tasks)] >= 1.0 for j in range(samples)) for i in range(len(tasks))]
             passk[name] = {f"pass@{k}": round(sum(pass_at_k(samples, c, k) for c in passed) / len(tasks), 4)
                            for k in sorted({1, samples})}
-    return scores, tokens, passk
+    st = getattr(engine, "stats", {})
+    speculative = {"acceptance_length": round(st["accepted"] / st["verifications"], 3)} if st.get("verifications") \
+        else {}
+    return scores, tokens, passk, speculative
 
 
 def table(scores: dict[str, dict[str, float]]) -> str:
@@ -116,12 +120,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     from posttrain import report_html
     tok = AutoTokenizer.from_pretrained(inputs["sft"])
     chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
-    result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {},
+    result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {},
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
     for ck, stage in checkpoints(cfg).items():
         completion = ck in BASE_MODELS
-        s, t, p = evaluate_checkpoint(cfg, inputs[stage], completion_suites if completion else chat_suites,
-                                      completion, cfg.eval.samples)
+        s, t, p, spec = evaluate_checkpoint(cfg, inputs[stage], completion_suites if completion else chat_suites,
+                                            completion, cfg.eval.samples)
+        if spec:
+            result["mtp"][ck] = spec
         result["eval"][ck], result["tokens"][ck] = s, t
         if not completion:  # which template, thinking support and tool format the checkpoint was scored with
             result["chat_format"][ck] = chat_format(AutoTokenizer.from_pretrained(inputs[stage])).summary()
@@ -136,4 +142,5 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     metrics = {f"{ck}.{s}": v for ck, ss in result["eval"].items() for s, v in ss.items()}
     metrics |= {f"{ck}.{s}.{k}": v for ck, ss in result["pass_at_k"].items() for s, kv in ss.items()
                 for k, v in kv.items()}
+    metrics |= {f"{ck}.mtp_acceptance_length": v["acceptance_length"] for ck, v in result["mtp"].items()}
     return {"metrics": metrics}

@@ -120,6 +120,7 @@ class Feed:
                  st: State, kw: dict):
         self.r, self.pool, self.distill, self.workers, self.seed, self.st = r, pool, distill, workers, seed, st
         self.kw = kw
+        self.speculative = {"verifications": 0, "accepted": 0}  # this step's MTP drafting (collect)
         self.n_rl = r.prompts_per_step if pool else 0
         self.n_distill = distill.prompts_per_step if distill else 0
         self.rl_req, self.d_req = (math.ceil(n / r.rollout_workers) for n in (self.n_rl, self.n_distill))
@@ -157,6 +158,7 @@ class Feed:
         tokens of the rollouts that arrived meanwhile."""
         self.top_up()
         gen_s = gen_tok = 0.0
+        self.speculative = {"verifications": 0, "accepted": 0}
         while True:
             self.buffer.drop_stale(step)
             self.dbuffer.drop_stale(step)
@@ -165,6 +167,8 @@ class Feed:
             samples, info = self.inflight.popleft().result()
             self._add(samples)
             gen_s, gen_tok = gen_s + info["seconds"], gen_tok + info["tokens"]
+            for k in self.speculative:
+                self.speculative[k] += info.get(k, 0)
             self.top_up()
         return (self.buffer.take(self.n_rl, step) if self.n_rl else [],
                 self.dbuffer.take(self.n_distill, step) if self.n_distill else [], gen_s, gen_tok)
@@ -199,6 +203,8 @@ def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Fe
            "gen_tokens_per_s": gen_tok / gen_s if gen_s else float("nan"),
            "train_tokens_per_s": float(batch_tokens(both)) / train_s,
            "wall_s": wall_s}  # validation not included
+    if feed.speculative["verifications"]:  # decoded with the policy's MTP drafts: tokens per model forward
+        row["mtp_acceptance_length"] = feed.speculative["accepted"] / feed.speculative["verifications"]
     if dbatch and batch:  # distillation beside RL: its samples' reward separately
         row["distill_reward"] = sum(s.reward for s in dbatch) / len(dbatch)
     return row

@@ -63,6 +63,7 @@ class RolloutWorker:
         """`group_size` samples of each task, then one of each `distill` task scored by its domain's teacher
         (those come back with `teacher` set); the sampling stream is a pure function of `seed`."""
         t0 = time.perf_counter()
+        spec0 = dict(getattr(self.engine, "stats", {}))
         gen = torch.Generator().manual_seed(seed)
         todo = [t for t in tasks for _ in range(group_size)] + list(distill)
         eps = run_episodes(self.engine, self.tok, todo, generator=gen, batch_size=len(todo), **kw)
@@ -70,7 +71,8 @@ class RolloutWorker:
         out = [Sample(e.task.id, i // group_size if i < n_rl else len(tasks) + i - n_rl, e.prompt_ids, e.ids,
                       e.gen_mask, e.logprobs, e.reward, self.version, e.blocked, e.task.domain)
                for i, e in enumerate(eps)]
-        info = {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out)}
+        info = {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out),
+                **{k: v - spec0.get(k, 0) for k, v in getattr(self.engine, "stats", {}).items()}}  # MTP drafts
         if distill:
             by_domain: dict[str, list[Sample]] = {}
             for s in out[n_rl:]:

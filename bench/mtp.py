@@ -1,0 +1,118 @@
+"""bench/mtp: speculative decoding with the model's own MTP layer against plain decoding, on the same model.
+
+The tiny profile with `mtp.depth=3` (`--set` of the same name): ramp and sft train the MTP layer as their auxiliary
+loss (the curated data and the base model are bench/dsa's). Then, on the sft checkpoint, one rollout engine decodes
+with and without its drafts (`engine.speculative`), alternating, `REPEATS` times each:
+- evaluation: greedy episodes on every domain's test split, thinking on, at `eval.batch_size` and one at a time
+  (a single stream, where drafting matters most); the outputs must be identical;
+- RL rollouts: `rl.prompts_per_step` prompts x `rl.group_size` samples at `rl.temperature`, as the rollout workers
+  generate them (speculative sampling keeps the distribution, not the draws).
+Generated tokens/s count every emitted token over the episodes' wall time (environment steps included, the same in
+both modes); acceptance length is tokens per model forward after the first token (at most depth + 1).
+
+    python -m bench.mtp [--seed 0]     (make bench B=mtp)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from statistics import mean
+
+from bench.dsa import WORK, tiny_inputs
+
+OUT = Path(".posttrain/bench")
+DEPTH = 3
+REPEATS = 2
+
+
+def trained(seed: int) -> tuple[Path, Path, dict]:
+    """The sft checkpoint of the tiny ramp + sft with MTP (resumable per stage), and their MTP metrics."""
+    from posttrain import ramp, sft
+    from posttrain.config import load_config
+    cfg = load_config("tiny", [f"seed={seed}", f"mtp.depth={DEPTH}"])
+    cur, base = tiny_inputs(seed)
+    metrics = {}
+    for name, fn, inputs in (("ramp", ramp.run, {"base": str(base), "curate": str(cur)}),
+                             ("sft", sft.run, {"ramp": str(WORK / f"mtp-{seed}-ramp"), "curate": str(cur)})):
+        out = WORK / f"mtp-{seed}-{name}"
+        if not (out / "result.json").exists():
+            t = time.time()
+            res = fn(cfg, inputs, out, scratch=str(WORK / f"mtp-{seed}-{name}-scratch"))
+            m = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
+            (out / "result.json").write_text(json.dumps({**m, "seconds": round(time.time() - t, 1)}, indent=1))
+        m = json.loads((out / "result.json").read_text())
+        metrics.update({f"{name}.{k}": v for k, v in m.items() if "mtp" in k or k == "seconds"})
+    return WORK / f"mtp-{seed}-sft", cur, metrics
+
+
+def _measure(engine, tok, tasks, **kw) -> tuple[list, float, int, dict]:
+    from posttrain.rl.rollout import run_episodes
+    engine.stats = {}
+    t = time.perf_counter()
+    eps = run_episodes(engine, tok, tasks, **kw)
+    return eps, time.perf_counter() - t, sum(e.n_generated for e in eps), dict(engine.stats)
+
+
+def compare(engine, tok, tasks, **kw) -> dict:
+    """Plain and speculative decoding of `tasks`, alternating; tokens/s (mean of the repeats), acceptance, and
+    whether every episode's tokens matched (meaningful for greedy decoding)."""
+    import torch
+    runs: dict[bool, list] = {False: [], True: []}
+    for _ in range(REPEATS):
+        for spec in (False, True):
+            engine.speculative = spec
+            gen = torch.Generator().manual_seed(0) if kw.get("temperature", 0) > 0 else None
+            runs[spec].append(_measure(engine, tok, tasks, generator=gen, **kw))
+    engine.speculative = True
+    plain, mtp = (mean(n / s for _, s, n, _ in runs[b]) for b in (False, True))
+    st = runs[True][-1][3]
+    return {"tokens_per_s_plain": round(plain, 1), "tokens_per_s_mtp": round(mtp, 1),
+            "speedup": round(mtp / plain, 3), "acceptance_length": round(st["accepted"] / st["verifications"], 3),
+            "identical": all(a.ids == b.ids for a, b in zip(runs[False][0][0], runs[True][0][0])),
+            "episodes": len(tasks), "generated_tokens": runs[True][0][2]}
+
+
+def measure(seed: int) -> dict:
+    import torch
+
+    from posttrain.config import load_config
+    from posttrain.data import load_tasks
+    from posttrain.engines import rollout_engine
+    torch.set_num_threads(2)
+    cfg = load_config("tiny", [f"seed={seed}", f"mtp.depth={DEPTH}"])
+    path, cur, metrics = trained(seed)
+    engine = rollout_engine("torch", path)
+    tok = engine.tokenizer
+    domains = cfg.rl.domains
+    test = [t for d in domains for t in load_tasks(cur, "test", d)]
+    single = [t for d in domains for t in load_tasks(cur, "test", d)[:8]]
+    prompts = [t for d in domains for t in load_tasks(cur, "rl", d)[: cfg.rl.prompts_per_step // len(domains)]]
+    common = {"max_new_tokens": cfg.eval.max_new_tokens, "max_turns": cfg.rl.max_turns}
+    fig = {"device": "cpu (2 cores)", "seed": seed, "depth": DEPTH, "repeats": REPEATS, **metrics}
+    fig["evaluate"] = compare(engine, tok, test, temperature=0.0, batch_size=cfg.eval.batch_size, **common)
+    fig["evaluate_batch_1"] = compare(engine, tok, single, temperature=0.0, batch_size=1, **common)
+    fig["rl_rollouts"] = compare(engine, tok, [t for t in prompts for _ in range(cfg.rl.group_size)],
+                                 temperature=cfg.rl.temperature, batch_size=len(prompts) * cfg.rl.group_size,
+                                 **{**common, "max_new_tokens": cfg.rl.max_new_tokens})
+    e = fig["evaluate"]
+    fig.update(acceptance_length=e["acceptance_length"], tokens_per_s_plain=e["tokens_per_s_plain"],
+               tokens_per_s_mtp=e["tokens_per_s_mtp"],
+               greedy_identical=e["identical"] and fig["evaluate_batch_1"]["identical"])
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.mtp")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv if argv is not None else [])
+    fig = measure(args.seed)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "mtp.json").write_text(json.dumps(fig, indent=1))
+    print(json.dumps(fig, indent=1))
+
+
+if __name__ == "__main__":
+    import sys
+    main(sys.argv[1:])
