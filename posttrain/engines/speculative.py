@@ -106,7 +106,8 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
             keep = torch.tensor(live, dtype=torch.long, device=dev)
             cache.batch_select_indices(keep)
             dcache.batch_select_indices(keep)
-            rows, attn, dattn, x, pos, g, lg = rows[keep], attn[keep], dattn[keep], x[keep], pos[keep], g[keep], lg[keep]
+            rows, attn, dattn, x, pos = rows[keep], attn[keep], dattn[keep], x[keep], pos[keep]
+            g, lg = g[keep], lg[keep]
         # draft n tokens: step 1 came from the last catch-up; steps 2..n extend the MTP layer's cache
         q = [draft_probs(lg)]
         drafts = [_draw(q[0].log(), generator) if temperature > 0 else lg.argmax(-1)]
