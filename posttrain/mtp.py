@@ -153,9 +153,10 @@ def loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[floa
 
 
 def with_loss(loss_fn, weight: float, curves: dict[str, list[float]]):
-    """`loss_fn` plus `weight` x the MTP loss, which also trains the model through its hidden states (as in
-    DeepSeek-V3); `curves` collects the MTP loss and the first draft step's accuracy (a greedy acceptance
-    estimate). A model without MTP gets `loss_fn` unchanged."""
+    """`loss_fn` plus `weight` x the MTP loss as a gradient only (the value stays `loss_fn`'s, comparable with a
+    run without MTP); it also trains the model through its hidden states, as in DeepSeek-V3. `curves` collects
+    the MTP loss and the first draft step's accuracy (a greedy acceptance estimate). A model without MTP gets
+    `loss_fn` unchanged."""
     def fn(model, batch):
         mtp = get(model)
         if mtp is None:
@@ -169,5 +170,5 @@ def with_loss(loss_fn, weight: float, curves: dict[str, list[float]]):
         curves.setdefault("mtp_loss", []).append(aux.item())
         if accs:
             curves.setdefault("mtp_acc1", []).append(accs[0])
-        return main + weight * aux
+        return main + weight * (aux - aux.detach())
     return fn

@@ -91,6 +91,8 @@ def test_mtp_trains_and_speeds_up_decoding_of_what_it_learned(model, tok, tmp_pa
     assert all(not torch.equal(before[n], p) for n, p in model.mtp.named_parameters() if n.endswith("weight"))
     assert sum(curves["mtp_loss"][-5:]) < sum(curves["mtp_loss"][:5]) / 2
     assert sum(curves["mtp_acc1"][-5:]) / 5 > 0.9      # two tokens ahead, predicted
+    batch = counting(999)  # the loss reported is the LM loss (the MTP term is a gradient only)
+    assert torch.allclose(mtp.with_loss(masked_lm_loss, 0.5, {})(model, batch), masked_lm_loss(model, batch))
     stats = {}
     sample_speculative(model, [[10, 11, 12, 13]] * 4, max_new_tokens=30, temperature=0, stop_ids=set(), pad_id=0,
                        stats=stats)
