@@ -31,7 +31,9 @@ def trained(seed: int) -> tuple[Path, Path, dict]:
     """The sft checkpoint of the tiny ramp + sft with MTP (resumable per stage), and their MTP metrics."""
     from posttrain import ramp, sft
     from posttrain.config import load_config
+    from posttrain.raysupport import ensure_ray
     cfg = load_config("tiny", [f"seed={seed}", f"mtp.depth={DEPTH}"])
+    ensure_ray(cfg.runtime)  # sft trains on Ray Train
     cur, base = tiny_inputs(seed)
     metrics = {}
     for name, fn, inputs in (("ramp", ramp.run, {"base": str(base), "curate": str(cur)}),
