@@ -34,19 +34,20 @@ def trained(seed: int) -> tuple[Path, Path, dict]:
     from posttrain.raysupport import ensure_ray
     cfg = load_config("tiny", [f"seed={seed}", f"mtp.depth={DEPTH}"])
     ensure_ray(cfg.runtime)  # sft trains on Ray Train
-    cur, base = tiny_inputs(seed)
+    cur, base = (p.resolve() for p in tiny_inputs(seed))  # Ray Train's workers run elsewhere
+    work = WORK.resolve()
     metrics = {}
     for name, fn, inputs in (("ramp", ramp.run, {"base": str(base), "curate": str(cur)}),
-                             ("sft", sft.run, {"ramp": str(WORK / f"mtp-{seed}-ramp"), "curate": str(cur)})):
-        out = WORK / f"mtp-{seed}-{name}"
+                             ("sft", sft.run, {"ramp": str(work / f"mtp-{seed}-ramp"), "curate": str(cur)})):
+        out = work / f"mtp-{seed}-{name}"
         if not (out / "result.json").exists():
             t = time.time()
-            res = fn(cfg, inputs, out, scratch=str(WORK / f"mtp-{seed}-{name}-scratch"))
+            res = fn(cfg, inputs, out, scratch=str(work / f"mtp-{seed}-{name}-scratch"))
             m = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
             (out / "result.json").write_text(json.dumps({**m, "seconds": round(time.time() - t, 1)}, indent=1))
         m = json.loads((out / "result.json").read_text())
         metrics.update({f"{name}.{k}": v for k, v in m.items() if "mtp" in k or k == "seconds"})
-    return WORK / f"mtp-{seed}-sft", cur, metrics
+    return work / f"mtp-{seed}-sft", cur, metrics
 
 
 def _measure(engine, tok, tasks, **kw) -> tuple[list, float, int, dict]:

@@ -203,8 +203,10 @@ def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Fe
            "gen_tokens_per_s": gen_tok / gen_s if gen_s else float("nan"),
            "train_tokens_per_s": float(batch_tokens(both)) / train_s,
            "wall_s": wall_s}  # validation not included
-    if feed.speculative["verifications"]:  # decoded with the policy's MTP drafts: tokens per model forward
-        row["mtp_acceptance_length"] = feed.speculative["accepted"] / feed.speculative["verifications"]
+    spec = feed.speculative
+    if spec["verifications"] or "mtp_acceptance_length" in hist:  # MTP drafts: tokens per model forward
+        row["mtp_acceptance_length"] = (spec["accepted"] / spec["verifications"] if spec["verifications"]
+                                        else float("nan"))
     if dbatch and batch:  # distillation beside RL: its samples' reward separately
         row["distill_reward"] = sum(s.reward for s in dbatch) / len(dbatch)
     return row
