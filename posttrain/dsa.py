@@ -185,17 +185,8 @@ def restore(model, checkpoint: str | Path | None = None):
         return model
     install(model, **settings)
     if checkpoint is not None:
-        from safetensors import safe_open
-        prefix = "" if hasattr(model, "model") else "model."  # a bare backbone's keys lack the `model.` prefix
-        weights = {}
-        for f in sorted(Path(checkpoint).glob("*.safetensors")):
-            with safe_open(f, "pt") as st:
-                weights.update({k.removeprefix(prefix): st.get_tensor(k) for k in st.keys() if ".indexer." in k})
-        expected = {k for k in model.state_dict() if ".indexer." in k}
-        if set(weights) != expected:
-            raise ValueError(f"{checkpoint}: config.json names DSA indexers, but the weights hold "
-                             f"{len(set(weights) & expected)} of their {len(expected)} tensors")
-        model.load_state_dict(weights, strict=False)
+        from posttrain.model import load_added_weights
+        load_added_weights(model, checkpoint, lambda k: ".indexer." in k, "DSA indexers")
     return model
 
 

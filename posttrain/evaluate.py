@@ -83,9 +83,9 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
             passk[name] = {f"pass@{k}": round(sum(pass_at_k(samples, c, k) for c in passed) / len(tasks), 4)
                            for k in sorted({1, samples})}
     st = getattr(engine, "stats", {})
-    speculative = {"acceptance_length": round(st["accepted"] / st["verifications"], 3)} if st.get("verifications") \
-        else {}
-    return scores, tokens, passk, speculative
+    if not st.get("verifications"):
+        return scores, tokens, passk, {}
+    return scores, tokens, passk, {"acceptance_length": round(st["accepted"] / st["verifications"], 3)}
 
 
 def table(scores: dict[str, dict[str, float]]) -> str:

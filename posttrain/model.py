@@ -99,6 +99,22 @@ def load_pretrained(auto_class, path: str | Path):
     return mtp.restore(dsa.restore(model, path), path)
 
 
+def load_added_weights(model, checkpoint: str | Path, keep, what: str) -> None:
+    """Load the tensors `keep(name)` selects (weights posttrain adds to a model: DSA indexers, the MTP layer, which
+    `from_pretrained` drops as unexpected) from `checkpoint`'s safetensors; all of them or a loud error."""
+    from safetensors import safe_open
+    prefix = "" if hasattr(model, "model") else "model."  # a bare backbone's keys lack the `model.` prefix
+    weights = {}
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            weights.update({k.removeprefix(prefix): st.get_tensor(k) for k in st.keys() if keep(k)})
+    expected = {k for k in model.state_dict() if keep(k)}
+    if set(weights) != expected:
+        raise ValueError(f"{checkpoint}: config.json names {what}, but the weights hold "
+                         f"{len(set(weights) & expected)} of its {len(expected)} tensors")
+    model.load_state_dict(weights, strict=False)
+
+
 def save_checkpoint(model, tok, out: str | Path, max_shard_size: str = MAX_SHARD) -> None:
     """Save in the dtype family of the checkpoint the chain started from (bf16 in, bf16 out), sharded past
     `max_shard_size`."""

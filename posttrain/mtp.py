@@ -93,16 +93,8 @@ def restore(model, checkpoint: str | Path | None = None):
         return model
     install(model, **settings)
     if checkpoint is not None:
-        from safetensors import safe_open
-        weights = {}
-        for f in sorted(Path(checkpoint).glob("*.safetensors")):
-            with safe_open(f, "pt") as st:
-                weights.update({k: st.get_tensor(k) for k in st.keys() if k.startswith("mtp.")})
-        expected = {k for k in model.state_dict() if k.startswith("mtp.")}
-        if set(weights) != expected:
-            raise ValueError(f"{checkpoint}: config.json names an MTP layer, but the weights hold "
-                             f"{len(set(weights) & expected)} of its {len(expected)} tensors")
-        model.load_state_dict(weights, strict=False)
+        from posttrain.model import load_added_weights
+        load_added_weights(model, checkpoint, lambda k: k.startswith("mtp."), "an MTP layer")
     return model
 
 

@@ -20,20 +20,15 @@ from transformers import DynamicCache
 
 from posttrain import mtp as mtp_module
 from posttrain.engines.base import Generation
+from posttrain.engines.torch_rollout import gumbel_draw, prefill_distinct
 
 
-def _draw(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One sample per row of log-probabilities (Gumbel-max; the noise drawn on the CPU, as `sample` does)."""
-    noise = torch.empty(logp.shape).exponential_(generator=generator).to(logp.device)
-    return (logp - noise.log()).argmax(-1)
-
-
-def verify(logp: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, temperature: float,
+def verify(logp: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, temperature: float,
            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """How many drafts each row keeps, and the token that follows them.
 
     logp: the model's log-probabilities [B, n + 1, V] at the positions predicting draft 1..n and the one after;
-    q: the draft probabilities [B, n, V]; drafts [B, n]. Greedy when `temperature` is 0."""
+    q: the draft probabilities [B, n, V] (unused by greedy); drafts [B, n]. Greedy when `temperature` is 0."""
     B, n = drafts.shape
     if temperature <= 0:
         best = logp.argmax(-1)
@@ -47,7 +42,7 @@ def verify(logp: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, temperatur
     q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, kept]    # no draft after the last: q = 0
     residual = (p[rows, kept] - q_next).clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, kept])
-    return kept, _draw(residual.log(), generator)
+    return kept, gumbel_draw(residual.log(), generator)
 
 
 def _mask(valid: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -67,7 +62,6 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
                        stats: dict | None = None) -> list[Generation]:
     """`posttrain.engines.torch_rollout.sample`, drafting with the model's MTP layer. `stats` gains
     `verifications` (row-forwards of the model after the first token) and `accepted` (tokens they produced)."""
-    from posttrain.engines.torch_rollout import prefill_distinct
     mtp = mtp_module.get(model)
     n, base, head = mtp.depth, model.base_model, model.get_output_embeddings()
     out, cache, attn, which = prefill_distinct(base, prompts, pad_id)
@@ -79,13 +73,15 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(token, log-probability under the model at the temperature) for [B, V] logits."""
         logp = torch.log_softmax(logits.float() / temperature if temperature > 0 else logits.float(), -1)
-        tok = _draw(logp, generator) if temperature > 0 else logits.argmax(-1)
+        tok = gumbel_draw(logp, generator) if temperature > 0 else logits.argmax(-1)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
-    def draft_probs(logits: torch.Tensor) -> torch.Tensor:
-        if temperature > 0:
-            return torch.softmax(logits.float() / temperature, -1)
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    def draft(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(draft token, the draft distribution q it came from; None for greedy, whose check needs no q)."""
+        if temperature <= 0:
+            return logits.argmax(-1), None
+        logq = torch.log_softmax(logits.float() / temperature, -1)
+        return gumbel_draw(logq, generator), logq.exp()
 
     x, x_lp = pick(head(h[:, -1]))
     out_ids, out_lp = [[t] for t in x.tolist()], [[v] for v in x_lp.tolist()]
@@ -109,14 +105,15 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
             rows, attn, dattn, x, pos = rows[keep], attn[keep], dattn[keep], x[keep], pos[keep]
             g, lg = g[keep], lg[keep]
         # draft n tokens: step 1 came from the last catch-up; steps 2..n extend the MTP layer's cache
-        q = [draft_probs(lg)]
-        drafts = [_draw(q[0].log(), generator) if temperature > 0 else lg.argmax(-1)]
+        tok, probs = draft(lg)
+        drafts, q = [tok], [probs]
         for s in range(1, n):
             dattn = torch.cat([dattn, torch.ones_like(dattn[:, :1])], 1)
             g, lgs = mtp.step(model, g, drafts[-1][:, None], (pos - 1 + s)[:, None], _mask(dattn, 1), dcache)
             lg = lgs[:, -1]
-            q.append(draft_probs(lg))
-            drafts.append(_draw(q[-1].log(), generator) if temperature > 0 else lg.argmax(-1))
+            tok, probs = draft(lg)
+            drafts.append(tok)
+            q.append(probs)
         d = torch.stack(drafts, 1)
         # verify: the model on [x, d1..dn] in one forward
         attn = torch.cat([attn, torch.ones_like(attn[:, :n + 1])], 1)
@@ -124,7 +121,7 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
                    past_key_values=cache, use_cache=True).last_hidden_state
         logits = head(hid).float()
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
-        kept, y = verify(logp, torch.stack(q, 1), d, temperature, generator)
+        kept, y = verify(logp, torch.stack(q, 1) if temperature > 0 else None, d, temperature, generator)
         new = torch.cat([d, y[:, None]], 1).scatter(1, kept[:, None], y[:, None])   # d1..d_kept, y
         new_lp = logp.gather(2, new[..., None]).squeeze(2)
         valid = (ar[None] <= kept[:, None]).long()         # x and the kept drafts stay in the model's cache

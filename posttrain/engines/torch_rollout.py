@@ -33,6 +33,13 @@ def prefill_distinct(model, prompts: list[list[int]], pad_id: int, **extra):
     return out, cache, attn[which], which
 
 
+def gumbel_draw(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of log-probabilities (Gumbel-max: exact, cheaper than multinomial); the noise is drawn on
+    the CPU, so a seeded generator gives the same stream on any device."""
+    noise = torch.empty(logp.shape).exponential_(generator=generator).to(logp.device)
+    return (logp - noise.log()).argmax(-1)
+
+
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
            pad_id: int, generator: torch.Generator | None = None) -> list[Generation]:
@@ -49,11 +56,7 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature:
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
     for t in range(max_new_tokens):
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
-        if temperature > 0:  # Gumbel-max: an exact draw from softmax(logp), cheaper than multinomial
-            noise = torch.empty(logp.shape).exponential_(generator=generator).to(logp.device)  # CPU draws
-            nxt = (logp - noise.log()).argmax(-1)
-        else:
-            nxt = logits.argmax(-1)
+        nxt = gumbel_draw(logp, generator) if temperature > 0 else logits.argmax(-1)
         lp = logp.gather(1, nxt[:, None]).squeeze(1)
         hit = torch.isin(nxt, stop)
         for r, n, x, h in zip(rows[live].tolist(), nxt[live].tolist(), lp[live].tolist(), hit[live].tolist()):
