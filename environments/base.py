@@ -73,6 +73,16 @@ def collect(domain: str, split: str, n: int, seed: int, make: Callable[[random.R
     return list(out.values())
 
 
+def compaction_note(calls: list[tuple[str, str, str]]) -> str:
+    """The rule-based summary that replaces earlier turns: each tool call and what it returned (the reasoning
+    around them is dropped). Environments' training data uses the same words (environments.agentic)."""
+    return "Notes: " + " ".join(f"{arg or tool}: {out.strip()}." for tool, arg, out in calls)
+
+
+def compacted_prompt(prompt: str, note: str) -> str:
+    return f"{prompt}\n{note}"
+
+
 _THINK = re.compile(r"<think>.*?</think>", re.S)
 
 

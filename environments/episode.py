@@ -1,16 +1,31 @@
 """The step API, token in, token out: `reset()` gives the prompt's token ids; `step(ids)` takes the
 model's own token ids, parses a tool call from them, runs it in the episode's sandbox and returns
 the observation as token ids to append, exactly as the checkpoint's template renders a tool response
-(posttrain.chat). Nothing the model produced is ever re-tokenised."""
+(posttrain.chat). Nothing the model produced is ever re-tokenised.
+
+Context compaction (GLM-5.2): with a `context_budget`, an episode whose next turn would not fit closes its
+current sub-trace and starts a new one from a fresh prompt, the task with a summary of the tool results so
+far (`compaction_note`). Every sub-trace keeps the exact ids and behaviour logprobs it was generated with, so
+each is a trainable trajectory; the episode's reward is every sub-trace's. Without compaction the episode is
+truncated there (reward 0)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import environments
-from environments.base import Task
+from environments.base import Task, compacted_prompt, compaction_note
 from environments.agentic import parse_tool_call
 from environments.sandbox import Judge, Workspace, path_judge
 from posttrain.chat import chat_format, render_ids, tool_response_ids
+
+
+@dataclass
+class Trace:
+    """One trainable trajectory: a prompt and what followed it, as generated."""
+    prompt_ids: list[int]
+    ids: list[int]
+    gen_mask: list[int]
+    logprobs: list[float]
 
 
 @dataclass
@@ -38,6 +53,12 @@ class Episode:
     reward: float = 0.0
     reason: str = ""
     blocked: list[dict] = field(default_factory=list)
+    context_budget: int = 0    # tokens of context a turn may see, its own generation included (0: no limit)
+    compaction: bool = True    # at the budget: compact (a new sub-trace) or truncate (the episode ends, reward 0)
+    max_new_tokens: int = 48   # a turn's generation budget, counted against context_budget
+    calls: list[tuple[str, str, str]] = field(default_factory=list)  # (tool, argument, output) so far
+    closed: list[Trace] = field(default_factory=list)  # sub-traces ended by compaction
+    truncated: bool = False
     _ws: Workspace | None = None
 
     def reset(self) -> list[int]:
@@ -50,7 +71,28 @@ class Episode:
 
     @property
     def n_generated(self) -> int:
-        return sum(self.gen_mask)
+        return sum(self.gen_mask) + sum(sum(t.gen_mask) for t in self.closed)
+
+    def traces(self) -> list[Trace]:
+        """The episode's sub-traces in order: one unless it was compacted (a compaction that left no room for
+        another turn leaves no last one)."""
+        last = Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs)
+        return [*self.closed, last] if any(last.gen_mask) or not self.closed else list(self.closed)
+
+    def _fits(self) -> bool:
+        return not self.context_budget or \
+            len(self.prompt_ids) + len(self.ids) + self.max_new_tokens <= self.context_budget
+
+    def _compact(self, n_obs: int) -> bool:
+        """Close the sub-trace (without the observation just appended: the note carries it) and start the
+        next from the task and the note. False when even that does not fit the budget."""
+        keep = len(self.ids) - n_obs
+        self.closed.append(Trace(self.prompt_ids, self.ids[:keep], self.gen_mask[:keep], self.logprobs[:keep]))
+        content = compacted_prompt(self.task.prompt, compaction_note(self.calls))
+        self.prompt_ids = render_ids(self.tok, [{"role": "user", "content": content}], add_generation_prompt=True,
+                                     enable_thinking=self.enable_thinking)
+        self.ids, self.gen_mask, self.logprobs = [], [], []
+        return self._fits()
 
     def step(self, action_ids: list[int], logprobs: list[float] | None = None) -> Step:
         if self.done:
@@ -64,15 +106,23 @@ class Episode:
         self.last_turn = self.tok.decode(action_ids[:-1] if stopped else action_ids, skip_special_tokens=False)
         call = parse_tool_call(self.last_turn) if self._ws else None
         if call and self.turns < self.max_turns and stopped:
-            obs_ids = tool_response_ids(self.tok, self._ws.call(*call), enable_thinking=self.enable_thinking)
+            output = self._ws.call(*call)
+            self.calls.append((*call, output))
+            obs_ids = tool_response_ids(self.tok, output, enable_thinking=self.enable_thinking)
             self.ids += obs_ids
             self.gen_mask += [0] * len(obs_ids)
             self.logprobs += [0.0] * len(obs_ids)
-            return Step(obs_ids, False)
-        self.done = True
-        self.reward, self.reason = environments.get(self.task.domain).verify(self.task, self.last_turn)
+            if self._fits() or self.compaction and self._compact(len(obs_ids)):
+                return Step(obs_ids, False)
+            self.truncated = True
+            return self._end(0.0, f"truncated: the next turn does not fit the context budget of "
+                                  f"{self.context_budget} tokens")
+        return self._end(*environments.get(self.task.domain).verify(self.task, self.last_turn))
+
+    def _end(self, reward: float, reason: str) -> Step:
+        self.done, self.reward, self.reason = True, reward, reason
         self.close()
-        return Step([], True, self.reward, self.reason)
+        return Step([], True, reward, reason)
 
     def close(self) -> None:
         if self._ws is not None:

@@ -40,6 +40,10 @@ class WorldConfig(_Strict):
     max_operand: AtLeast0 = 9
     n_ops: AtLeast1 = 2
     agentic_numbers: AtLeast1 = 3
+    # more than 1: the numbers spread over that many files, one read each (the compaction variant), and this
+    # share of the training split resumed as after a compaction (environments.agentic)
+    agentic_files: Annotated[int, Field(ge=1, le=6)] = 1
+    agentic_resumed_share: Share = 0.5
     # your own environments: name -> module with generate() and verify() (see README)
     environments: dict[str, str] = Field(default_factory=dict)
 
@@ -235,6 +239,10 @@ class RLConfig(_Strict):
     temperature: Positive = 1.0          # the trainer divides the logits by it, as the sampler did
     max_new_tokens: AtLeast1 = 48
     max_turns: AtLeast1 = 3
+    # tokens of context an agentic turn may see, its generation included (0: no limit); at the budget an episode
+    # compacts (a new sub-trace from the task and a summary of its tool results) or, with compaction off, ends
+    context_budget: AtLeast0 = 0
+    compaction: bool = True
     clip_eps: Positive = 0.2             # PPO ratio clip (ratio = current / behaviour policy)
     is_lower: NonNegative = 0.5          # double-sided importance sampling: a token whose ratio leaves
     is_upper: float = 2.0                # [is_lower, is_upper] is masked from the loss
@@ -263,6 +271,14 @@ class RLConfig(_Strict):
             raise ValueError(f"rl.is_lower < 1 < rl.is_upper must hold (got {self.is_lower}, {self.is_upper})")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError("rl.group_size must be at least 2 for grpo (its baseline is the group mean)")
+        if self.context_budget and self.compaction and self.algorithm == "grpo":
+            raise ValueError("rl.compaction: GRPO compares whole episodes within a group, and compaction splits an "
+                             "episode into sub-traces whose number and lengths vary between samples of one prompt; "
+                             "use rl.algorithm: ppo (a critic scores each sub-trace), or rl.compaction: false to "
+                             "truncate episodes at rl.context_budget instead")
+        if self.context_budget and self.compaction and self.loss_agg != "token":
+            raise ValueError("rl.compaction needs rl.loss_agg: token: a per-sequence mean would weigh a short "
+                             "sub-trace's tokens above a long one's")
         if len(set(self.domains)) != len(self.domains):
             raise ValueError(f"rl.domains: each domain once (got {self.domains})")
         for domain in self.per_domain:

@@ -69,15 +69,16 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
             s, n_gen = completion_scores(engine, tok, tasks, thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
                                          batch_size=bs)
         else:
-            eps = run_episodes(engine, tok, tasks, enable_thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
-                               temperature=0.0, max_turns=cfg.rl.max_turns, batch_size=bs)
+            r = cfg.rl.for_domain(name.split(":")[0].split("@")[0])  # its specialist's turns and context budget
+            kw = dict(max_new_tokens=cfg.eval.max_new_tokens, max_turns=r.max_turns, batch_size=bs,
+                      context_budget=r.context_budget, compaction=r.compaction)
+            eps = run_episodes(engine, tok, tasks, enable_thinking=thinking, temperature=0.0, **kw)
             s, n_gen = score(eps), [e.n_generated for e in eps]
         scores[name] = round(sum(s) / len(s), 4)
         tokens[name] = round(sum(n_gen) / len(n_gen), 2)
         if samples and not completion and "@" not in name:
             eps = run_episodes(engine, tok, tasks * samples, enable_thinking=thinking, temperature=cfg.eval.temperature,
-                               max_new_tokens=cfg.eval.max_new_tokens, max_turns=cfg.rl.max_turns, batch_size=bs,
-                               generator=torch.Generator().manual_seed(cfg.seed))
+                               generator=torch.Generator().manual_seed(cfg.seed), **kw)
             r = score(eps)
             passed = [sum(r[i + j * len(tasks)] >= 1.0 for j in range(samples)) for i in range(len(tasks))]
             passk[name] = {f"pass@{k}": round(sum(pass_at_k(samples, c, k) for c in passed) / len(tasks), 4)

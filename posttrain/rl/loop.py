@@ -191,7 +191,7 @@ def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Fe
                 gen_s: float, gen_tok: float, train_s: float, wall_s: float) -> dict[str, float]:
     """One step's curves: reward, the update's statistics, staleness, tokens and throughput."""
     both = batch + dbatch
-    rewards = torch.tensor([s.reward for s in batch or dbatch])
+    rewards = torch.tensor([s.reward for s in batch or dbatch if s.subtrace == 0])  # one per episode
     prev = {k: hist[k][-1] if hist.get(k) else 0.0 for k in ("student_tokens", "teacher_tokens")}
     row = {"reward": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
            **stats, "staleness_mean": sum(step - s.version for s in both) / len(both),
@@ -207,6 +207,12 @@ def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Fe
     if spec["verifications"] or "mtp_acceptance_length" in hist:  # MTP drafts: tokens per model forward
         row["mtp_acceptance_length"] = (spec["accepted"] / spec["verifications"] if spec["verifications"]
                                         else float("nan"))
+    if feed.r.context_budget and batch:  # compaction (or truncation) at the budget: what the episodes became
+        episodes = sum(s.subtrace == 0 for s in batch)
+        row["subtraces_per_episode"] = len(batch) / episodes
+        row["subtrace_tokens"] = batch_tokens(batch) / len(batch)
+        row["subtrace_tokens_max"] = float(max(len(s.prompt_ids) + len(s.ids) for s in batch))
+        row["truncated_share"] = sum(s.truncated for s in batch) / episodes
     if dbatch and batch:  # distillation beside RL: its samples' reward separately
         row["distill_reward"] = sum(s.reward for s in dbatch) / len(dbatch)
     return row
@@ -240,7 +246,9 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     st = eng.load(ckpt) if ckpt and ckpt.exists() else State()
     if st.step:
         print(f"[{label}] resuming at step {st.step} of {r.steps}", flush=True)
-    kw, kill_at, hist = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns), kill_step(label), st.history
+    kw = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns, context_budget=r.context_budget,
+              compaction=r.compaction)
+    kill_at, hist = kill_step(label), st.history
     domains = sorted({t.domain for t in val})
     policy_view = as_rollout_engine(eng.policy.model, tok)  # validation generates from the trained weights
 

@@ -25,6 +25,8 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         stats = extra() if extra else {}
         stats["grad_norm"] = policy.step(1.0)
         return stats
+    if critic is None and any(s.subtrace for s in samples):
+        raise ValueError("GRPO got compacted sub-traces: its group comparison needs whole episodes (rl.algorithm: ppo)")
     dev = policy.device
     rewards = torch.tensor([s.reward for s in samples], device=dev)
     n_tokens = float(sum(s.n_generated for s in samples))

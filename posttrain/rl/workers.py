@@ -35,10 +35,22 @@ class Sample:
     blocked: list[dict] = field(default_factory=list)  # hack attempts the sandbox's guard stopped
     domain: str = ""
     teacher: Any = None        # distillation samples: the teacher's scores of the generated tokens
+    subtrace: int = 0          # its place among the episode's compacted sub-traces (0: the first or only one)
+    truncated: bool = False    # the episode ended at the context budget (compaction off)
 
     @property
     def n_generated(self) -> int:
         return sum(self.gen_mask)
+
+
+def samples_of(episodes: list, group_size: int, n_rl: int, version: int) -> list[Sample]:
+    """Samples of finished episodes: the first `n_rl` in groups of `group_size`, the rest one group each. A
+    compacted episode gives one sample per sub-trace, each with the episode's reward (critic PPO only: the
+    config refuses compaction for GRPO); its blocked calls are counted once, on the first."""
+    return [Sample(e.task.id, i // group_size if i < n_rl else n_rl // group_size + i - n_rl, t.prompt_ids, t.ids,
+                   t.gen_mask, t.logprobs, e.reward, version, e.blocked if j == 0 else [], e.task.domain,
+                   subtrace=j, truncated=e.truncated)
+            for i, e in enumerate(episodes) for j, t in enumerate(e.traces())]
 
 
 class RolloutWorker:
@@ -68,14 +80,12 @@ class RolloutWorker:
         todo = [t for t in tasks for _ in range(group_size)] + list(distill)
         eps = run_episodes(self.engine, self.tok, todo, generator=gen, batch_size=len(todo), **kw)
         n_rl = len(tasks) * group_size
-        out = [Sample(e.task.id, i // group_size if i < n_rl else len(tasks) + i - n_rl, e.prompt_ids, e.ids,
-                      e.gen_mask, e.logprobs, e.reward, self.version, e.blocked, e.task.domain)
-               for i, e in enumerate(eps)]
+        out = samples_of(eps, group_size, n_rl, self.version)
         info = {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out),
                 **{k: v - spec0.get(k, 0) for k, v in getattr(self.engine, "stats", {}).items()}}  # MTP drafts
         if distill:
             by_domain: dict[str, list[Sample]] = {}
-            for s in out[n_rl:]:
+            for s in (s for s in out if s.group >= len(tasks)):  # the distillation episodes' sub-traces
                 by_domain.setdefault(s.domain, []).append(s)
             scores = self.teachers.score({d: [(s.prompt_ids, s.ids, s.gen_mask) for s in ss]
                                           for d, ss in by_domain.items()}, teacher_mode, top_k,
