@@ -14,10 +14,12 @@ def hash64(text: str) -> int:
 
 
 def load_tasks(folder: str | Path, name: str, domain: str) -> list:
-    """One split (`sft`, `rl`, `val`, `test`) of one domain's tasks."""
+    """One split (`sft`, `rl`, `val`, `test`) of one domain's tasks. RL prompts start from the task: forms resumed
+    as after a compaction (environments.agentic, training data for SFT) are left out, episodes compact themselves."""
     from environments.base import Task
     table = pq.read_table(Path(folder) / f"{name}-{domain}.parquet")
-    return [Task.from_json(s) for s in table.column("task").to_pylist()]
+    tasks = [Task.from_json(s) for s in table.column("task").to_pylist()]
+    return [t for t in tasks if "resumed_from" not in t.meta] if name == "rl" else tasks
 
 
 def load_pretrain_texts(folder: str | Path) -> list[str]:

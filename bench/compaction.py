@@ -1,0 +1,169 @@
+"""bench/compaction: critic PPO on agentic episodes longer than the context budget, with compaction against
+truncation (GLM-5.2's compaction-aware training).
+
+The task-world variant spreads each task's numbers over 3 files (world.agentic_files=3), one read per turn, so a
+whole episode does not fit `--budget` tokens of context. The tiny profile's dense ramped model (bench/dsa's, seed
+0) is fine-tuned once on the variant (its training split holds resumed forms: notes of the files read so far, as
+a compaction writes them). Then, per RL seed, PPO from that sft model with the same budget twice: episodes that
+compact (every sub-trace trained) and episodes truncated at the budget (reward 0). Test score of the variant,
+greedy, before and after, each under the setting it trained with and under the other.
+
+    python -m bench.compaction [--seeds 0 1 2] [--steps 40] [--budget 112]
+
+Writes .posttrain/bench/compaction.json (and its curves plot); `posttrain` reads its summary into report.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+from statistics import mean, stdev
+
+OUT = Path(".posttrain/bench")
+WORK = OUT / "compaction-work"
+VARIANT = ["world.agentic_files=3", "world.agentic_numbers=2"]
+SETTINGS = {"compaction": True, "truncation": False}
+
+
+def _cfg(extra: list[str]):
+    from posttrain.config import load_config
+    return load_config("tiny", [*VARIANT, *extra])
+
+
+def variant_data() -> Path:
+    """The tiny curated data with the agentic splits replaced by the 3-file variant's."""
+    import environments
+    from bench.dsa import tiny_inputs
+    from posttrain.curate.stage import _write_splits
+    cur = WORK / "curate"
+    if not (cur / "done").exists():
+        src, _ = tiny_inputs(0)
+        shutil.rmtree(cur, ignore_errors=True)
+        shutil.copytree(src, cur)
+        cfg = _cfg([])
+        test = environments.get("agentic").generate("test", cfg.world.n_test, cfg.world.seed, **cfg.world.knobs())
+        _write_splits(cfg, {"agentic": test}, cur, [])
+        (cur / "done").touch()
+    return cur
+
+
+def sft_model(cur: Path, steps: int) -> Path:
+    from posttrain import sft
+    from posttrain.raysupport import ensure_ray
+    out = WORK / f"sft-{steps}"
+    if not (out / "done").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        cfg = _cfg([f"sft.steps={steps}"])
+        ensure_ray(cfg.runtime)
+        ramped = Path(".posttrain/bench/dsa-work/ramp-0-dense")
+        if not (ramped / "model.safetensors").exists():
+            raise SystemExit(f"{ramped} is missing: run `python -m bench.dsa evidence --seeds 0` first (its dense ramp)")
+        res = sft.run(cfg, {"ramp": str(ramped.resolve()), "curate": str(cur.resolve())}, out,
+                      scratch=str((WORK / f"sft-{steps}-scratch").resolve()))
+        (out / "sft_metrics.json").write_text(json.dumps(res["metrics"], indent=1, default=float))
+        (out / "done").touch()
+    return out
+
+
+def test_scores(model, tok, tasks, r) -> dict[str, float]:
+    """Greedy test score under the budget, compacting and truncating, and with no budget."""
+    from posttrain.rl.rollout import run_episodes
+    out = {}
+    for name, kw in {**{k: {"context_budget": r.context_budget, "compaction": v} for k, v in SETTINGS.items()},
+                     "no_budget": {"context_budget": 0}}.items():
+        eps = run_episodes(model, tok, tasks, temperature=0.0, max_new_tokens=r.max_new_tokens, max_turns=r.max_turns,
+                           **kw)
+        out[name] = round(sum(e.reward for e in eps) / len(eps), 4)
+        if name == "compaction":
+            out["subtraces_per_episode"] = round(mean(len(e.traces()) for e in eps), 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.compaction", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=40, help="PPO steps per run")
+    ap.add_argument("--sft-steps", type=int, default=800)
+    ap.add_argument("--budget", type=int, default=112, help="rl.context_budget (tokens)")
+    args = ap.parse_args(argv)
+    import torch
+
+    from posttrain.data import load_tasks
+    from posttrain.model import load_checkpoint
+    from posttrain.rl.loop import train_policy
+    cur = variant_data()
+    sft = sft_model(cur, args.sft_steps)
+    pool, val = load_tasks(cur, "rl", "agentic"), load_tasks(cur, "val", "agentic")[:32]
+    test = load_tasks(cur, "test", "agentic")
+    base = _cfg([]).rl.for_domain("agentic")
+    common = {"loss_agg": "token", "max_turns": 5, "context_budget": args.budget, "steps": args.steps, "val_every": 0,
+              "checkpoint_every": 0}
+    model, tok = load_checkpoint(str(sft))
+    r0 = base.model_copy(update=common)
+    before = test_scores(model, tok, test, r0)
+    print(f"sft: {before}", flush=True)
+    runs: dict[str, dict[int, dict]] = {s: {} for s in SETTINGS}
+    for seed in args.seeds:
+        for setting, compaction in SETTINGS.items():
+            path = WORK / f"ppo-{setting}-{seed}-{args.steps}-{args.budget}.json"
+            if path.exists():
+                runs[setting][seed] = json.loads(path.read_text())
+                continue
+            r = type(base).model_validate({**base.model_dump(), **common, "compaction": compaction})
+            t = time.time()
+            torch.manual_seed(seed)
+            policy, tok, st = train_policy(r, str(sft.resolve()), pool, val, seed=seed, label=f"ppo-{setting}")
+            h = st.history
+            res = {"after": test_scores(policy, tok, test, r), "seconds": round(time.time() - t, 1),
+                   **{k: h[k] for k in ("reward", "subtraces_per_episode", "subtrace_tokens", "subtrace_tokens_max",
+                                        "truncated_share", "value_loss", "explained_variance")}}
+            path.write_text(json.dumps(res))
+            runs[setting][seed] = res
+            print(f"seed {seed} {setting}: {res['after']} ({res['seconds']} s)", flush=True)
+
+    fig: dict = {"seeds": args.seeds, "steps": args.steps, "budget": args.budget, "sft_steps": args.sft_steps,
+                 "variant": VARIANT, "test_tasks": len(test), "before": before,
+                 "rl": {k: v for k, v in common.items() if k != "steps"} | {"algorithm": base.algorithm,
+                                                                            "prompts_per_step": base.prompts_per_step}}
+    for setting in SETTINGS:
+        gains = [runs[setting][s]["after"][setting] - before[setting] for s in args.seeds]
+        fig[f"gain_{'with' if setting == 'compaction' else 'without'}_per_seed"] = [round(g, 4) for g in gains]
+        fig[f"gain_{'with' if setting == 'compaction' else 'without'}"] = round(mean(gains), 4)
+        fig[f"gain_{'with' if setting == 'compaction' else 'without'}_std"] = round(stdev(gains), 4) \
+            if len(gains) > 1 else None
+        fig[f"{setting}_runs"] = {s: runs[setting][s]["after"] for s in args.seeds}
+    fig["subtraces_per_episode"] = round(mean(x for s in args.seeds
+                                              for x in runs["compaction"][s]["subtraces_per_episode"]), 3)
+    fig["truncated_share_without"] = round(mean(x for s in args.seeds
+                                                for x in runs["truncation"][s]["truncated_share"]), 3)
+    _plot(runs, args.seeds, OUT / "compaction.png")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "compaction.json").write_text(json.dumps(fig, indent=1))
+    print(json.dumps(fig, indent=1))
+
+
+def _plot(runs: dict, seeds: list[int], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for setting, color in (("compaction", "C0"), ("truncation", "C3")):
+        for i, s in enumerate(seeds):
+            label = setting if i == 0 else None
+            a.plot(runs[setting][s]["reward"], color=color, alpha=0.7, label=label)
+            if setting == "compaction":
+                b.plot(runs[setting][s]["subtraces_per_episode"], color=color, alpha=0.7, label=f"seed {s}")
+    a.set(xlabel="PPO step", ylabel="train reward", title="same context budget: compaction vs truncation")
+    b.set(xlabel="PPO step", ylabel="sub-traces per episode", title="compaction: sub-traces per episode")
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
