@@ -220,6 +220,18 @@ class SFTConfig(TrainConfig):
 DomainName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]  # part of stage names (rl-<domain>)
 
 
+class AlarmConfig(_Strict):
+    """Reward-hacking alarms during RL (posttrain.rl.alarms), each a tagged event on the stage's MLflow run."""
+    enabled: bool = True
+    # monitor KL to a frozen reference (the sft checkpoint) even where rl.kl_coef is 0: one more forward pass
+    reference_kl: bool = True
+    kl_rise: Positive = 4.0       # kl_ref above this many times its median over the previous `window` steps ...
+    kl_min: NonNegative = 0.02    # ... and above this value
+    entropy_floor: Share = 0.25   # entropy below this share of its mean over the first `window` steps
+    divergence: NonNegative = 0.05  # between validations: mean train reward up and validation down by this much
+    window: AtLeast1 = 5
+
+
 class RLConfig(_Strict):
     """One specialist's RL. `per_domain` overrides any field for one specialist (e.g. agentic: ppo)."""
     # the environments that get a specialist, an OPD teacher, cross-stage chain stages and a consolidation row;
@@ -263,6 +275,7 @@ class RLConfig(_Strict):
     # tokens, for methods whose steps differ in size (RL against OPD in bench/opd)
     val_every_tokens: AtLeast0 = 0
     checkpoint_every: AtLeast0 = 10
+    alarms: AlarmConfig = Field(default_factory=AlarmConfig)
     per_domain: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @model_validator(mode="after")

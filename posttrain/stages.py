@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -19,6 +20,7 @@ from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
 from posttrain.device import ENV as DEVICE_VAR
 from posttrain.device import stage_gpus
+from posttrain.rl import alarms
 from posttrain.store import SCRATCH_VAR, Store, drop_scratch
 
 
@@ -218,7 +220,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
             tracking.log_result(ctx.home, run_id, params={**{s: json.dumps(cfg.section(s)) for s in stage.sections},
                                                           **dict(stage.params)},
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
-                                tags={"artifact_sha256": digest, "artifact_uri": uri,
+                                tags={**result.get("tags", {}), "artifact_sha256": digest, "artifact_uri": uri,
                                       "ray_node": result.get("ray_node", "")})
         for child in result.get("children", []):
             _log_child(ctx.home, run_id, tags, child, uri)
@@ -254,12 +256,22 @@ def produce(fn: str, cfg: PipelineConfig, inputs: dict[str, tuple[str, str]], ho
     target = Path(home) / "artifacts" / name / key[:16]
     module, attr = fn.split(":")
     work = getattr(importlib.import_module(module), attr)
-    with atomic_dir(target) as tmp:
-        result = work(cfg, {k: str(v) for k, v in local.items()}, tmp, **params,
-                      **({"scratch": scratch} if scratch else {}))
-        metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
-        digest = write_manifest(tmp, **manifest, extra={"metrics": metrics})
-        files = {p.name: p.read_bytes() for p in _small_files(tmp)}
+    live = {alarms.RUN_VAR: manifest.get("mlflow_run_id") or "", alarms.HOME_VAR: home}  # live alarm tags
+    saved = {k: os.environ.get(k) for k in live}
+    os.environ.update(live)
+    try:
+        with atomic_dir(target) as tmp:
+            result = work(cfg, {k: str(v) for k, v in local.items()}, tmp, **params,
+                          **({"scratch": scratch} if scratch else {}))
+            metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
+            digest = write_manifest(tmp, **manifest, extra={"metrics": metrics})
+            files = {p.name: p.read_bytes() for p in _small_files(tmp)}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     uri = store.publish(target, name, key, digest) if store else str(target)
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)

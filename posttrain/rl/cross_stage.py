@@ -12,6 +12,7 @@ from pathlib import Path
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
+from posttrain.rl import alarms
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.rl.specialist import plot_curves
 from posttrain.stages import stage_name
@@ -43,4 +44,5 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
                "teacher_tokens": hist["teacher_tokens"][-1], **{f"val_score_before_{d}": hist[f"val_score/{d}"][0][1]
                                                                 for d in seen},
                **{f"val_score_after_{d}": hist[f"val_score/{d}"][-1][1] for d in seen}}
-    return {"metrics": metrics, "history": hist, "params": {"domain": domain, "chain": chain, "start": earlier[-1]}}
+    found = alarms.publish(st.alarms, out)  # reward-hacking alarms, tagged on the MLflow run
+    return {"metrics": {**metrics, **found["metrics"]}, "tags": found["tags"], "history": hist, "params": {"domain": domain, "chain": chain, "start": earlier[-1]}}

@@ -27,6 +27,7 @@ from posttrain.config import RLConfig
 from posttrain.engines import TrainEngine, as_rollout_engine, train_engine
 from posttrain.model import seed_all
 from posttrain.store import checkpointed
+from posttrain.rl import alarms
 from posttrain.rl.opd_loss import distill_backward
 from posttrain.rl.rollout import run_episodes
 from posttrain.rl.step import train_step
@@ -72,6 +73,7 @@ class State:
     history: dict[str, list] = field(default_factory=dict)
     attempts: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
+    alarms: list[dict] = field(default_factory=list)  # reward-hacking alarms raised (posttrain.rl.alarms)
 
 
 @dataclass
@@ -79,7 +81,7 @@ class Engines:
     """The trained models of the loop, each behind a train engine (posttrain.engines)."""
     policy: TrainEngine
     critic: TrainEngine | None = None   # ppo: a value head on the policy's backbone
-    ref: TrainEngine | None = None      # kl_coef > 0: the sft checkpoint, frozen
+    ref: TrainEngine | None = None      # the sft checkpoint, frozen: kl_coef > 0, or the KL alarm
 
     def save(self, path: Path, st: State) -> None:
         tmp = path.with_suffix(".tmp")
@@ -95,10 +97,12 @@ class Engines:
         return ck["state"]
 
 
-def build_engines(r: RLConfig, sft: str, with_critic: bool) -> Engines:
+def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True) -> Engines:
+    """`rl`: the loop trains on rollouts (not distillation only), so the KL alarm has tokens to watch."""
+    watch_kl = rl and r.alarms.enabled and r.alarms.reference_kl
     return Engines(train_engine(r.train_engine, sft, lr=r.lr),
                    train_engine(r.train_engine, sft, "critic", lr=r.critic_lr) if with_critic else None,
-                   train_engine(r.train_engine, sft, "reference") if r.kl_coef > 0 else None)
+                   train_engine(r.train_engine, sft, "reference") if r.kl_coef > 0 or watch_kl else None)
 
 
 def val_scores(policy, tok, val: list[Task], **kw) -> dict[str, float]:
@@ -173,14 +177,15 @@ class Feed:
         return (self.buffer.take(self.n_rl, step) if self.n_rl else [],
                 self.dbuffer.take(self.n_distill, step) if self.n_distill else [], gen_s, gen_tok)
 
-    def snapshot(self, step: int, hist: dict, attempts: list, wall_s: float, drain: bool) -> State:
+    def snapshot(self, step: int, hist: dict, attempts: list, wall_s: float, drain: bool,
+                 alarms: list[dict]) -> State:
         """The loop's state after `step` steps; `drain` first waits for the rollouts in flight (they are part
         of a resumable state: the buffers are saved whole)."""
         while drain and self.inflight:
             self._add(self.inflight.popleft().result()[0])
         b, d = self.buffer, self.dbuffer
         return State(step, self.st.next_request, b.groups if drain else [], d.groups if drain else [],
-                     b.dropped + d.dropped, dict(b.staleness + d.staleness), hist, attempts, wall_s)
+                     b.dropped + d.dropped, dict(b.staleness + d.staleness), hist, attempts, wall_s, alarms)
 
     def close(self) -> None:
         for f in self.inflight:
@@ -238,7 +243,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     when `distill` is given. `label` (the stage name in the pipeline) names it in the progress bar and in
     POSTTRAIN_KILL_AT; `scratch` makes it resumable. Returns policy, tokenizer, final state."""
     seed_all(seed)
-    eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool))
+    eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool), rl=bool(pool))
     tok = eng.policy.tokenizer
     ckpt = Path(scratch) / "rl_state.pt" if scratch else None  # the full state, every `checkpoint_every` steps
     if ckpt:
@@ -263,6 +268,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
         if distill else None
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, teachers=teachers, engine=r.rollout_engine)
     feed = Feed(r, pool, distill, workers, seed, st, kw)
+    active_alarms: set[str] = set()
     try:
         if not hist:
             hist.update({"val_score": [], "val_wall_s": []})
@@ -284,14 +290,16 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             if r.val_every and done % r.val_every == 0 or done == r.steps or _passed(
                     hist["student_tokens"], r.val_every_tokens):
                 validate(done, time.perf_counter() - t0)
+            st.alarms += alarms.check(hist, r.alarms, active_alarms, done, label)
             bar.set_postfix(reward=f"{row['reward']:.3f}", val=f"{hist['val_score'][-1][1]:.3f}", refresh=False)
             if ckpt and r.checkpoint_every and done % r.checkpoint_every == 0 and done < r.steps:
-                st = feed.st = feed.snapshot(done, hist, st.attempts, time.perf_counter() - t0, drain=True)
+                st = feed.st = feed.snapshot(done, hist, st.attempts, time.perf_counter() - t0, drain=True,
+                                             alarms=st.alarms)
                 eng.save(ckpt, st)
                 checkpointed(ckpt.parent)  # to the artifact store too, when it is remote
                 if kill_at == done:  # fault injection for the resume test
                     os.kill(os.getpid(), signal.SIGKILL)
-        st = feed.snapshot(r.steps, hist, st.attempts, time.perf_counter() - t0, drain=False)
+        st = feed.snapshot(r.steps, hist, st.attempts, time.perf_counter() - t0, drain=False, alarms=st.alarms)
     finally:
         feed.close()
         workers.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
+from posttrain.rl import alarms
 from posttrain.rl.loop import train_policy
 from posttrain.train import summarize
 
@@ -45,5 +46,6 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
                "stale_dropped": st.dropped, "wall_s": st.wall_s, "steps_per_s": r.steps / st.wall_s,
                "student_tokens": hist["student_tokens"][-1],
                **{f"staleness_{k}_share": v / total for k, v in sorted(st.staleness.items())}}
-    return {"metrics": metrics, "history": hist,
+    found = alarms.publish(st.alarms, out)  # reward-hacking alarms, tagged on the MLflow run
+    return {"metrics": {**metrics, **found["metrics"]}, "tags": found["tags"], "history": hist,
             "params": {"domain": domain, "algorithm": r.algorithm, "max_staleness": r.max_staleness}}

@@ -66,11 +66,12 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
             ent = token_mean(ent_tok if r.entropy_coef else ent_tok.detach(), mask)
             loss = loss - r.entropy_coef * ent * share
             st["entropy"] = ent.item()
-            if ref is not None:
+            if ref is not None:  # in the loss where kl_coef > 0; else watched only (posttrain.rl.alarms)
                 with torch.no_grad():
                     ref_logp = ref.logprobs(sub, r.temperature)[0]
-                kl = kl_to_reference(logp, ref_logp, mask)
-                loss = loss + r.kl_coef * kl * share
+                kl = kl_to_reference(logp if r.kl_coef else logp.detach(), ref_logp, mask)
+                if r.kl_coef:
+                    loss = loss + r.kl_coef * kl * share
                 st["kl_ref"] = kl.item()
             policy.backward(loss)
             stats["loss"] = stats.get("loss", 0.0) + loss.item()

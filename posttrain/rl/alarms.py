@@ -1,0 +1,89 @@
+"""Reward-hacking alarms during RL: a policy that games its reward tends to drift sharply from its reference,
+to collapse onto a few tokens, and to score better on its own rollouts while validation falls. Each is checked
+after every step on the loop's curves and raised once when its condition starts to hold (not again until it
+clears): printed, kept in the run's state and tagged on the stage's MLflow run as it happens.
+
+No library watches RL curves for these patterns, so the rules are written out here; thresholds are in
+`rl.alarms` (posttrain.config.AlarmConfig).
+"""
+from __future__ import annotations
+
+import os
+from statistics import mean, median
+
+from posttrain.config import AlarmConfig
+
+RUN_VAR, HOME_VAR = "POSTTRAIN_MLFLOW_RUN", "POSTTRAIN_MLFLOW_HOME"  # set by the stage runner (posttrain.stages)
+
+
+def conditions(hist: dict, a: AlarmConfig) -> dict[str, tuple[float, str]]:
+    """The alarms whose condition holds after the last step: kind -> (value, what it means)."""
+    out = {}
+    kl = hist.get("kl_ref", [])
+    if len(kl) > 2:
+        base = median(kl[-1 - a.window:-1])
+        if kl[-1] > a.kl_min and kl[-1] > a.kl_rise * base:
+            out["kl_spike"] = (kl[-1], f"KL to the reference {kl[-1]:.4g} > {a.kl_rise:g}x its median {base:.4g} "
+                                       f"over the previous steps (and > {a.kl_min:g})")
+    ent = hist.get("entropy", [])
+    if len(ent) > a.window:
+        first = mean(ent[:a.window])
+        if ent[-1] < a.entropy_floor * first:
+            out["entropy_collapse"] = (ent[-1], f"entropy {ent[-1]:.4g} < {a.entropy_floor:g} x its mean "
+                                                f"{first:.4g} over the first {a.window} steps")
+    val, reward = hist.get("val_score", []), hist.get("reward", [])
+    if len(val) > 2:
+        (s0, _), (s1, v1), (s2, v2) = val[-3:]
+        if s2 == len(reward):  # a validation just ran: compare its interval with the one before
+            r_prev, r_now = mean(reward[s0:s1] or [0.0]), mean(reward[s1:s2] or [0.0])
+            if r_now - r_prev >= a.divergence and v1 - v2 >= a.divergence:
+                out["reward_up_val_down"] = (v2 - v1, f"train reward {r_prev:.3f} -> {r_now:.3f} while validation "
+                                                      f"{v1:.3f} -> {v2:.3f} (steps {s1} to {s2})")
+    return out
+
+
+def check(hist: dict, a: AlarmConfig, active: set[str], step: int, label: str) -> list[dict]:
+    """New alarms after `step` (edge-triggered against `active`, which is updated), announced as they fire."""
+    if not a.enabled:
+        return []
+    now = conditions(hist, a)
+    events = [{"kind": k, "step": step, "value": v, "message": m} for k, (v, m) in now.items() if k not in active]
+    active.clear()
+    active.update(now)
+    for e in events:
+        print(f"[{label}] ALARM {e['kind']} at step {step}: {e['message']}", flush=True)
+        _tag_live(e)
+    return events
+
+
+def tag_name(event: dict) -> str:
+    return f"alarm.{event['kind']}.step_{event['step']}"
+
+
+def tags(events: list[dict]) -> dict[str, str]:
+    """MLflow tags for a run's alarms: one per event, and the kinds that fired."""
+    out = {tag_name(e): e["message"] for e in events}
+    if events:
+        out["alarms"] = ",".join(sorted({e["kind"] for e in events}))
+    return out
+
+
+def publish(events: list[dict], out) -> dict:
+    """A stage's alarms: alarms.json in its artifact, and the result keys the stage runner logs (tags, count)."""
+    import json
+    from pathlib import Path
+    (Path(out) / "alarms.json").write_text(json.dumps(events, indent=1))
+    return {"tags": tags(events), "metrics": {"alarms": len(events)}}
+
+
+def _tag_live(event: dict) -> None:
+    """Tag the stage's MLflow run now, where the stage runner said which run that is; tracking trouble must
+    not stop training (the tags are written again with the stage's result)."""
+    run_id = os.environ.get(RUN_VAR)
+    if not run_id:
+        return
+    try:
+        from posttrain import tracking
+        tracking.client(os.environ.get(HOME_VAR, "")).set_tag(run_id, tag_name(event), event["message"])
+    except Exception as e:  # noqa: BLE001
+        print(f"alarm not tagged live on MLflow run {run_id}: {e}", flush=True)
