@@ -18,7 +18,6 @@ from environments.sandbox import Judge, Workspace, path_judge
 
 DOMAIN = "agentic"
 FILES = ["data.txt", "nums.txt", "values.txt", "list.txt"]
-MORE_FILES = [*FILES, "more.txt", "rest.txt"]  # the multi-file variant's
 TOOL_CALL = re.compile(r"<tool_call>\s*([^<]*?)\s*</tool_call>")  # a call never spans tags
 OURS = re.compile(r"(\w+)[ \t]*([^<]*)")  # our template's form: `name args`
 
@@ -34,7 +33,8 @@ def _names(names: list[str]) -> str:
 
 def _make(max_operand: int, k: int, n_files: int):
     def make(rng: random.Random) -> tuple[str, Task]:
-        names = [rng.choice(FILES)] if n_files == 1 else rng.sample(MORE_FILES, n_files)
+        # the variant's files are parts in order: what it tests is the episode's length, not finding names
+        names = [rng.choice(FILES)] if n_files == 1 else [f"part{i + 1}.txt" for i in range(n_files)]
         # signed: a sum of signed numbers in one step is hard for a small model, step by step it is not
         per_file = [[rng.randint(-max_operand, max_operand) for _ in range(k)] for _ in names]
         nums = [x for xs in per_file for x in xs]
