@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import environments
 from environments.base import Task, compacted_prompt, compaction_note
 from environments.agentic import parse_tool_call
-from environments.sandbox import Judge, Workspace, path_judge
+from environments.sandbox import Judge, Workspace
 from posttrain.chat import chat_format, render_ids, tool_response_ids
 
 
@@ -42,7 +42,7 @@ class Episode:
     tok: object
     enable_thinking: bool = True
     max_turns: int = 3
-    judge: Judge = path_judge
+    judge: Judge | None = None   # the guard's second stage (rules only without one)
     prompt_ids: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)       # everything after the prompt
     gen_mask: list[int] = field(default_factory=list)  # 1 where the model produced the token
@@ -67,6 +67,7 @@ class Episode:
         env = environments.get(self.task.domain)
         if hasattr(env, "open_workspace"):  # environments with tools
             self._ws = env.open_workspace(self.task, self.judge)
+            self._ws.context = {"prompt": self.task.prompt, "calls": self.calls}  # what a judge sees
         return self.prompt_ids
 
     @property

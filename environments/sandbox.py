@@ -1,9 +1,10 @@
-"""Per-episode workspace, the tools an agent may call, and the two-stage anti-reward-hacking guard.
+"""Per-episode workspace, the tools an agent may call, and the anti-reward-hacking guard.
 
-Stage 1, rules: string patterns on the call (grader paths, traversal, absolute paths, downloads,
-shell tricks). Stage 2, a judge: a function `(tool, arg, workspace) -> reason | None`; the default
-resolves the path and refuses anything that is not a plain file or folder inside the workspace
-(symlinks, devices, fifos, escapes); a model-based judge can be passed instead.
+Stage 1, rules: string patterns on the call (grader paths, traversal, absolute paths, downloads, shell
+tricks), then the path check: the path must resolve to a plain file or folder inside the workspace (no
+symlinks, devices, fifos, escapes). Stage 2, optional, a judge: a function `(tool, arg, workspace) ->
+reason | None` that sees the episode so far in `workspace.context`; posttrain.judge asks a model about the
+calls that look suspicious (environments.guard). Without one the guard is rules only.
 
 A blocked call returns dummy output and the episode goes on (GLM-5's guard), so the attempt earns
 nothing but the trajectory stays trainable. Tools only read regular files, with an output cap and a
@@ -45,8 +46,8 @@ def rule_check(tool: str, arg: str) -> str | None:
     return None
 
 
-def path_judge(tool: str, arg: str, ws: "Workspace") -> str | None:
-    """Default judge: the path must stay a plain file or folder inside the workspace."""
+def path_check(tool: str, arg: str, ws: "Workspace") -> str | None:
+    """The path must stay a plain file or folder inside the workspace."""
     if tool not in TOOLS:
         return None
     return None if ws.resolve(arg) is not None else "outside workspace or not a plain file"
@@ -56,11 +57,12 @@ def path_judge(tool: str, arg: str, ws: "Workspace") -> str | None:
 class Workspace:
     root: Path
     grader_dir: Path
-    judge: Judge = path_judge
+    judge: Judge | None = None
     blocked: list[dict] = field(default_factory=list)
+    context: dict = field(default_factory=dict)  # the episode so far, for the judge: {"prompt", "calls"}
 
     @staticmethod
-    def create(files: dict[str, str], grader: str, judge: Judge = path_judge) -> "Workspace":
+    def create(files: dict[str, str], grader: str, judge: Judge | None = None) -> "Workspace":
         base = Path(tempfile.mkdtemp(prefix="posttrain-ws-"))
         root, grader_dir = base / "workspace", base / "grader"
         root.mkdir()
@@ -115,7 +117,10 @@ class Workspace:
         arg = arg.strip()
         if tool not in TOOLS:
             return f"error: unknown tool {tool!r} (tools: {', '.join(TOOLS)})"
-        for stage, check in (("rules", lambda: rule_check(tool, arg)), ("judge", lambda: self.judge(tool, arg, self))):
+        checks = [("rules", lambda: rule_check(tool, arg)), ("path", lambda: path_check(tool, arg, self))]
+        if self.judge is not None:
+            checks.append(("judge", lambda: self.judge(tool, arg, self)))
+        for stage, check in checks:
             reason = check()
             if reason is not None:
                 self.blocked.append({"tool": tool, "arg": arg, "stage": stage, "reason": reason})

@@ -44,6 +44,9 @@ class WorldConfig(_Strict):
     # share of the training split resumed as after a compaction (environments.agentic)
     agentic_files: Annotated[int, Field(ge=1, le=6)] = 1
     agentic_resumed_share: Share = 0.5
+    # this share of the agentic training split replaced by the guard judge's labelled questions, so the sft model
+    # can serve as the judge (rl.judge.checkpoint: sft); 0: none
+    agentic_judge_share: Share = 0.0
     # your own environments: name -> module with generate() and verify() (see README)
     environments: dict[str, str] = Field(default_factory=dict)
 
@@ -232,6 +235,18 @@ class AlarmConfig(_Strict):
     window: AtLeast1 = 5
 
 
+class JudgeConfig(_Strict):
+    """The guard's second stage in RL rollouts (posttrain.judge): a model asked about calls that pass the rules but
+    look suspicious. No checkpoint: the rules-only guard."""
+    checkpoint: str = ""          # "sft": the run's sft model; or a checkpoint folder; "": no judge
+    features: list[Literal["grader_path", "unnamed_path", "unusual_tool", "repeated_failures"]] = Field(
+        default_factory=lambda: ["grader_path", "unnamed_path", "unusual_tool", "repeated_failures"], min_length=1)
+    # measured on the environment's labelled calls before training; below either floor the stage stops
+    min_precision: Share = 0.8
+    min_recall: Share = 0.8
+    labelled_per_class: Annotated[int, Field(ge=50)] = 50
+
+
 class RLConfig(_Strict):
     """One specialist's RL. `per_domain` overrides any field for one specialist (e.g. agentic: ppo)."""
     # the environments that get a specialist, an OPD teacher, cross-stage chain stages and a consolidation row;
@@ -276,6 +291,7 @@ class RLConfig(_Strict):
     val_every_tokens: AtLeast0 = 0
     checkpoint_every: AtLeast0 = 10
     alarms: AlarmConfig = Field(default_factory=AlarmConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
     per_domain: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @model_validator(mode="after")

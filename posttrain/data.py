@@ -14,12 +14,13 @@ def hash64(text: str) -> int:
 
 
 def load_tasks(folder: str | Path, name: str, domain: str) -> list:
-    """One split (`sft`, `rl`, `val`, `test`) of one domain's tasks. RL prompts start from the task: forms resumed
-    as after a compaction (environments.agentic, training data for SFT) are left out, episodes compact themselves."""
+    """One split (`sft`, `rl`, `val`, `test`) of one domain's tasks. RL prompts are tasks to solve: training data
+    for SFT only (forms resumed as after a compaction, the guard judge's questions: environments.agentic) is left
+    out of them."""
     from environments.base import Task
     table = pq.read_table(Path(folder) / f"{name}-{domain}.parquet")
     tasks = [Task.from_json(s) for s in table.column("task").to_pylist()]
-    return [t for t in tasks if "resumed_from" not in t.meta] if name == "rl" else tasks
+    return [t for t in tasks if not t.meta.get("sft_only")] if name == "rl" else tasks
 
 
 def load_pretrain_texts(folder: str | Path) -> list[str]:

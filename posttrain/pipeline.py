@@ -80,6 +80,27 @@ def environment_counts(cfg: PipelineConfig, refs: dict[str, ArtifactRef]) -> dic
     return envs
 
 
+def guard_and_compaction(cfg: PipelineConfig, refs: dict[str, ArtifactRef]) -> dict:
+    """From the specialists that had them: the guard's judge as measured on its labelled calls, with its cost in
+    RL; and compaction's sub-traces with the specialist's validation gain under it (this run's seed: the gain
+    without compaction at the same budget is bench/compaction's, over seeds)."""
+    out: dict = {}
+    for d in cfg.rl.domains:
+        r = cfg.rl.for_domain(d)
+        if f"rl-{d}" not in refs or not (r.judge.checkpoint or r.context_budget):
+            continue
+        m = read_manifest(store.local_path(refs[f"rl-{d}"]))["metrics"]
+        if r.judge.checkpoint and "judge" not in out:
+            out["judge"] = {"stage": f"rl-{d}", "checkpoint": r.judge.checkpoint,
+                            **{k: m.get(f"judge.{k}") for k in ("precision", "recall", "judge_tokens_per_episode",
+                                                                 "labelled_calls", "blocked")}}
+        if r.context_budget and r.compaction and "compaction" not in out:
+            out["compaction"] = {"stage": f"rl-{d}", "context_budget": r.context_budget, "seeds": [cfg.seed],
+                                 "gain_with": round(m["val_score_after"] - m["val_score_before"], 4),
+                                 "gain_without": None, "subtraces_per_episode": m.get("subtraces_per_episode")}
+    return out
+
+
 def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, extra: dict | None = None) -> dict:
     """Write report.json (and the `latest` copy), register the final model, close the parent run."""
     cfg = ctx.cfg()
@@ -98,6 +119,7 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
         report.update(json.loads((local["consolidation"] / "consolidation.json").read_text()))
     if "curate" in refs:
         report["environments"] = environment_counts(cfg, refs)
+    report.update(guard_and_compaction(cfg, refs))
     passed = report.get("gates", {}).get("passed", True)
     if "quantize" in refs:
         q = refs["quantize"]

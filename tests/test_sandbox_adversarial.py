@@ -69,7 +69,7 @@ def test_every_attack_is_blocked_and_nothing_outside_is_read(workspace, opened_p
     assert outputs == [BLOCKED_OUTPUT] * len(ATTACKS)
     assert legit == content  # the episode goes on: honest calls still work
     assert [(b["tool"], b["arg"]) for b in ws.blocked] == [(t, a.strip()) for t, a in ATTACKS]
-    assert {b["stage"] for b in ws.blocked} == {"rules", "judge"}  # both guard stages did work
+    assert {b["stage"] for b in ws.blocked} == {"rules", "path"}  # both checks of the first stage did work
     root = ws.root.resolve()
     outside = [p for p in seen if not Path(p).resolve().is_relative_to(root)]
     assert seen and not outside, f"opened outside the workspace: {outside}"

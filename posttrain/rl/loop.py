@@ -34,6 +34,9 @@ from posttrain.rl.step import train_step
 from posttrain.rl.workers import RolloutBuffer, Sample, WorkerPool
 from posttrain.rl.teachers import TeacherPool
 
+COUNTS = ("verifications", "accepted", "judge_tokens", "episodes")  # summed over a step's rollout requests
+
+
 @dataclass
 class Distill:
     """On-policy distillation in the same loop: the student samples prompts of the teachers' domains and
@@ -124,7 +127,7 @@ class Feed:
                  st: State, kw: dict):
         self.r, self.pool, self.distill, self.workers, self.seed, self.st = r, pool, distill, workers, seed, st
         self.kw = kw
-        self.speculative = {"verifications": 0, "accepted": 0}  # this step's MTP drafting (collect)
+        self.counts = dict.fromkeys(COUNTS, 0)  # this step's rollouts: MTP drafting, judge (collect)
         self.n_rl = r.prompts_per_step if pool else 0
         self.n_distill = distill.prompts_per_step if distill else 0
         self.rl_req, self.d_req = (math.ceil(n / r.rollout_workers) for n in (self.n_rl, self.n_distill))
@@ -162,7 +165,7 @@ class Feed:
         tokens of the rollouts that arrived meanwhile."""
         self.top_up()
         gen_s = gen_tok = 0.0
-        self.speculative = {"verifications": 0, "accepted": 0}
+        self.counts = dict.fromkeys(COUNTS, 0)
         while True:
             self.buffer.drop_stale(step)
             self.dbuffer.drop_stale(step)
@@ -171,8 +174,8 @@ class Feed:
             samples, info = self.inflight.popleft().result()
             self._add(samples)
             gen_s, gen_tok = gen_s + info["seconds"], gen_tok + info["tokens"]
-            for k in self.speculative:
-                self.speculative[k] += info.get(k, 0)
+            for k in self.counts:
+                self.counts[k] += info.get(k, 0)
             self.top_up()
         return (self.buffer.take(self.n_rl, step) if self.n_rl else [],
                 self.dbuffer.take(self.n_distill, step) if self.n_distill else [], gen_s, gen_tok)
@@ -208,10 +211,12 @@ def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Fe
            "gen_tokens_per_s": gen_tok / gen_s if gen_s else float("nan"),
            "train_tokens_per_s": float(batch_tokens(both)) / train_s,
            "wall_s": wall_s}  # validation not included
-    spec = feed.speculative
+    spec = feed.counts
     if spec["verifications"] or "mtp_acceptance_length" in hist:  # MTP drafts: tokens per model forward
         row["mtp_acceptance_length"] = (spec["accepted"] / spec["verifications"] if spec["verifications"]
                                         else float("nan"))
+    if feed.kw.get("judge"):  # the guard's model judge: its cost, in tokens read per episode rolled out
+        row["judge_tokens_per_episode"] = spec["judge_tokens"] / spec["episodes"] if spec["episodes"] else float("nan")
     if feed.r.context_budget and batch:  # compaction (or truncation) at the budget: what the episodes became
         episodes = sum(s.subtrace == 0 for s in batch)
         row["subtraces_per_episode"] = len(batch) / episodes
@@ -237,11 +242,12 @@ def update(r: RLConfig, eng: Engines, batch: list[Sample], dbatch: list[Sample],
 
 
 def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
-                 scratch: str | Path | None = None, distill: Distill | None = None
+                 scratch: str | Path | None = None, distill: Distill | None = None, judge: str = ""
                  ) -> tuple[torch.nn.Module, object, State]:
     """Train a policy from the `sft` checkpoint: RL on `pool` (may be empty), plus on-policy distillation
     when `distill` is given. `label` (the stage name in the pipeline) names it in the progress bar and in
-    POSTTRAIN_KILL_AT; `scratch` makes it resumable. Returns policy, tokenizer, final state."""
+    POSTTRAIN_KILL_AT; `scratch` makes it resumable; `judge`, a checkpoint, is the guard's model judge in the
+    rollouts (validation keeps the rules-only guard). Returns policy, tokenizer, final state."""
     seed_all(seed)
     eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool), rl=bool(pool))
     tok = eng.policy.tokenizer
@@ -267,7 +273,8 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=r.rollout_engine) \
         if distill else None
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, teachers=teachers, engine=r.rollout_engine)
-    feed = Feed(r, pool, distill, workers, seed, st, kw)
+    feed = Feed(r, pool, distill, workers, seed, st,
+                {**kw, "judge": (judge, tuple(r.judge.features)) if judge else None})
     active_alarms: set[str] = set()
     try:
         if not hist:

@@ -6,14 +6,13 @@ import torch
 
 from environments.base import Task
 from environments.episode import Episode
-from environments.sandbox import path_judge
 from posttrain.chat import chat_format
 from posttrain.engines import as_rollout_engine
 
 
 def run_episodes(engine, tok, tasks: list[Task], *, enable_thinking: bool = True, max_new_tokens: int = 48,
                  temperature: float = 0.0, max_turns: int = 3, generator: torch.Generator | None = None,
-                 batch_size: int = 64, judge=path_judge, context_budget: int = 0, compaction: bool = True
+                 batch_size: int = 64, judge=None, context_budget: int = 0, compaction: bool = True
                  ) -> list[Episode]:
     """Roll out each task through the environments' step API, batching the engine across episodes; with a
     `context_budget`, episodes compact (or, with `compaction` off, end) where their next turn would not fit.

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import environments
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
+from posttrain.judge import ModelJudge, measure
 from posttrain.rl import alarms
 from posttrain.rl.loop import train_policy
 from posttrain.train import summarize
@@ -27,12 +29,39 @@ def plot_curves(hist: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def checked_judge(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str) -> tuple[str, dict]:
+    """The guard's model judge for this specialist (rl.judge), measured on the environment's labelled calls
+    (judge.json); a judge below the floors stops the stage. ("", {}) without a judge: the rules-only guard."""
+    j = cfg.rl.for_domain(domain).judge
+    if not j.checkpoint:
+        return "", {}
+    env = environments.get(domain)
+    if not hasattr(env, "judge_cases"):
+        raise ValueError(f"rl.judge: environment {domain} has no labelled calls (judge_cases) to measure a judge on; "
+                         f"set rl.per_domain.{domain}.judge.checkpoint to \"\" for the rules-only guard")
+    path = inputs["sft"] if j.checkpoint == "sft" else j.checkpoint
+    judged = measure(ModelJudge(path, tuple(j.features), cfg.rl.rollout_engine),
+                     env.judge_cases("test", j.labelled_per_class, cfg.world.seed))
+    (out / "judge.json").write_text(json.dumps({"checkpoint": j.checkpoint, **judged}, indent=1))
+    print(f"[rl-{domain}] judge {j.checkpoint}: {judged}", flush=True)
+    if judged["precision"] < j.min_precision or judged["recall"] < j.min_recall:
+        raise RuntimeError(
+            f"rl-{domain}: the guard's judge ({j.checkpoint}: {path}) blocks with precision {judged['precision']} "
+            f"and recall {judged['recall']} on {judged['labelled_calls']} labelled calls (floors "
+            f"rl.judge.min_precision {j.min_precision}, min_recall {j.min_recall}): it would block honest calls or let "
+            f"hacks through. Train it "
+            f"(world.agentic_judge_share > 0 puts the judge's questions in the sft data), name another checkpoint, or "
+            f"leave rl.judge.checkpoint empty for the rules-only guard")
+    return path, judged
+
+
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scratch: str = "") -> dict:
     r = cfg.rl.for_domain(domain)
     pool = load_tasks(inputs["curate"], "rl", domain)
     val = load_tasks(inputs["curate"], "val", domain)
+    judge, judged = checked_judge(cfg, inputs, out, domain)
     policy, tok, st = train_policy(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}",
-                                 scratch=scratch)
+                                 scratch=scratch, judge=judge)
     save_checkpoint(policy, tok, out)
     hist = st.history
     # blocked hack attempts, with the call and the guard stage that caught it, for reviewers
@@ -46,6 +75,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
                "stale_dropped": st.dropped, "wall_s": st.wall_s, "steps_per_s": r.steps / st.wall_s,
                "student_tokens": hist["student_tokens"][-1],
                **{f"staleness_{k}_share": v / total for k, v in sorted(st.staleness.items())}}
+    if judge:
+        per_episode = [x for x in hist["judge_tokens_per_episode"] if x == x]
+        metrics |= {f"judge.{k}": v for k, v in judged.items() if isinstance(v, (int, float))}
+        metrics["judge.judge_tokens_per_episode"] = sum(per_episode) / max(1, len(per_episode))
+        metrics["judge.blocked"] = sum(a["stage"] == "judge" for a in st.attempts)
+    if r.context_budget:
+        metrics["subtraces_per_episode"] = sum(hist["subtraces_per_episode"]) / len(hist["subtraces_per_episode"])
+        metrics["truncated_share"] = sum(hist["truncated_share"]) / len(hist["truncated_share"])
     found = alarms.publish(st.alarms, out)  # reward-hacking alarms, tagged on the MLflow run
     return {"metrics": {**metrics, **found["metrics"]}, "tags": found["tags"], "history": hist,
             "params": {"domain": domain, "algorithm": r.algorithm, "max_staleness": r.max_staleness}}

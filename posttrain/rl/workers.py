@@ -63,6 +63,14 @@ class RolloutWorker:
     def ready(self) -> bool:
         return True
 
+    def _judge(self, spec: tuple | None):
+        if spec is None:
+            return None
+        if getattr(self, "judge", None) is None or (self.judge.checkpoint, self.judge.features) != spec:
+            from posttrain.judge import ModelJudge
+            self.judge = ModelJudge(spec[0], tuple(spec[1]))
+        return self.judge
+
     @property
     def version(self) -> int:
         return self.engine.version
@@ -71,17 +79,22 @@ class RolloutWorker:
         self.engine.update_weights(source, version)
 
     def rollout(self, tasks: list[Task], group_size: int, seed: int, distill: tuple[Task, ...] = (),
-                teacher_mode: str = "sampled", top_k: int = 16, **kw) -> tuple[list[Sample], dict]:
+                teacher_mode: str = "sampled", top_k: int = 16, judge: tuple | None = None,
+                **kw) -> tuple[list[Sample], dict]:
         """`group_size` samples of each task, then one of each `distill` task scored by its domain's teacher
-        (those come back with `teacher` set); the sampling stream is a pure function of `seed`."""
+        (those come back with `teacher` set); the sampling stream is a pure function of `seed`. `judge`:
+        (checkpoint, features) of the guard's model judge, loaded once per worker."""
         t0 = time.perf_counter()
         spec0 = dict(getattr(self.engine, "stats", {}))
         gen = torch.Generator().manual_seed(seed)
         todo = [t for t in tasks for _ in range(group_size)] + list(distill)
-        eps = run_episodes(self.engine, self.tok, todo, generator=gen, batch_size=len(todo), **kw)
+        j = self._judge(judge)
+        j0 = j.tokens if j else 0
+        eps = run_episodes(self.engine, self.tok, todo, generator=gen, batch_size=len(todo), judge=j, **kw)
         n_rl = len(tasks) * group_size
         out = samples_of(eps, group_size, n_rl, self.version)
         info = {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out),
+                "episodes": len(eps), "judge_tokens": (j.tokens - j0) if j else 0,
                 **{k: v - spec0.get(k, 0) for k, v in getattr(self.engine, "stats", {}).items()}}  # MTP drafts
         if distill:
             by_domain: dict[str, list[Sample]] = {}
