@@ -1,14 +1,14 @@
 """bench/compaction: critic PPO on agentic episodes longer than the context budget, with compaction against
 truncation (GLM-5.2's compaction-aware training).
 
-The task-world variant spreads each task's numbers over 3 files (world.agentic_files=3), one read per turn, so a
+The task-world variant spreads each task's numbers over 4 files (world.agentic_files=4), one read per turn, so a
 whole episode does not fit `--budget` tokens of context. The tiny profile's dense ramped model (bench/dsa's, seed
 0) is fine-tuned once on the variant (its training split holds resumed forms: notes of the files read so far, as
 a compaction writes them). Then, per RL seed, PPO from that sft model with the same budget twice: episodes that
 compact (every sub-trace trained) and episodes truncated at the budget (reward 0). Test score of the variant,
 greedy, before and after, each under the setting it trained with and under the other.
 
-    python -m bench.compaction [--seeds 0 1 2] [--steps 40] [--budget 108]
+    python -m bench.compaction [--seeds 0 1 2] [--steps 40] [--budget 120]
 
 Writes .posttrain/bench/compaction.json (and its curves plot); `posttrain` reads its summary into report.json.
 """
@@ -23,8 +23,8 @@ from statistics import mean, stdev
 
 OUT = Path(".posttrain/bench")
 WORK = OUT / "compaction-work"
-# three files of one number each (from -9 to 9); a lazy teacher on a fifth of the demonstrations: RL's headroom
-VARIANT = ["world.agentic_files=3", "world.agentic_numbers=1", "world.max_operand=9",
+# four files of one number each; a lazy teacher on a fifth of the demonstrations: RL's headroom
+VARIANT = ["world.agentic_files=4", "world.agentic_numbers=1",
            "sft.shortcut_share={reasoning: 0.4, agentic: 0.2, general: 0.6}"]
 SETTINGS = {"compaction": True, "truncation": False}
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=40, help="PPO steps per run")
     ap.add_argument("--sft-steps", type=int, default=1200)
-    ap.add_argument("--budget", type=int, default=108, help="rl.context_budget (tokens)")
+    ap.add_argument("--budget", type=int, default=120, help="rl.context_budget (tokens)")
     args = ap.parse_args(argv)
     import torch
 

@@ -74,7 +74,8 @@ def generate(split: str, n: int, seed: int, max_operand: int = 20, agentic_numbe
         return tasks
     rng = random.Random(f"{DOMAIN}:resumed:{seed}")
     if agentic_files > 1:
-        tasks = [resumed(t, rng.randint(1, agentic_files - 1)) if rng.random() < agentic_resumed_share else t
+        # up to every file read: a compaction can come after the last read too, leaving only the answer to give
+        tasks = [resumed(t, rng.randint(1, agentic_files)) if rng.random() < agentic_resumed_share else t
                  for t in tasks]
     if agentic_judge_share:  # the guard's questions, answered, for a judge trained with the model (sft)
         n_judge = round(n * agentic_judge_share)

@@ -3,6 +3,13 @@ model's own token ids, parses a tool call from them, runs it in the episode's sa
 the observation as token ids to append, exactly as the checkpoint's template renders a tool response
 (posttrain.chat). Nothing the model produced is ever re-tokenised.
 
+Thinking (GLM-5): every turn's think block stays in the context of the turns after it (preserved thinking: the
+context is the ids as generated, never re-rendered without them), and a turn-level switch decides per turn
+whether the model thinks: `thinking_turns` "all", "after_tools" (the first turn, a lightweight tool call, goes
+without; turns that read tool results think), or the task's own list (`task.meta["thinking_turns"]`, one flag per
+turn, the last repeating). A turn without thinking gets the template's thinking-off generation prompt, so every
+mode is token in, token out.
+
 Context compaction (GLM-5.2): with a `context_budget`, an episode whose next turn would not fit closes its
 current sub-trace and starts a new one from a fresh prompt, the task with a summary of the tool results so
 far (`compaction_note`). Every sub-trace keeps the exact ids and behaviour logprobs it was generated with, so
@@ -41,6 +48,7 @@ class Episode:
     task: Task
     tok: object
     enable_thinking: bool = True
+    thinking_turns: str = "all"   # with thinking on: "all" or "after_tools" (the task's meta may say per turn)
     max_turns: int = 3
     judge: Judge | None = None   # the guard's second stage (rules only without one)
     prompt_ids: list[int] = field(default_factory=list)
@@ -63,12 +71,23 @@ class Episode:
 
     def reset(self) -> list[int]:
         self.prompt_ids = render_ids(self.tok, self.task.messages(), add_generation_prompt=True,
-                                     enable_thinking=self.enable_thinking)
+                                     enable_thinking=self.thinks(0))
         env = environments.get(self.task.domain)
         if hasattr(env, "open_workspace"):  # environments with tools
             self._ws = env.open_workspace(self.task, self.judge)
             self._ws.context = {"prompt": self.task.prompt, "calls": self.calls}  # what a judge sees
         return self.prompt_ids
+
+    def thinks(self, turn: int) -> bool:
+        """Whether turn `turn` (0: the first) is generated with thinking on."""
+        if not self.enable_thinking:
+            return False
+        per_turn = self.task.meta.get("thinking_turns")
+        if per_turn:
+            return bool(per_turn[min(turn, len(per_turn) - 1)])
+        if self.thinking_turns not in ("all", "after_tools"):
+            raise ValueError(f"thinking_turns must be 'all' or 'after_tools' (got {self.thinking_turns!r})")
+        return self.thinking_turns == "all" or turn > 0
 
     @property
     def n_generated(self) -> int:
@@ -91,7 +110,7 @@ class Episode:
         self.closed.append(Trace(self.prompt_ids, self.ids[:keep], self.gen_mask[:keep], self.logprobs[:keep]))
         content = compacted_prompt(self.task.prompt, compaction_note(self.calls))
         self.prompt_ids = render_ids(self.tok, [{"role": "user", "content": content}], add_generation_prompt=True,
-                                     enable_thinking=self.enable_thinking)
+                                     enable_thinking=self.thinks(self.turns))
         self.ids, self.gen_mask, self.logprobs = [], [], []
         return self._fits()
 
@@ -109,7 +128,7 @@ class Episode:
         if call and self.turns < self.max_turns and stopped:
             output = self._ws.call(*call)
             self.calls.append((*call, output))
-            obs_ids = tool_response_ids(self.tok, output, enable_thinking=self.enable_thinking)
+            obs_ids = tool_response_ids(self.tok, output, enable_thinking=self.thinks(self.turns))
             self.ids += obs_ids
             self.gen_mask += [0] * len(obs_ids)
             self.logprobs += [0.0] * len(obs_ids)

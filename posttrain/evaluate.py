@@ -14,6 +14,7 @@ import torch
 
 import environments
 from environments import long_context
+from posttrain import report_html
 from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
@@ -31,15 +32,19 @@ def checkpoints(cfg: PipelineConfig) -> dict[str, str]:
             "generalist": "opd", "quantized": "quantize"}
 
 
-def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) -> dict[str, tuple[list, bool]]:
-    """suite name -> (test tasks, thinking on): each domain's whole test split; `eval.n_per_suite`
-    long-context tasks per length, sized to fit each length in the format."""
+def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) -> dict[str, tuple[list, bool | str]]:
+    """suite name -> (test tasks, thinking: on, off, or "after_tools" for turn-level thinking): each domain's whole
+    test split, and for chat checkpoints on domains with tools its turn-level run (no thinking before the first
+    tool call, thinking once tool results are in); `eval.n_per_suite` long-context tasks per length, sized to fit
+    each length in the format."""
     n = cfg.eval.n_per_suite
-    out = {}
+    out: dict[str, tuple[list, bool | str]] = {}
     for d in environments.names(cfg.world.environments):
         tasks = load_tasks(curate_dir, "test", d)
         out[d] = (tasks, True)
         out[f"{d}:nothink"] = (tasks, False)
+        if not completion and hasattr(environments.get(d), "open_workspace"):
+            out[f"{d}:turns"] = (tasks, "after_tools")
     if completion:
         return out | {f"long_context@{L}": (tasks, True) for L, tasks in eval_sets(cfg, tok).items()}
     for L in cfg.eval_lengths():
@@ -71,13 +76,14 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
         else:
             r = cfg.rl.for_domain(name.split(":")[0].split("@")[0])  # its specialist's turns and context budget
             kw = dict(max_new_tokens=cfg.eval.max_new_tokens, max_turns=r.max_turns, batch_size=bs,
-                      context_budget=r.context_budget, compaction=r.compaction)
-            eps = run_episodes(engine, tok, tasks, enable_thinking=thinking, temperature=0.0, **kw)
+                      context_budget=r.context_budget, compaction=r.compaction, enable_thinking=bool(thinking),
+                      thinking_turns="after_tools" if thinking == "after_tools" else "all")
+            eps = run_episodes(engine, tok, tasks, temperature=0.0, **kw)
             s, n_gen = score(eps), [e.n_generated for e in eps]
         scores[name] = round(sum(s) / len(s), 4)
         tokens[name] = round(sum(n_gen) / len(n_gen), 2)
         if samples and not completion and "@" not in name:
-            eps = run_episodes(engine, tok, tasks * samples, enable_thinking=thinking, temperature=cfg.eval.temperature,
+            eps = run_episodes(engine, tok, tasks * samples, temperature=cfg.eval.temperature,
                                generator=torch.Generator().manual_seed(cfg.seed), **kw)
             r = score(eps)
             passed = [sum(r[i + j * len(tasks)] >= 1.0 for j in range(samples)) for i in range(len(tasks))]
@@ -90,9 +96,10 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
 
 
 def table(scores: dict[str, dict[str, float]]) -> str:
-    suites_ = list(next(iter(scores.values())))
+    suites_ = report_html.columns(scores)
     head = "| checkpoint | " + " | ".join(suites_) + " |"
-    rows = [f"| {ck} | " + " | ".join(f"{s[x]:.2f}" for x in suites_) + " |" for ck, s in scores.items()]
+    rows = [f"| {ck} | " + " | ".join(f"{s[x]:.2f}" if x in s else "-" for x in suites_) + " |"
+            for ck, s in scores.items()]
     return "\n".join([head, "|" + "---|" * (len(suites_) + 1), *rows])
 
 
@@ -100,14 +107,15 @@ def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    cks, sts = list(scores), list(next(iter(scores.values())))
+    cks, sts = list(scores), report_html.columns(scores)
     fig, ax = plt.subplots(figsize=(1.1 * len(sts) + 2, 0.5 * len(cks) + 1.5))
-    im = ax.imshow([[scores[c][s] for s in sts] for c in cks], vmin=0, vmax=1, cmap="viridis")
+    im = ax.imshow([[scores[c].get(s, float("nan")) for s in sts] for c in cks], vmin=0, vmax=1, cmap="viridis")
     ax.set_xticks(range(len(sts)), sts, rotation=45, ha="right")
     ax.set_yticks(range(len(cks)), cks)
     for i, c in enumerate(cks):
         for j, s in enumerate(sts):
-            ax.text(j, i, f"{scores[c][s]:.2f}", ha="center", va="center", color="w", fontsize=8)
+            if s in scores[c]:
+                ax.text(j, i, f"{scores[c][s]:.2f}", ha="center", va="center", color="w", fontsize=8)
     fig.colorbar(im, ax=ax, label="test score")
     ax.set_title("score by checkpoint and suite")
     fig.tight_layout()
@@ -117,8 +125,6 @@ def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     from transformers import AutoTokenizer
-
-    from posttrain import report_html
     tok = AutoTokenizer.from_pretrained(inputs["sft"])
     chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
     result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {},

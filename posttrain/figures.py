@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from statistics import mean
 
+from posttrain import report_html
 from posttrain.artifacts import atomic_write_text
 
 # what the embedded default must show in the mean over seeds (issue 17): the bar each claim is held to
@@ -117,7 +118,7 @@ def claims(f: dict) -> list[dict]:
 def markdown(f: dict) -> str:
     n = len(f["seeds"])
     cks = list(f["eval"])
-    suites = list(f["eval"][cks[0]])
+    suites = report_html.columns(f["eval"])
     cell = (lambda v: f"{v['mean']:.3f}" if n == 1 else f"{v['mean']:.3f} ({v['min']:.2f}-{v['max']:.2f})")
     lines = [f"# figures: profile {f['profile']}, seeds {f['seeds']}", "",
              f"Machine: {f['machine']}. Runs: {', '.join(f['runs'])}. Test scores: mean over seeds "

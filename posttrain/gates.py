@@ -13,7 +13,8 @@ class GateFailure(RuntimeError):
 def suite_names(cfg: PipelineConfig) -> list[str]:
     import environments
     domains = environments.names(cfg.world.environments)
-    return [*domains, *(f"{d}:nothink" for d in domains), *(f"long_context@{L}" for L in cfg.eval_lengths())]
+    turns = [f"{d}:turns" for d in domains if hasattr(environments.get(d), "open_workspace")]  # turn-level thinking
+    return [*domains, *(f"{d}:nothink" for d in domains), *turns, *(f"long_context@{L}" for L in cfg.eval_lengths())]
 
 
 def validate_gates(cfg: PipelineConfig) -> None:

@@ -78,15 +78,23 @@ def save_plots(report: dict, folder: Path) -> None:
     plt.close(fig)
 
 
-def _cell(v: float) -> str:
+def columns(rows: dict[str, dict]) -> list[str]:
+    """Every suite any row has, in first-seen order (chat-only suites such as `agentic:turns` are absent from
+    the completion-scored checkpoints)."""
+    return list(dict.fromkeys(c for vs in rows.values() for c in vs))
+
+
+def _cell(v: float | None) -> str:
+    if v is None:
+        return "<td>-</td>"
     hue = int(120 * max(0.0, min(1.0, v)))  # red (0) to green (1)
     return f'<td style="background:hsl({hue},60%,85%)">{v:.2f}</td>'
 
 
 def _table(rows: dict[str, dict[str, float]]) -> str:
-    cols = list(next(iter(rows.values())))
+    cols = columns(rows)
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join(f"<tr><th>{html.escape(r)}</th>{''.join(_cell(vs[c]) for c in cols)}</tr>" for r, vs in rows.items())
+    body = "".join(f"<tr><th>{html.escape(r)}</th>{''.join(_cell(vs.get(c)) for c in cols)}</tr>" for r, vs in rows.items())
     return f"<table><tr><th>checkpoint</th>{head}</tr>{body}</table>"
 
 

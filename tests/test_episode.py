@@ -1,4 +1,5 @@
 """The step API: token in, token out, consistent with the chat template token for token."""
+import dataclasses
 import json
 
 import pytest
@@ -58,3 +59,40 @@ def test_export_test_split_as_jsonl(tmp_path):
     assert main(["export-env", "agentic", "--profile", "smoke", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == load_config("smoke").world.n_test and all(r["split"] == "test" for r in rows)
+
+
+def _play(ep, full: list[int], tok) -> list[int]:
+    """Act as the rendered demonstration does, turn by turn; returns the contexts each turn was generated from."""
+    end = tok.convert_tokens_to_ids("<|end|>")
+    contexts = [ep.reset()]
+    while not ep.done:
+        ctx = ep.prompt_ids + ep.ids
+        assert full[:len(ctx)] == ctx, "the episode's context left the template's rendering"
+        step = ep.step(full[len(ctx): full.index(end, len(ctx)) + 1])
+        if not step.done:
+            contexts.append(ep.prompt_ids + ep.ids)
+    return contexts
+
+
+def test_turn_level_thinking_is_token_in_token_out(tok):
+    """after_tools: the first turn (the tool call) gets the thinking-off generation prompt, the turn that reads the
+    tool result thinks; the task's own per-turn list overrides. Each equals the template's rendering of the same
+    conversation with those turns' thinking empty, and earlier turns' thinking stays in the context."""
+    task = environments.get("agentic").generate("test", 1, 0)[0]
+    lazy_first = [task.demo[0] | {"reasoning_content": ""}, *task.demo[1:]]
+    full = render_ids(tok, task.messages() + lazy_first)
+    ep = Episode(task, tok, thinking_turns="after_tools")
+    contexts = _play(ep, full, tok)
+    assert ep.reward == 1.0 and ep.prompt_ids + ep.ids == full
+    assert tok.decode(contexts[0]).endswith("<|assistant|><think></think>")  # off: supplied by the prompt
+    assert tok.decode(contexts[1]).endswith("<|assistant|>")                 # on: the model opens its think block
+    per_task = dataclasses.replace(task, meta={**task.meta, "thinking_turns": [True, False]})
+    lazy_last = [*task.demo[:-1], task.demo[-1] | {"reasoning_content": ""}]
+    full = render_ids(tok, task.messages() + lazy_last)
+    ep = Episode(per_task, tok)
+    contexts = _play(ep, full, tok)
+    assert ep.prompt_ids + ep.ids == full and tok.decode(contexts[1]).endswith("<think></think>")
+    first_think = tok("<think>" + task.demo[0]["reasoning_content"] + "</think>", add_special_tokens=False)["input_ids"]
+    assert any(contexts[1][i:i + len(first_think)] == first_think for i in range(len(contexts[1])))  # preserved
+    with pytest.raises(ValueError, match="thinking_turns"):
+        Episode(task, tok, thinking_turns="sometimes").reset()
