@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 from statistics import mean, stdev
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=40, help="PPO steps per run")
     ap.add_argument("--sft-steps", type=int, default=1200)
     ap.add_argument("--budget", type=int, default=120, help="rl.context_budget (tokens)")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(argv if argv is not None else [])  # `python -m bench` calls main() bare
     import torch
 
     from posttrain.data import load_tasks
@@ -168,4 +169,4 @@ def _plot(runs: dict, seeds: list[int], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,0 +1,105 @@
+"""bench/judge: the guard's model judge on the tiny world, measured on its labelled calls and in RL.
+
+The tiny profile's dense ramped model (bench/dsa's, seed 0) is fine-tuned with the judge's questions in the
+agentic sft data (world.agentic_judge_share), once. That sft model is then the judge: precision and recall of
+blocking on the 50 + 50 labelled test calls (environments.agentic.judge_cases), against an sft model trained
+without judge questions (bench/compaction's, when present). Then a short agentic PPO run with the judge in the
+guard gives its cost: judge tokens read per episode.
+
+    python -m bench.judge [--sft-steps 1000] [--rl-steps 10]
+
+Writes .posttrain/bench/judge.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+OUT = Path(".posttrain/bench")
+WORK = OUT / "judge-work"
+SHARE = 0.15
+
+
+def _cfg(extra: list[str]):
+    from posttrain.config import load_config
+    return load_config("tiny", [f"world.agentic_judge_share={SHARE}", *extra])
+
+
+def judge_data() -> Path:
+    """The tiny curated data with the agentic splits regenerated with judge questions in the training split."""
+    import environments
+    from bench.dsa import tiny_inputs
+    from posttrain.curate.stage import _write_splits
+    cur = WORK / "curate"
+    if not (cur / "done").exists():
+        src, _ = tiny_inputs(0)
+        shutil.rmtree(cur, ignore_errors=True)
+        shutil.copytree(src, cur)
+        cfg = _cfg([])
+        test = environments.get("agentic").generate("test", cfg.world.n_test, cfg.world.seed, **cfg.world.knobs())
+        _write_splits(cfg, {"agentic": test}, cur, [])
+        (cur / "done").touch()
+    return cur
+
+
+def sft_model(cur: Path, steps: int) -> Path:
+    from posttrain import sft
+    from posttrain.raysupport import ensure_ray
+    out = WORK / f"sft-{steps}"
+    if not (out / "done").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        cfg = _cfg([f"sft.steps={steps}"])
+        ensure_ray(cfg.runtime)
+        ramped = Path(".posttrain/bench/dsa-work/ramp-0-dense")
+        if not (ramped / "model.safetensors").exists():
+            raise SystemExit(f"{ramped} is missing: run `python -m bench.dsa evidence --seeds 0` first (its dense ramp)")
+        sft.run(cfg, {"ramp": str(ramped.resolve()), "curate": str(cur.resolve())}, out,
+                scratch=str((WORK / f"sft-{steps}-scratch").resolve()))
+        (out / "done").touch()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.judge", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sft-steps", type=int, default=1000)
+    ap.add_argument("--rl-steps", type=int, default=10)
+    args = ap.parse_args(argv if argv is not None else [])  # `python -m bench` calls main() bare
+    from environments import agentic
+    from posttrain.data import load_tasks
+    from posttrain.judge import ModelJudge, measure
+    from posttrain.rl.loop import train_policy
+    cur = judge_data()
+    sft = sft_model(cur, args.sft_steps)
+    cfg = _cfg([])
+    cases = agentic.judge_cases("test", cfg.rl.judge.labelled_per_class, cfg.world.seed)
+    fig: dict = {"judge_share": SHARE, "sft_steps": args.sft_steps, "machine": "cpu (2 cores)",
+                 "judge_examples_in_sft": sum("judge_case" in t.meta for t in load_tasks(cur, "sft", "agentic"))}
+    trained = measure(ModelJudge(str(sft.resolve())), cases)
+    print(f"trained judge: {trained}", flush=True)
+    fig.update({k: trained[k] for k in ("precision", "recall", "labelled_calls", "judge_tokens_per_call")},
+               accuracy_by_kind=trained["accuracy_by_kind"])
+    untrained = OUT / "compaction-work" / "sft-1200"
+    if (untrained / "model.safetensors").exists():
+        fig["without_judge_data"] = measure(ModelJudge(str(untrained.resolve())), cases)
+        print(f"sft without judge questions: {fig['without_judge_data']}", flush=True)
+    r = cfg.rl.for_domain("agentic").model_copy(update={"steps": args.rl_steps, "val_every": 0,
+                                                        "checkpoint_every": 0})
+    pool = load_tasks(cur, "rl", "agentic")
+    _, _, st = train_policy(r, str(sft.resolve()), pool, load_tasks(cur, "val", "agentic")[:16], seed=0,
+                            label="ppo-judge", judge=str(sft.resolve()))
+    per_step = st.history["judge_tokens_per_episode"]
+    fig["judge_tokens_per_episode"] = round(sum(per_step) / len(per_step), 3)
+    fig["judge_tokens_per_episode_per_step"] = [round(x, 3) for x in per_step]
+    fig["rl_steps"], fig["rl_episodes_per_step"] = args.rl_steps, r.prompts_per_step * r.group_size
+    fig["blocked_by_judge"] = sum(a["stage"] == "judge" for a in st.attempts)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "judge.json").write_text(json.dumps(fig, indent=1))
+    print(json.dumps(fig, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
