@@ -10,7 +10,7 @@ greedy, before and after, each under the setting it trained with and under the o
 
     python -m bench.compaction [--seeds 0 1 2] [--steps 40] [--budget 120]
 
-Writes .posttrain/bench/compaction.json (and its curves plot); `posttrain` reads its summary into report.json.
+Writes .posttrain/bench/compaction.json (same keys as report.json's `compaction`, over seeds) and its curves plot.
 """
 from __future__ import annotations
 
@@ -72,9 +72,16 @@ def sft_model(cur: Path, steps: int) -> Path:
 
 
 def test_scores(model, tok, tasks, r) -> dict[str, float]:
-    """Greedy test score under the budget, compacting and truncating, and with no budget."""
+    """Greedy test score under the budget, compacting and truncating, and with no budget; and the policy's own
+    (sampled, temperature 1) score with compaction, mean of 4 samples per task: RL sharpens what it samples
+    first, so this is where a short run shows, even where the greedy answer was already the likeliest."""
+    import torch
+
     from posttrain.rl.rollout import run_episodes
-    out = {}
+    g = torch.Generator().manual_seed(1234)
+    eps = run_episodes(model, tok, tasks * 4, temperature=1.0, max_new_tokens=r.max_new_tokens,
+                       max_turns=r.max_turns, context_budget=r.context_budget, compaction=True, generator=g)
+    out = {"compaction_sampled": round(sum(e.reward for e in eps) / len(eps), 4)}
     for name, kw in {**{k: {"context_budget": r.context_budget, "compaction": v} for k, v in SETTINGS.items()},
                      "no_budget": {"context_budget": 0}}.items():
         eps = run_episodes(model, tok, tasks, temperature=0.0, max_new_tokens=r.max_new_tokens, max_turns=r.max_turns,
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, dict[int, dict]] = {s: {} for s in SETTINGS}
     for seed in args.seeds:
         for setting, compaction in SETTINGS.items():
-            path = WORK / f"ppo-{setting}-{seed}-{args.steps}-{args.budget}.json"
+            path = WORK / f"ppo-{setting}-{seed}-{args.steps}-{args.budget}-sft{args.sft_steps}.json"
             if path.exists():
                 runs[setting][seed] = json.loads(path.read_text())
                 continue
@@ -138,6 +145,10 @@ def main(argv: list[str] | None = None) -> None:
         fig[f"gain_{'with' if setting == 'compaction' else 'without'}_std"] = round(stdev(gains), 4) \
             if len(gains) > 1 else None
         fig[f"{setting}_runs"] = {s: runs[setting][s]["after"] for s in args.seeds}
+    sampled = [runs["compaction"][s]["after"]["compaction_sampled"] - before["compaction_sampled"] for s in args.seeds]
+    fig["gain_with_sampled_per_seed"] = [round(g, 4) for g in sampled]
+    fig["gain_with_sampled"] = round(mean(sampled), 4)
+    fig["gain_with_sampled_std"] = round(stdev(sampled), 4) if len(sampled) > 1 else None
     fig["subtraces_per_episode"] = round(mean(x for s in args.seeds
                                               for x in runs["compaction"][s]["subtraces_per_episode"]), 3)
     fig["truncated_share_without"] = round(mean(x for s in args.seeds
