@@ -67,6 +67,7 @@ class Episode:
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (tool, argument, output) so far
     closed: list[Trace] = field(default_factory=list)  # sub-traces ended by compaction
     truncated: bool = False
+    stopped_turns: int = 0     # turns that ended on a stop id (none in a whole batch: a stop-token mismatch)
     _ws: Workspace | None = None
 
     def reset(self) -> list[int]:
@@ -123,6 +124,7 @@ class Episode:
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(action_ids)
         self.turns += 1
         stopped = bool(action_ids) and action_ids[-1] in stops
+        self.stopped_turns += stopped
         self.last_turn = self.tok.decode(action_ids[:-1] if stopped else action_ids, skip_special_tokens=False)
         call = parse_tool_call(self.last_turn) if self._ws else None
         if call and self.turns < self.max_turns and stopped:

@@ -270,6 +270,9 @@ class RLConfig(_Strict):
     # compacts (a new sub-trace from the task and a summary of its tool results) or, with compaction off, ends
     context_budget: AtLeast0 = 0
     compaction: bool = True
+    # a rollout batch in which no turn ends on a stop id stops the stage (a checkpoint that never emits the ids its
+    # template ends a turn with); off only for untrained models (the smoke profile, unit tests)
+    stop_check: bool = True
     clip_eps: Positive = 0.2             # PPO ratio clip (ratio = current / behaviour policy)
     is_lower: NonNegative = 0.5          # double-sided importance sampling: a token whose ratio leaves
     is_upper: float = 2.0                # [is_lower, is_upper] is masked from the loss

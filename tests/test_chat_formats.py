@@ -119,3 +119,36 @@ def test_report_names_each_checkpoints_chat_format(family_tok):
     family, tok = family_tok
     summary = chat_format(tok).summary()
     assert json.loads(json.dumps(summary)) == summary and set(summary) == {"template", "thinking", "tool_format"}
+
+
+class _Babbler:
+    """A rollout engine that never ends a turn (or, with `stop_on`, ends the prompts of that index on a stop id)."""
+    version = 0
+
+    def __init__(self, tok, stop_on: int | None = None):
+        self.tokenizer, self.stop_on = tok, stop_on
+
+    def generate(self, prompts, *, max_new_tokens, temperature, stop_ids, generator=None):
+        from posttrain.engines.base import Generation
+        word = self.tokenizer.convert_tokens_to_ids("a")
+        return [Generation([word] * (max_new_tokens - 1) + [min(stop_ids)], [0.0] * max_new_tokens, "stop")
+                if i == self.stop_on else Generation([word] * max_new_tokens, [0.0] * max_new_tokens, "length")
+                for i in range(len(prompts))]
+
+
+def test_rollouts_stop_on_a_stop_token_mismatch(monkeypatch, tok):
+    """A batch where no episode ever ends a turn on a stop id stops the rollout, naming the template and its stop
+    ids; one episode that stops is enough to go on; the check is off unless asked for."""
+    import posttrain.rl.workers as workers
+    tasks = environments.get("reasoning").generate("train", 2, 0)
+    for stop_on, fails in ((None, True), (1, False)):
+        monkeypatch.setattr(workers, "rollout_engine", lambda name, ckpt: _Babbler(tok, stop_on))
+        worker = workers.RolloutWorker("unused")
+        if fails:
+            with pytest.raises(ChatFormatError, match=r"none of 4 episodes ended a turn on a stop id within 6 new "
+                                                      r"tokens \(template posttrain, stop ids \d+ '<\|end\|>'"):
+                worker.rollout(tasks, 2, seed=0, max_new_tokens=6, stop_check=True)
+            assert worker.rollout(tasks, 2, seed=0, max_new_tokens=6)[1]["episodes"] == 4  # unchecked
+        else:
+            samples, _ = worker.rollout(tasks, 2, seed=0, max_new_tokens=6, stop_check=True)
+            assert len(samples) == 4

@@ -150,7 +150,7 @@ def test_the_loop_records_how_episodes_were_split(tok, tmp_path):
                                             max_position_embeddings=256), tok), tok, tmp_path)
     tasks = _tasks("test", 8)
     r = RLConfig(algorithm="ppo", group_size=1, steps=2, prompts_per_step=4, max_new_tokens=8, max_turns=6,
-                 val_every=0, context_budget=48, max_staleness=0)
+                 val_every=0, context_budget=48, max_staleness=0, stop_check=False)  # untrained weights never stop
     _, _, st = train_policy(r, str(tmp_path), tasks, tasks[:2], seed=0)
     h = st.history
     for key in ("subtraces_per_episode", "subtrace_tokens", "subtrace_tokens_max", "truncated_share"):

@@ -162,7 +162,7 @@ def test_micro_batches_accumulate_to_the_full_batch_update(ckpt, tok, algorithm)
 def test_staleness_bound_k_is_what_the_trainer_sees(ckpt, k):
     tasks = environments.get("reasoning").generate("train", 32, 0)
     r = RLConfig(steps=3, prompts_per_step=2, group_size=2, max_new_tokens=8, max_staleness=k, val_every=0,
-                 lr=1e-3)
+                 lr=1e-3, stop_check=False)  # untrained weights never stop
     _, _, st = train_policy(r, ckpt, tasks, tasks[:4], seed=0)
     assert sum(st.staleness.values()) == 3 * 2 * 2 and st.dropped == 0
     assert set(st.staleness) == ({0} if k == 0 else {0, 1})  # k=1: generation ran one version ahead
@@ -177,7 +177,8 @@ def test_validation_every_n_student_tokens(ckpt):
     """`val_every_tokens`: validation at the first step past each multiple of n generated tokens, so methods
     whose steps differ in size are compared at the same token budgets."""
     tasks = environments.get("reasoning").generate("train", 32, 0)
-    r = RLConfig(steps=4, prompts_per_step=2, group_size=2, max_new_tokens=8, val_every=0, val_every_tokens=10)
+    r = RLConfig(steps=4, prompts_per_step=2, group_size=2, max_new_tokens=8, val_every=0, val_every_tokens=10,
+                 stop_check=False)  # untrained weights never stop
     _, _, st = train_policy(r, ckpt, tasks, tasks[:2], seed=0)
     tokens = st.history["student_tokens"]
     crossed = {i + 1 for i, t in enumerate(tokens) if t // 10 > (tokens[i - 1] if i else 0) // 10}
@@ -187,7 +188,7 @@ def test_validation_every_n_student_tokens(ckpt):
 def test_ppo_trains_a_critic_on_single_rollouts(ckpt):
     tasks = environments.get("agentic").generate("train", 16, 0)
     r = RLConfig(algorithm="ppo", group_size=1, steps=2, prompts_per_step=4, max_new_tokens=8, max_turns=2,
-                 val_every=0, kl_coef=0.1)
+                 val_every=0, kl_coef=0.1, stop_check=False)  # untrained weights never stop
     _, _, st = train_policy(r, ckpt, tasks, tasks[:2], seed=0)
     assert len(st.history["value_loss"]) == 2 and len(st.history["kl_ref"]) == 2
 

@@ -274,7 +274,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
         if distill else None
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, teachers=teachers, engine=r.rollout_engine)
     feed = Feed(r, pool, distill, workers, seed, st,
-                {**kw, "judge": (judge, tuple(r.judge.features)) if judge else None})
+                {**kw, "judge": (judge, tuple(r.judge.features)) if judge else None, "stop_check": r.stop_check})
     active_alarms: set[str] = set()
     try:
         if not hist:

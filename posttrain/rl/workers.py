@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from environments.base import Task
+from posttrain.chat import ChatFormatError, chat_format
 from posttrain.engines import RolloutEngine, rollout_engine
 from posttrain.engines.base import WeightSource
 from posttrain.rl.rollout import run_episodes
@@ -53,6 +54,20 @@ def samples_of(episodes: list, group_size: int, n_rl: int, version: int) -> list
             for i, e in enumerate(episodes) for j, t in enumerate(e.traces())]
 
 
+def check_stops(episodes: list, tok, max_new_tokens: int) -> None:
+    """A batch in which no turn of any episode ended on a stop id means the checkpoint never emits one of the ids
+    the chat layer stops on (a template or generation_config mismatch): every reward would be judged on text cut
+    at the budget, so the stage stops instead of training on it."""
+    if episodes and not any(e.stopped_turns for e in episodes):
+        fmt = chat_format(tok)
+        stops = ", ".join(f"{i} {tok.convert_ids_to_tokens(i)!r}" for i in fmt.stop_ids)
+        raise ChatFormatError(
+            f"rollouts: none of {len(episodes)} episodes ended a turn on a stop id within {max_new_tokens} new "
+            f"tokens (template {fmt.template}, stop ids {stops}): the checkpoint does not emit the ids its chat "
+            f"template ends a turn with, or rl.max_new_tokens is too small for it. Set eos_token_id in the "
+            f"checkpoint's generation_config.json, or rl.stop_check: false for an untrained model")
+
+
 class RolloutWorker:
     def __init__(self, checkpoint: str, threads: int = 1, teachers=None, engine: str = "torch"):
         torch.set_num_threads(threads)
@@ -80,10 +95,11 @@ class RolloutWorker:
 
     def rollout(self, tasks: list[Task], group_size: int, seed: int, distill: tuple[Task, ...] = (),
                 teacher_mode: str = "sampled", top_k: int = 16, judge: tuple | None = None,
-                **kw) -> tuple[list[Sample], dict]:
+                stop_check: bool = False, **kw) -> tuple[list[Sample], dict]:
         """`group_size` samples of each task, then one of each `distill` task scored by its domain's teacher
         (those come back with `teacher` set); the sampling stream is a pure function of `seed`. `judge`:
-        (checkpoint, features) of the guard's model judge, loaded once per worker."""
+        (checkpoint, features) of the guard's model judge, loaded once per worker; `stop_check`: a batch that
+        never stops is an error (check_stops)."""
         t0 = time.perf_counter()
         spec0 = dict(getattr(self.engine, "stats", {}))
         gen = torch.Generator().manual_seed(seed)
@@ -91,6 +107,8 @@ class RolloutWorker:
         j = self._judge(judge)
         j0 = j.tokens if j else 0
         eps = run_episodes(self.engine, self.tok, todo, generator=gen, batch_size=len(todo), judge=j, **kw)
+        if stop_check:
+            check_stops(eps, self.tok, kw.get("max_new_tokens", 48))
         n_rl = len(tasks) * group_size
         out = samples_of(eps, group_size, n_rl, self.version)
         info = {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out),
