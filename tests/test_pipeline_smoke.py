@@ -154,23 +154,27 @@ def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
     assert not list((tmp_path / "artifacts" / "curate").glob("[!.]*"))  # nothing published
 
 
-def _sft_history(home: Path) -> list[float]:
-    (folder,) = [p for p in (home / "artifacts" / "sft").iterdir() if not p.name.startswith(".")]
-    return json.loads((folder / "history.json").read_text())["loss"]
+def _published(home: Path, stage: str) -> set[str]:
+    return {p.name for p in (home / "artifacts" / stage).iterdir() if not p.name.startswith(".")}
 
 
-def test_sft_resumes_exactly_after_sigkill(first, tmp_path):
-    """SIGKILL the Ray Train worker right after its step-2 checkpoint; the rerun continues from there and
-    its loss curve is the uninterrupted run's, step for step."""
-    home, _ = first
-    args = ("run", "--profile", "smoke", "--set", "sft.checkpoint_every=1")
-    p = posttrain(tmp_path, *args, check=False, env={"POSTTRAIN_SFT_KILL_AT_STEP": "2"})
+def test_sft_resumes_exactly_after_sigkill(first):
+    """SIGKILL the Ray Train worker right after its step-2 checkpoint: nothing is published; the rerun
+    continues from there and its loss curve is the uninterrupted run's, step for step."""
+    home, report = first
+    args = ("rerun", "sft", "--from", report["run_id"], "--set", "sft.checkpoint_every=1")
+    published = _published(home, "sft")
+    p = posttrain(home, *args, check=False, env={"POSTTRAIN_SFT_KILL_AT_STEP": "2"})
     assert p.returncode == 1 and "stage sft failed" in p.stderr
-    assert not [q for q in (tmp_path / "artifacts" / "sft").iterdir() if not q.name.startswith(".")]
-    p = posttrain(tmp_path, *args)
+    assert _published(home, "sft") == published
+    p = posttrain(home, *args)
     assert "resuming at step 2 of 4" in p.stdout + p.stderr
-    assert _sft_history(tmp_path) == _sft_history(home)
-    assert not (tmp_path / "scratch" / "sft").exists() or not any((tmp_path / "scratch" / "sft").iterdir())
+    resumed = Path(json.loads((home / "latest" / "report.json").read_text())["stages"]["sft"]["artifact"])
+    original = Path(report["stages"]["sft"]["artifact"])
+    assert resumed != original
+    history = [json.loads((d / "history.json").read_text())["loss"] for d in (resumed, original)]
+    assert history[0] == history[1] and len(history[0]) == 4
+    assert not (home / "scratch" / "sft").exists() or not any((home / "scratch" / "sft").iterdir())
 
 
 def _kill_then_resume(first, stage: str, *sets: str) -> tuple[dict, dict]:
