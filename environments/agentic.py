@@ -14,7 +14,8 @@ import json
 import random
 import re
 
-from environments.base import SPLITS, Task, collect, compacted_prompt, compaction_note, split_of, verify_number
+from environments.base import (SPLITS, SUMMARY_REQUEST, Task, collect, compacted_prompt, compaction_note, split_of,
+                               verify_number)
 from environments.guard import judge_prompt, suspicion
 from environments.sandbox import rule_check
 from environments.sandbox import Judge, Workspace
@@ -67,8 +68,24 @@ def resumed(task: Task, n_read: int) -> Task:
                 meta={**task.meta, "resumed_from": task.id, "prompt": task.prompt, "sft_only": True})
 
 
+def summarized(task: Task, n_read: int, resumed_at: int = 0) -> Task:
+    """The task up to `n_read` reads (resumed as after a compaction at `resumed_at` reads, or from the start), then
+    the compaction's summary request answered with the rule-based note of all `n_read`: what the policy writes
+    where it summarizes its own context (rl.compaction_summary: policy). Rendered with earlier turns' thinking
+    kept (`preserve_thinking`), as an episode's context has it: a template may drop it before a later user turn."""
+    names = list(task.meta["files"])
+    note = compaction_note([("read", f, task.meta["files"][f]) for f in names[:n_read]])
+    start = resumed(task, resumed_at) if resumed_at else task
+    demo = [*task.demo[2 * resumed_at:2 * n_read], {"role": "user", "content": SUMMARY_REQUEST},
+            {"role": "assistant", "reasoning_content": "", "content": note}]
+    return Task(id=f"{task.id}-s{resumed_at}-{n_read}", domain=task.domain, split=task.split, prompt=start.prompt,
+                answer=note, demo=demo, meta={**task.meta, "summarized_from": task.id, "sft_only": True,
+                                              "preserve_thinking": True})  # as an episode's context keeps it
+
+
 def generate(split: str, n: int, seed: int, max_operand: int = 20, agentic_numbers: int = 3, agentic_files: int = 1,
-             agentic_resumed_share: float = 0.5, agentic_judge_share: float = 0.0, **_) -> list[Task]:
+             agentic_resumed_share: float = 0.5, agentic_judge_share: float = 0.0, agentic_summary_share: float = 0.0,
+             **_) -> list[Task]:
     tasks = collect(DOMAIN, split, n, seed, _make(max_operand, agentic_numbers, agentic_files))
     if split != "train":  # training only: evaluation episodes start from the task
         return tasks
@@ -77,6 +94,13 @@ def generate(split: str, n: int, seed: int, max_operand: int = 20, agentic_numbe
         # up to every file read: a compaction can come after the last read too, leaving only the answer to give
         tasks = [resumed(t, rng.randint(1, agentic_files)) if rng.random() < agentic_resumed_share else t
                  for t in tasks]
+        if agentic_summary_share:  # its own stream: worlds without summaries stay as they were
+            srng = random.Random(f"{DOMAIN}:summary:{seed}")
+            def pick(t: Task) -> Task:
+                n_read = srng.randint(1, agentic_files)
+                return summarized(t, n_read, srng.randint(0, n_read - 1))
+            tasks = [pick(t) if "resumed_from" not in t.meta and srng.random() < agentic_summary_share else t
+                     for t in tasks]
     if agentic_judge_share:  # the guard's questions, answered, for a judge trained with the model (sft)
         n_judge = round(n * agentic_judge_share)
         cases = judge_cases(split, n_judge // 2 + 1, seed)

@@ -79,6 +79,10 @@ def compaction_note(calls: list[tuple[str, str, str]]) -> str:
     return "Notes: " + " ".join(f"{arg or tool}: {out.strip()}." for tool, arg, out in calls)
 
 
+# what an episode asks the policy for when it writes its own summary at a compaction (rl.compaction_summary: policy)
+SUMMARY_REQUEST = "The context is nearly full. Write notes on what the tools returned so far."
+
+
 def compacted_prompt(prompt: str, note: str) -> str:
     return f"{prompt}\n{note}"
 

@@ -12,15 +12,17 @@ mode is token in, token out.
 
 Context compaction (GLM-5.2): with a `context_budget`, an episode whose next turn would not fit closes its
 current sub-trace and starts a new one from a fresh prompt, the task with a summary of the tool results so
-far (`compaction_note`). Every sub-trace keeps the exact ids and behaviour logprobs it was generated with, so
-each is a trainable trajectory; the episode's reward is every sub-trace's. Without compaction the episode is
-truncated there (reward 0)."""
+far: the rule-based note (`compaction_note`), or with `summary="policy"` notes the policy writes itself when
+asked (SUMMARY_REQUEST after the last tool response; those tokens close the sub-trace and are trained with it).
+Every sub-trace keeps the exact ids and behaviour logprobs it was generated with, so each is a trainable
+trajectory; the episode's reward is every sub-trace's. Without compaction the episode is truncated there
+(reward 0)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import environments
-from environments.base import Task, compacted_prompt, compaction_note
+from environments.base import SUMMARY_REQUEST, Task, compacted_prompt, compaction_note, final_answer
 from environments.agentic import parse_tool_call
 from environments.sandbox import Judge, Workspace
 from posttrain.chat import chat_format, render_ids, tool_response_ids
@@ -63,12 +65,19 @@ class Episode:
     blocked: list[dict] = field(default_factory=list)
     context_budget: int = 0    # tokens of context a turn may see, its own generation included (0: no limit)
     compaction: bool = True    # at the budget: compact (a new sub-trace) or truncate (the episode ends, reward 0)
+    summary: str = "rules"     # what a compaction carries over: "rules" (compaction_note) or "policy" (its own notes)
     max_new_tokens: int = 48   # a turn's generation budget, counted against context_budget
     calls: list[tuple[str, str, str]] = field(default_factory=list)  # (tool, argument, output) so far
     closed: list[Trace] = field(default_factory=list)  # sub-traces ended by compaction
     truncated: bool = False
+    summaries: list[str] = field(default_factory=list)  # the policy's notes, one per compaction (summary="policy")
+    summarizing: bool = False  # the next generation is the policy's summary
     stopped_turns: int = 0     # turns that ended on a stop id (none in a whole batch: a stop-token mismatch)
     _ws: Workspace | None = None
+
+    def __post_init__(self) -> None:
+        if self.summary not in ("rules", "policy"):
+            raise ValueError(f"summary must be 'rules' or 'policy' (got {self.summary!r})")
 
     def reset(self) -> list[int]:
         self.prompt_ids = render_ids(self.tok, self.task.messages(), add_generation_prompt=True,
@@ -100,45 +109,84 @@ class Episode:
         last = Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs)
         return [*self.closed, last] if any(last.gen_mask) or not self.closed else list(self.closed)
 
-    def _fits(self) -> bool:
-        return not self.context_budget or \
-            len(self.prompt_ids) + len(self.ids) + self.max_new_tokens <= self.context_budget
+    def _fits(self, obs: int = 0) -> bool:
+        """Whether the next turn fits the budget. Where the policy writes the summary, continuing after an
+        observation of `obs` tokens also keeps room for a summary after the next one: another observation of that
+        size, the request and the summary itself."""
+        need = self.max_new_tokens
+        if obs and self.compaction and self.summary == "policy":
+            need += obs + self._request_len() + self.max_new_tokens
+        return not self.context_budget or len(self.prompt_ids) + len(self.ids) + need <= self.context_budget
 
-    def _compact(self, n_obs: int) -> bool:
-        """Close the sub-trace (without the observation just appended: the note carries it) and start the
-        next from the task and the note. False when even that does not fit the budget."""
-        keep = len(self.ids) - n_obs
-        self.closed.append(Trace(self.prompt_ids, self.ids[:keep], self.gen_mask[:keep], self.logprobs[:keep]))
-        content = compacted_prompt(self.task.prompt, compaction_note(self.calls))
+    def _request_len(self) -> int:
+        plain = tool_response_ids(self.tok, "0", enable_thinking=self.thinks(self.turns))
+        return len(tool_response_ids(self.tok, "0", enable_thinking=self.thinks(self.turns),
+                                     then_user=SUMMARY_REQUEST)) - len(plain)
+
+    def _append(self, ids: list[int], logprobs: list[float] | None = None, generated: bool = False) -> None:
+        self.ids += ids
+        self.gen_mask += [int(generated)] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    def _restart(self, note: str) -> bool:
+        """The next sub-trace: a fresh prompt, the task and `note`. False when even that does not fit the budget."""
+        content = compacted_prompt(self.task.prompt, note)
         self.prompt_ids = render_ids(self.tok, [{"role": "user", "content": content}], add_generation_prompt=True,
                                      enable_thinking=self.thinks(self.turns))
         self.ids, self.gen_mask, self.logprobs = [], [], []
         return self._fits()
 
+    def _compact(self, n_obs: int) -> bool:
+        """Close the sub-trace (without the observation just appended: the note carries it) and start the
+        next from the task and the rule-based note."""
+        keep = len(self.ids) - n_obs
+        self.closed.append(Trace(self.prompt_ids, self.ids[:keep], self.gen_mask[:keep], self.logprobs[:keep]))
+        return self._restart(compaction_note(self.calls))
+
+    def _ask_for_summary(self, n_obs: int, output: str) -> Step:
+        """Replace the observation just appended by the same tool response followed by the summary request; the
+        policy's next generation is its notes (step)."""
+        del self.ids[-n_obs:], self.gen_mask[-n_obs:], self.logprobs[-n_obs:]
+        obs_ids = tool_response_ids(self.tok, output, enable_thinking=self.thinks(self.turns),
+                                    then_user=SUMMARY_REQUEST)
+        self._append(obs_ids)
+        if len(self.prompt_ids) + len(self.ids) + self.max_new_tokens > self.context_budget:
+            return self._truncate("the summary request")
+        self.summarizing = True
+        return Step(obs_ids, False)
+
+    def _truncate(self, what: str) -> Step:
+        self.truncated = True
+        return self._end(0.0, f"truncated: {what} does not fit the context budget of {self.context_budget} tokens")
+
     def step(self, action_ids: list[int], logprobs: list[float] | None = None) -> Step:
         if self.done:
             raise RuntimeError(f"episode {self.task.id} is over")
         stops = chat_format(self.tok).stop_ids
-        self.ids += action_ids
-        self.gen_mask += [1] * len(action_ids)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(action_ids)
-        self.turns += 1
+        self._append(action_ids, logprobs, generated=True)
         stopped = bool(action_ids) and action_ids[-1] in stops
         self.stopped_turns += stopped
-        self.last_turn = self.tok.decode(action_ids[:-1] if stopped else action_ids, skip_special_tokens=False)
+        text = self.tok.decode(action_ids[:-1] if stopped else action_ids, skip_special_tokens=False)
+        if self.summarizing:  # the policy's notes close this sub-trace, trained with it, and open the next
+            self.summarizing = False
+            self.summaries.append(final_answer(text))
+            self.closed.append(Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs))
+            return Step([], False) if self._restart(self.summaries[-1]) else self._truncate("the next turn")
+        self.turns += 1
+        self.last_turn = text
         call = parse_tool_call(self.last_turn) if self._ws else None
         if call and self.turns < self.max_turns and stopped:
             output = self._ws.call(*call)
             self.calls.append((*call, output))
             obs_ids = tool_response_ids(self.tok, output, enable_thinking=self.thinks(self.turns))
-            self.ids += obs_ids
-            self.gen_mask += [0] * len(obs_ids)
-            self.logprobs += [0.0] * len(obs_ids)
-            if self._fits() or self.compaction and self._compact(len(obs_ids)):
+            self._append(obs_ids)
+            if self._fits(len(obs_ids)):
                 return Step(obs_ids, False)
-            self.truncated = True
-            return self._end(0.0, f"truncated: the next turn does not fit the context budget of "
-                                  f"{self.context_budget} tokens")
+            if self.compaction and self.summary == "policy":
+                return self._ask_for_summary(len(obs_ids), output)
+            if self.compaction and self._compact(len(obs_ids)):
+                return Step(obs_ids, False)
+            return self._truncate("the next turn")
         return self._end(*environments.get(self.task.domain).verify(self.task, self.last_turn))
 
     def _end(self, reward: float, reason: str) -> Step:

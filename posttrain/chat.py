@@ -228,10 +228,10 @@ def render_with_mask(tok, messages: list[dict], *, enable_thinking: bool = True,
     return ids, mask
 
 
-def tool_response_ids(tok, content: str, *, enable_thinking: bool = True) -> list[int]:
+def tool_response_ids(tok, content: str, *, enable_thinking: bool = True, then_user: str | None = None) -> list[int]:
     """The ids that follow an assistant's tool-call turn (after its end-of-turn token): the tool's response as
-    the template renders it, then the next generation prompt. Token in, token out: a rollout appends exactly
-    these to the model's own ids."""
+    the template renders it (and a user message after it, `then_user`), then the next generation prompt. Token
+    in, token out: a rollout appends exactly these to the model's own ids."""
     fmt = chat_format(tok)
     call = [{"role": "user", "content": "Hi."},
             {"role": "assistant", "content": "", "reasoning_content": "x",
@@ -244,7 +244,8 @@ def tool_response_ids(tok, content: str, *, enable_thinking: bool = True) -> lis
         cut = max(b for i, (_, b) in zip(enc["input_ids"], enc["offset_mapping"]) if i in fmt.stop_ids)
         tok.__dict__[memo] = before[:cut]
     prefix = tok.__dict__[memo]
-    after = render_text(tok, call + [{"role": "tool", "content": content}], add_generation_prompt=True, **kw)
+    user = [{"role": "user", "content": then_user}] if then_user is not None else []
+    after = render_text(tok, call + [{"role": "tool", "content": content}, *user], add_generation_prompt=True, **kw)
     if not after.startswith(prefix):
         raise ChatFormatError(f"{fmt.template}: the template renders an assistant tool call differently once a "
                               f"tool response follows it; token in, token out cannot hold")

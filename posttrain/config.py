@@ -47,6 +47,9 @@ class WorldConfig(_Strict):
     # this share of the agentic training split replaced by the guard judge's labelled questions, so the sft model
     # can serve as the judge (rl.judge.checkpoint: sft); 0: none
     agentic_judge_share: Share = 0.0
+    # with agentic_files > 1: this share of the training split answers the compaction's summary request with the
+    # rule-based note after 1..N reads, so the policy can write its own notes (rl.compaction_summary: policy)
+    agentic_summary_share: Share = 0.0
     # your own environments: name -> module with generate() and verify() (see README)
     environments: dict[str, str] = Field(default_factory=dict)
 
@@ -270,6 +273,10 @@ class RLConfig(_Strict):
     # compacts (a new sub-trace from the task and a summary of its tool results) or, with compaction off, ends
     context_budget: AtLeast0 = 0
     compaction: bool = True
+    # what a compaction carries over: "rules", a note of every tool call and its output, or "policy", notes the policy
+    # writes when asked (its tokens close the sub-trace and are trained with it; the request and the notes need room:
+    # the episode compacts one observation earlier). world.agentic_summary_share teaches the tiny model to write them
+    compaction_summary: Literal["rules", "policy"] = "rules"
     # a rollout batch in which no turn ends on a stop id stops the stage (a checkpoint that never emits the ids its
     # template ends a turn with); off only for untrained models (the smoke profile, unit tests)
     stop_check: bool = True

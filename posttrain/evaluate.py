@@ -76,7 +76,8 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
         else:
             r = cfg.rl.for_domain(name.split(":")[0].split("@")[0])  # its specialist's turns and context budget
             kw = dict(max_new_tokens=cfg.eval.max_new_tokens, max_turns=r.max_turns, batch_size=bs,
-                      context_budget=r.context_budget, compaction=r.compaction, enable_thinking=bool(thinking),
+                      context_budget=r.context_budget, compaction=r.compaction, summary=r.compaction_summary,
+                      enable_thinking=bool(thinking),
                       thinking_turns="after_tools" if thinking == "after_tools" else "all")
             eps = run_episodes(engine, tok, tasks, temperature=0.0, **kw)
             s, n_gen = score(eps), [e.n_generated for e in eps]

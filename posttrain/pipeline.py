@@ -96,6 +96,7 @@ def guard_and_compaction(cfg: PipelineConfig, refs: dict[str, ArtifactRef]) -> d
                                                                  "labelled_calls", "blocked")}}
         if r.context_budget and r.compaction and "compaction" not in out:
             out["compaction"] = {"stage": f"rl-{d}", "context_budget": r.context_budget, "seeds": [cfg.seed],
+                                 "summary": r.compaction_summary,
                                  "gain_with": round(m["val_score_after"] - m["val_score_before"], 4),
                                  "gain_without": None, "subtraces_per_episode": m.get("subtraces_per_episode")}
     return out

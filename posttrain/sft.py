@@ -40,15 +40,16 @@ def conversation(task: Task, thinking: bool, shortcut: bool = False) -> list[dic
 
 def build_examples(cfg: PipelineConfig, tok, tasks: list[Task], seed: int) -> list[tuple[list[int], list[int]]]:
     """(ids, loss mask) per task, mixing the modes: thinking off for `nothink_share` of the conversations,
-    earlier turns' thinking kept in the history for `preserve_thinking_share`, a lazy teacher's
-    demonstration for `shortcut_share`."""
+    earlier turns' thinking kept in the history for `preserve_thinking_share` (always where the task's meta says
+    `preserve_thinking`: the form its rollouts see), a lazy teacher's demonstration for `shortcut_share`."""
     rng, lazy = random.Random(seed), random.Random(seed + 1)  # own stream: the mode mix stays as it was
     s = cfg.sft
     out = []
     for t in tasks:
         thinking = rng.random() >= s.nothink_share
+        preserve = rng.random() < s.preserve_thinking_share or t.meta.get("preserve_thinking", False)
         out.append(render_with_mask(tok, conversation(t, thinking, lazy.random() < s.shortcut_for(t.domain)),
-                                    enable_thinking=thinking, preserve_thinking=rng.random() < s.preserve_thinking_share))
+                                    enable_thinking=thinking, preserve_thinking=preserve))
     return out
 
 

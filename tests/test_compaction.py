@@ -16,6 +16,17 @@ def _tasks(split: str = "test", n: int = 4):
     return agentic.generate(split, n, 0, agentic_files=3, agentic_numbers=2, max_operand=5)
 
 
+def _forms(t):
+    """A task's demonstrations: whole, resumed after k reads, and asked for its notes after k reads."""
+    return [t, *(agentic.resumed(t, k) for k in (1, 2, 3)),
+            *(agentic.summarized(t, k, j) for k in (1, 2, 3) for j in range(k))]
+
+
+def _render(tok, task):
+    """A demonstration as an episode's context has it: earlier turns' thinking kept."""
+    return render_ids(tok, task.messages(with_demo=True), preserve_thinking=True)
+
+
 class Oracle:
     """A rollout engine that acts as the demonstrations do: the context must be a prefix of the rendering of a
     task's demonstration, from the start or resumed after k reads (what a compaction leaves), and the next
@@ -23,8 +34,7 @@ class Oracle:
 
     def __init__(self, tok, tasks):
         self.tokenizer, self.version, self.end = tok, 0, tok.convert_tokens_to_ids("<|end|>")
-        self.renders = [render_ids(tok, v.messages(with_demo=True))
-                        for t in tasks for v in [t, *(agentic.resumed(t, k) for k in (1, 2, 3))]]
+        self.renders = [_render(tok, v) for t in tasks for v in _forms(t)]
 
     def generate(self, prompts, *, max_new_tokens, temperature, stop_ids, generator=None):
         out = []
@@ -55,14 +65,44 @@ def test_compacted_episode_is_token_in_token_out_on_every_subtrace(tok):
         for tr in traces:  # each sub-trace fits, and is exactly the template's rendering of some conversation
             assert len(tr.prompt_ids) + len(tr.ids) <= budget
             seq = tr.prompt_ids + tr.ids
-            assert any(r[:len(seq)] == seq for r in
-                       [render_ids(tok, v.messages(with_demo=True))
-                        for v in (t, *(agentic.resumed(t, k) for k in (1, 2, 3)))])
+            assert any(r[:len(seq)] == seq for r in [_render(tok, v) for v in _forms(t)])
         # the note after a compaction is what the training data's resumed form says
         resumed_prompts = [render_ids(tok, agentic.resumed(t, k).messages(), add_generation_prompt=True)
                            for k in (1, 2, 3)]
         assert all(tr.prompt_ids in resumed_prompts for tr in traces[1:])
         assert e.n_generated == sum(sum(tr.gen_mask) for tr in traces)
+
+
+def test_the_policy_writes_the_notes_a_compaction_carries_over(tok):
+    """rl.compaction_summary: policy. At a compaction the episode asks for notes after the tool response; the
+    policy's answer closes the sub-trace as generated tokens (trained with it) and is the next sub-trace's note.
+    Token in, token out: each closed sub-trace is exactly the template's rendering of the summary demonstration."""
+    tasks = _tasks()
+    budget, new = _budget(tok, tasks)
+    new += 16  # notes on three reads are longer than any turn of the demonstrations
+    small = run_episodes(Oracle(tok, tasks), tok, tasks, max_turns=6, max_new_tokens=new, context_budget=budget,
+                         summary="policy")
+    assert all(e.truncated and e.reward == 0.0 and "the summary request does not fit" in e.reason for e in small)
+    budget += new  # room for the request and the notes
+    rules = run_episodes(Oracle(tok, tasks), tok, tasks, max_turns=6, max_new_tokens=new, context_budget=budget)
+    eps = run_episodes(Oracle(tok, tasks), tok, tasks, max_turns=6, max_new_tokens=new, context_budget=budget,
+                       summary="policy")
+    end = tok.convert_tokens_to_ids("<|end|>")
+    for t, e, r in zip(tasks, eps, rules):
+        traces = e.traces()
+        assert e.reward == 1.0 and not e.truncated and len(e.summaries) == len(traces) - 1 >= 2  # notes on notes
+        assert len(traces) >= len(r.traces())  # it compacts no later: the request and the notes need room
+        for tr, note in zip(traces, e.summaries):
+            seq = tr.prompt_ids + tr.ids
+            assert len(seq) <= budget and seq[-1] == end
+            assert seq in [_render(tok, agentic.summarized(t, k, j)) for k in (1, 2, 3) for j in range(k)]
+            reply = tok.encode(note, add_special_tokens=False)
+            assert tr.ids[-len(reply) - 1:-1] == reply and all(tr.gen_mask[-len(reply) - 1:])  # generated, trained
+        resumed_prompts = [render_ids(tok, agentic.resumed(t, k).messages(), add_generation_prompt=True)
+                           for k in (1, 2, 3)]
+        assert all(tr.prompt_ids in resumed_prompts for tr in traces[1:])
+    with pytest.raises(ValueError, match="summary must be"):
+        run_episodes(Oracle(tok, tasks), tok, tasks, context_budget=budget, summary="model")
 
 
 def test_without_compaction_the_same_budget_truncates_with_no_reward(tok):
@@ -173,6 +213,11 @@ def test_training_split_holds_resumed_forms_and_evaluation_splits_do_not():
     resumed = [t for t in train if t.meta.get("resumed_from")]
     assert 0 < len(resumed) < len(train) and all("Notes: " in t.prompt for t in resumed)
     assert not any(t.meta.get("resumed_from") for t in _tasks("test", 20))
+    with_notes = agentic.generate("train", 40, 0, agentic_files=3, agentic_numbers=2, max_operand=5,
+                                  agentic_summary_share=0.5)
+    summarized = [t for t in with_notes if t.meta.get("summarized_from")]
+    assert 0 < len(summarized) and all(t.demo[-1]["content"].startswith("Notes: ") for t in summarized)
+    assert [t for t in with_notes if t.meta.get("resumed_from")] == resumed  # the other forms stay as they were
     one_file = agentic.generate("train", 20, 0)
     assert not any(t.meta.get("resumed_from") for t in one_file)
 

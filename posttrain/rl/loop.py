@@ -258,7 +258,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     if st.step:
         print(f"[{label}] resuming at step {st.step} of {r.steps}", flush=True)
     kw = dict(max_new_tokens=r.max_new_tokens, max_turns=r.max_turns, context_budget=r.context_budget,
-              compaction=r.compaction)
+              compaction=r.compaction, summary=r.compaction_summary)
     kill_at, hist = kill_step(label), st.history
     domains = sorted({t.domain for t in val})
     policy_view = as_rollout_engine(eng.policy.model, tok)  # validation generates from the trained weights

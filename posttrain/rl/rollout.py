@@ -13,9 +13,10 @@ from posttrain.engines import as_rollout_engine
 def run_episodes(engine, tok, tasks: list[Task], *, enable_thinking: bool = True, thinking_turns: str = "all",
                  max_new_tokens: int = 48, temperature: float = 0.0, max_turns: int = 3,
                  generator: torch.Generator | None = None, batch_size: int = 64, judge=None, context_budget: int = 0,
-                 compaction: bool = True) -> list[Episode]:
+                 compaction: bool = True, summary: str = "rules") -> list[Episode]:
     """Roll out each task through the environments' step API, batching the engine across episodes; with a
-    `context_budget`, episodes compact (or, with `compaction` off, end) where their next turn would not fit.
+    `context_budget`, episodes compact (or, with `compaction` off, end) where their next turn would not fit, carrying
+    over the rule-based note or, with `summary="policy"`, the notes the policy writes when asked.
     `thinking_turns`: which turns think when thinking is on (environments.episode); `judge`: the guard's second
     stage (environments.sandbox).
 
@@ -23,7 +24,7 @@ def run_episodes(engine, tok, tasks: list[Task], *, enable_thinking: bool = True
     engine = as_rollout_engine(engine, tok)
     fmt = chat_format(tok)
     episodes = [Episode(t, tok, enable_thinking=enable_thinking, thinking_turns=thinking_turns, max_turns=max_turns,
-                        judge=judge, context_budget=context_budget, compaction=compaction,
+                        judge=judge, context_budget=context_budget, compaction=compaction, summary=summary,
                         max_new_tokens=max_new_tokens) for t in tasks]
     try:
         for e in episodes:
