@@ -1,22 +1,33 @@
-"""A real checkpoint's own tokenizer and template through every stage (issue: real models): a ChatML model with
-thinking and Hermes tool calls, no `{% generation %}` markers and no BOS, built on the fly (no hub)."""
+"""A real checkpoint's own tokenizer and template through every stage (issue: real models), built on the fly (no
+hub): a ChatML model with thinking and Hermes tool calls, no `{% generation %}` markers and no BOS; and a Llama-3
+model with header ids, BOS, no pad, JSON tool calls and no thinking switch."""
 import json
 from pathlib import Path
 
+import pytest
 from chat_fixtures import make_checkpoint
 from test_pipeline_smoke import posttrain
 
+FAMILIES = {  # family -> (thinking switch, tool format, extra settings)
+    "chatml": (True, "hermes", []),
+    # the tool-calling domain alone: every stage still runs, in about half the time
+    "llama3": (False, "json", ["--set", "rl.domains=[agentic]"]),
+}
 
-def test_a_chatml_checkpoint_trains_in_every_stage(tmp_path):
-    ckpt = make_checkpoint("chatml", tmp_path / "ckpt")
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_real_template_trains_in_every_stage(tmp_path, family):
+    thinking, tool_format, extra = FAMILIES[family]
+    ckpt = make_checkpoint(family, tmp_path / "ckpt")
     home = tmp_path / "home"
-    posttrain(home, "run", "--profile", "smoke", "--set", f"base.init_from={ckpt}", "--set", "sft.steps=12")
+    posttrain(home, "run", "--profile", "smoke", "--set", f"base.init_from={ckpt}", "--set", "sft.steps=12", *extra)
     report = json.loads((home / "latest" / "report.json").read_text())
     fmt = report["chat_format"]
-    assert set(fmt) == {"sft", "specialist/reasoning", "specialist/agentic", "specialist/general", "generalist",
-                        "quantized"}
-    assert fmt["sft"]["template"].startswith("chatml:") and fmt["sft"]["thinking"] is True
-    assert fmt["sft"]["tool_format"] == "hermes"
+    domains = ["reasoning", "agentic", "general"] if family == "chatml" else ["agentic"]
+    assert set(fmt) == {"sft", *(f"specialist/{d}" for d in domains), "generalist", "quantized"}
+    assert fmt["sft"]["template"].startswith(f"{family}:") and fmt["sft"]["thinking"] is thinking
+    assert fmt["sft"]["tool_format"] == tool_format
     hist = json.loads((Path(report["stages"]["sft"]["artifact"]) / "history.json").read_text())
     assert all(x > 0 for x in hist["loss"]) and hist["loss"][-1] < hist["loss"][0]  # it trained, and learned
-    assert set(report["eval"]["generalist"]) >= {"reasoning", "agentic", "general", "agentic:nothink"}
+    assert set(report["eval"]["generalist"]) >= {*domains, "agentic:nothink"}
+    assert {"opd", *(f"rl-{d}" for d in domains), "evaluate"} <= set(report["stages"])

@@ -266,7 +266,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     def validate(step: int, wall_s: float) -> None:
         scores = val_scores(policy_view, tok, val, **kw)
         hist["val_score"].append((step, scores["all"]))
-        for d in domains if len(domains) > 1 else ():
+        for d in domains if len(domains) > 1 or distill else ():  # distillation reads its domains' curves
             hist.setdefault(f"val_score/{d}", []).append((step, scores[d]))
         hist["val_wall_s"].append((step, wall_s))
 
