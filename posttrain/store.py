@@ -91,8 +91,13 @@ class Store:
         """Upload a finished local artifact (manifest last), then commit it; returns its URI."""
         rel = f"artifacts/{stage}/{key[:16]}"
         version = f"{sha256[:16]}-{uuid.uuid4().hex[:8]}"
-        self.put_dir(folder, f"{rel}/{version}", last=MANIFEST)
-        self.put_text(f"{rel}/{COMMIT}", json.dumps({"version": version, "sha256": sha256}))
+        try:
+            self.put_dir(folder, f"{rel}/{version}", last=MANIFEST)
+            self.put_text(f"{rel}/{COMMIT}", json.dumps({"version": version, "sha256": sha256}))
+        except Exception as e:  # the store went away mid-upload (s3fs and botocore raise many kinds)
+            raise OSError(f"publishing {stage} to {self.url(rel)} failed ({type(e).__name__}: {e}); nothing was "
+                          f"committed, so no consumer sees a partial upload. The finished artifact stays in "
+                          f"{folder}: rerun once the store answers and it is published from there") from e
         return self.url(f"{rel}/{version}")
 
     def committed(self, stage: str, key: str) -> tuple[str, str] | None:

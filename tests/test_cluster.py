@@ -56,6 +56,24 @@ def mlflow_server(tmp_path_factory):
     proc.wait(timeout=30)
 
 
+class S3Proxy:
+    """The endpoint every posttrain process and Ray node uses: a TCP forwarder to the moto server (tcp_proxy.py),
+    which the test can stop (the S3 server gone) and start again on the same port (back, with its objects)."""
+
+    def __init__(self, port: int, target: int, log: Path):
+        self.port, self.target, self.log, self.proc = port, target, log, None
+
+    def start(self, die_on: str = "", after: int = 0) -> None:
+        extra = [die_on, str(after)] if die_on else []
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "tcp_proxy.py"), str(self.port),
+                                      str(self.target), *extra], stdout=open(self.log, "a"), stderr=subprocess.STDOUT)
+        _wait_until_up(f"http://127.0.0.1:{self.port}", self.proc, self.log, 30)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):
     import boto3
@@ -63,13 +81,16 @@ def s3_server(tmp_path_factory):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=open(d / "server.log", "w"), stderr=subprocess.STDOUT)
+    _wait_until_up(f"http://127.0.0.1:{port}", proc, d / "server.log", 60)
+    proxy = S3Proxy(_free_port(), port, d / "proxy.log")
+    proxy.start()
     env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    _wait_until_up(env["AWS_ENDPOINT_URL"], proc, d / "server.log", 60)
-    s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
+    s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",  # the test's own view
                       aws_access_key_id="test", aws_secret_access_key="test")
     s3.create_bucket(Bucket="posttrain-test")
-    yield env, s3
+    yield env, s3, proxy
+    proxy.stop()
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -104,7 +125,7 @@ def _cli(args: list[str], env: dict, cwd: Path, timeout: int = 900) -> subproces
 def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_server, s3_server, ray_cluster,
                                                                       tmp_path):
     uri, server_dir = mlflow_server
-    aws, s3 = s3_server
+    aws, s3, proxy = s3_server
     address, worker_node = ray_cluster
     mirror = tmp_path / "mirror"
     env = {**os.environ, **aws, "POSTTRAIN_HOME": "s3://posttrain-test/home", "POSTTRAIN_LOCAL": str(mirror),
@@ -166,6 +187,28 @@ def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_serv
     assert not any(k.startswith("home/scratch/") for page in
                    s3.get_paginator("list_objects_v2").paginate(Bucket="posttrain-test", Prefix="home/scratch/")
                    for k in [o["Key"] for o in page.get("Contents", [])])  # dropped once published
+
+    # the S3 server gone in the middle of an upload: the stage fails saying so, nothing becomes visible; once it is
+    # back, the rerun publishes the artifact it had finished
+    def commits() -> set[str]:
+        return {k for page in s3.get_paginator("list_objects_v2").paginate(Bucket="posttrain-test",
+                                                                           Prefix="home/artifacts/quantize/")
+                for k in [o["Key"] for o in page.get("Contents", [])] if k.endswith("/COMMIT")}
+    before = commits()
+    args = ["rerun", "quantize", "--from", report["run_id"], "--set", "quantize.calib_samples=4"]
+    proxy.stop()
+    proxy.start(die_on="PUT /posttrain-test/home/artifacts/quantize/", after=2)  # dies on the second file
+    cut = _cli(args, fresh, empty)
+    assert proxy.proc.wait(timeout=60) == 0  # it did die mid-upload
+    out = cut.stdout + cut.stderr
+    assert cut.returncode == 1 and "stage quantize failed" in out and "nothing was committed" in out, out[-3000:]
+    assert commits() == before
+    proxy.start()
+    redo = _cli(args, fresh, empty)
+    assert redo.returncode == 0, (redo.stdout + redo.stderr)[-3000:]
+    (new,) = commits() - before
+    latest = json.loads(s3.get_object(Bucket="posttrain-test", Key="home/latest/report.json")["Body"].read())
+    assert latest["stages"]["quantize"]["artifact"].startswith(f"s3://posttrain-test/{new.rsplit('/', 1)[0]}/")
 
     # a corrupted object in the bucket is refused, by name
     opd = report["stages"]["opd"]["artifact"].removeprefix("s3://posttrain-test/")
