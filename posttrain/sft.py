@@ -24,6 +24,7 @@ from posttrain.data import load_tasks
 from posttrain.device import stage_gpus
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
+from posttrain.store import train_storage
 from posttrain.train import eval_loss, masked_lm_loss, pad_examples, summarize, train
 
 STATE = "state.pt"
@@ -176,13 +177,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     examples = build_examples(cfg, tok, train_tasks, cfg.seed)
     check_masks(examples, tok)
     val = build_examples(cfg, tok, val_tasks, cfg.seed + 1)
-    storage = Path(scratch or tempfile.mkdtemp(prefix="sft-")).resolve()
+    storage, filesystem = train_storage(scratch or tempfile.mkdtemp(prefix="sft-"))
     trainer = TorchTrainer(
         _worker, train_loop_config={"cfg": cfg, "init": inputs["ramp"], "examples": examples, "val": val,
                                     "threads": max(1, cfg.runtime.torch_threads // s.workers)},
         scaling_config=ScalingConfig(num_workers=s.workers,
                                      use_gpu=stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) > 0),
-        run_config=RunConfig(name="sft", storage_path=str(storage), failure_config=FailureConfig(max_failures=0),
+        run_config=RunConfig(name="sft", storage_path=storage, storage_filesystem=filesystem,
+                             failure_config=FailureConfig(max_failures=0),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
     # Ray Train's fit() installs a SIGINT handler holding the controller actor's handle, which keeps the
     # controller alive after training; restoring the handler lets it go with the trainer

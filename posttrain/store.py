@@ -5,7 +5,8 @@ abfs://, ...). With a URL, every node works in a local mirror (`home_dir()`) and
   <root>/artifacts/<stage>/<key16>/COMMIT          {"version", "sha256"}: one PUT that makes it visible
   <root>/runs/<run_id>/...                          report.json, config.json, report.html and plots
   <root>/latest/report.json
-  <root>/scratch/<stage>/<key16>/...                a resumable stage's last checkpoint, SNAPSHOT last
+  <root>/scratch/<stage>/<key16>/...                a resumable stage's last checkpoint, SNAPSHOT last (sft: Ray
+                                                    Train's own checkpoint folder)
 
 A half-uploaded artifact has no COMMIT (or an older one), so no consumer ever sees it; a consumer downloads
 the committed version into its mirror and verifies every file against the manifest before using it.
@@ -253,6 +254,18 @@ def restore_scratch(scratch: str | Path) -> bool:
         fs.get_file(f"{base}/{rel}", str(local / rel))
     print(f"[store] restored {len(names)} scratch files from {url}", flush=True)
     return True
+
+
+def train_storage(scratch: str) -> tuple[str, object]:
+    """(storage_path, storage_filesystem) for Ray Train's checkpoints: with a remote store, its scratch URL for
+    this stage through the store's own filesystem (Ray Train writes and restores its checkpoints there, so a pod
+    lost mid-stage resumes on another); else the local `scratch` folder and Ray Train's default."""
+    url = os.environ.get(SCRATCH_VAR)
+    if not url:
+        return str(Path(scratch).resolve()), None
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+    fs, base = _filesystem(url)
+    return base, PyFileSystem(FSSpecHandler(fs))
 
 
 def drop_scratch(url: str) -> None:

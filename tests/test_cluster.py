@@ -184,6 +184,19 @@ def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_serv
                              .removeprefix("s3://posttrain-test/") + "/model.safetensors")["Body"].read()
                for r in (report, again)]
     assert weights[0] == weights[1]  # the resumed run's weights are the uninterrupted run's
+    # sft too: Ray Train keeps its checkpoints in the store's scratch, so it resumes on another machine as well
+    args = ["rerun", "sft", "--from", report["run_id"], "--set", "sft.checkpoint_every=1"]
+    killed = _cli(args, {**fresh, "POSTTRAIN_SFT_KILL_AT_STEP": "2"}, empty)
+    assert killed.returncode == 1 and "stage sft failed" in killed.stderr, killed.stderr[-2000:]
+    resumed = _cli(args, {**env, "POSTTRAIN_LOCAL": str(tmp_path / "mirror5")}, empty)
+    assert resumed.returncode == 0 and "resuming at step 2 of 4" in resumed.stdout + resumed.stderr, \
+        (resumed.stdout + resumed.stderr)[-3000:]
+    again = json.loads(s3.get_object(Bucket="posttrain-test", Key="home/latest/report.json")["Body"].read())
+    history = [json.loads(s3.get_object(Bucket="posttrain-test", Key=r["stages"]["sft"]["artifact"]
+                                        .removeprefix("s3://posttrain-test/") + "/history.json")["Body"].read())
+               for r in (report, again)]
+    assert again["stages"]["sft"]["artifact"] != report["stages"]["sft"]["artifact"]
+    assert history[0]["loss"] == history[1]["loss"]  # step for step the uninterrupted run's
     assert not any(k.startswith("home/scratch/") for page in
                    s3.get_paginator("list_objects_v2").paginate(Bucket="posttrain-test", Prefix="home/scratch/")
                    for k in [o["Key"] for o in page.get("Contents", [])])  # dropped once published
