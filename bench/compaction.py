@@ -8,9 +8,13 @@ a compaction writes them). Then, per RL seed, PPO from that sft model with the s
 compact (every sub-trace trained) and episodes truncated at the budget (reward 0). Test score of the variant,
 greedy, before and after, each under the setting it trained with and under the other.
 
-    python -m bench.compaction [--seeds 0 1 2] [--steps 40] [--budget 120]
+    python -m bench.compaction [--seeds 0 1 2] [--steps 40] [--budget 120] [--summary policy]
 
 Writes .posttrain/bench/compaction.json (same keys as report.json's `compaction`, over seeds) and its curves plot.
+`--summary policy`: the policy writes the notes (rl.compaction_summary: policy) after an sft whose data answers the
+summary request on a share of the variant's tasks (world.agentic_summary_share); compaction only (truncation is
+the same either way); `compaction_policy.json`, with `notes_exact`: the share of the policy's notes that are the
+rule-based note word for word.
 """
 from __future__ import annotations
 
@@ -28,11 +32,13 @@ WORK = OUT / "compaction-work"
 VARIANT = ["world.agentic_files=4", "world.agentic_numbers=1",
            "sft.shortcut_share={reasoning: 0.4, agentic: 0.2, general: 0.6}"]
 SETTINGS = {"compaction": True, "truncation": False}
+SUMMARY_SHARE = 0.3  # --summary policy: the share of the variant's training split answering the summary request
+SUMMARY: list[str] = []  # world settings of the summary mode (set by main)
 
 
 def _cfg(extra: list[str]):
     from posttrain.config import load_config
-    return load_config("tiny", [*VARIANT, *extra])
+    return load_config("tiny", [*VARIANT, *SUMMARY, *extra])
 
 
 def variant_data() -> Path:
@@ -77,18 +83,22 @@ def test_scores(model, tok, tasks, r) -> dict[str, float]:
     first, so this is where a short run shows, even where the greedy answer was already the likeliest."""
     import torch
 
+    from environments.base import compaction_note
     from posttrain.rl.rollout import run_episodes
     g = torch.Generator().manual_seed(1234)
-    eps = run_episodes(model, tok, tasks * 4, temperature=1.0, max_new_tokens=r.max_new_tokens,
-                       max_turns=r.max_turns, context_budget=r.context_budget, compaction=True, generator=g)
+    eps = run_episodes(model, tok, tasks * 4, temperature=1.0, max_new_tokens=r.max_new_tokens, max_turns=r.max_turns,
+                       context_budget=r.context_budget, compaction=True, summary=r.compaction_summary, generator=g)
     out = {"compaction_sampled": round(sum(e.reward for e in eps) / len(eps), 4)}
     for name, kw in {**{k: {"context_budget": r.context_budget, "compaction": v} for k, v in SETTINGS.items()},
                      "no_budget": {"context_budget": 0}}.items():
         eps = run_episodes(model, tok, tasks, temperature=0.0, max_new_tokens=r.max_new_tokens, max_turns=r.max_turns,
-                           **kw)
+                           summary=r.compaction_summary, **kw)
         out[name] = round(sum(e.reward for e in eps) / len(eps), 4)
         if name == "compaction":
             out["subtraces_per_episode"] = round(mean(len(e.traces()) for e in eps), 3)
+            notes = [(n, compaction_note(e.calls[:k])) for e in eps for n, k in zip(e.summaries, e.summary_calls)]
+            if notes:
+                out["notes_exact"] = round(mean(a == b for a, b in notes), 4)
     return out
 
 
@@ -98,7 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=40, help="PPO steps per run")
     ap.add_argument("--sft-steps", type=int, default=1200)
     ap.add_argument("--budget", type=int, default=120, help="rl.context_budget (tokens)")
+    ap.add_argument("--summary", choices=["rules", "policy"], default="rules", help="rl.compaction_summary")
     args = ap.parse_args(argv if argv is not None else [])  # `python -m bench` calls main() bare
+    global WORK, SUMMARY
+    policy = args.summary == "policy"
+    if policy:  # its own data and sft: the variant's training split answers the summary request on a share
+        WORK, SUMMARY = OUT / "compaction-policy-work", [f"world.agentic_summary_share={SUMMARY_SHARE}"]
+    settings = {"compaction": True} if policy else SETTINGS
     import torch
 
     from posttrain.data import load_tasks
@@ -109,15 +125,15 @@ def main(argv: list[str] | None = None) -> None:
     pool, val = load_tasks(cur, "rl", "agentic"), load_tasks(cur, "val", "agentic")[:32]
     test = load_tasks(cur, "test", "agentic")
     base = _cfg([]).rl.for_domain("agentic")
-    common = {"loss_agg": "token", "max_turns": 5, "max_new_tokens": 32, "context_budget": args.budget, "steps": args.steps, "val_every": 0,
-              "checkpoint_every": 0}
+    common = {"loss_agg": "token", "max_turns": 5, "max_new_tokens": 32, "context_budget": args.budget,
+              "steps": args.steps, "val_every": 0, "checkpoint_every": 0, "compaction_summary": args.summary}
     model, tok = load_checkpoint(str(sft))
     r0 = base.model_copy(update=common)
     before = test_scores(model, tok, test, r0)
     print(f"sft: {before}", flush=True)
-    runs: dict[str, dict[int, dict]] = {s: {} for s in SETTINGS}
+    runs: dict[str, dict[int, dict]] = {s: {} for s in settings}
     for seed in args.seeds:
-        for setting, compaction in SETTINGS.items():
+        for setting, compaction in settings.items():
             path = WORK / f"ppo-{setting}-{seed}-{args.steps}-{args.budget}-sft{args.sft_steps}.json"
             if path.exists():
                 runs[setting][seed] = json.loads(path.read_text())
@@ -135,10 +151,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"seed {seed} {setting}: {res['after']} ({res['seconds']} s)", flush=True)
 
     fig: dict = {"seeds": args.seeds, "steps": args.steps, "budget": args.budget, "sft_steps": args.sft_steps,
-                 "variant": VARIANT, "test_tasks": len(test), "before": before,
+                 "variant": VARIANT + SUMMARY, "summary": args.summary, "test_tasks": len(test), "before": before,
                  "rl": {k: v for k, v in common.items() if k != "steps"} | {"algorithm": base.algorithm,
                                                                             "prompts_per_step": base.prompts_per_step}}
-    for setting in SETTINGS:
+    for setting in settings:
         gains = [runs[setting][s]["after"][setting] - before[setting] for s in args.seeds]
         fig[f"gain_{'with' if setting == 'compaction' else 'without'}_per_seed"] = [round(g, 4) for g in gains]
         fig[f"gain_{'with' if setting == 'compaction' else 'without'}"] = round(mean(gains), 4)
@@ -151,11 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     fig["gain_with_sampled_std"] = round(stdev(sampled), 4) if len(sampled) > 1 else None
     fig["subtraces_per_episode"] = round(mean(x for s in args.seeds
                                               for x in runs["compaction"][s]["subtraces_per_episode"]), 3)
-    fig["truncated_share_without"] = round(mean(x for s in args.seeds
-                                                for x in runs["truncation"][s]["truncated_share"]), 3)
-    _plot(runs, args.seeds, OUT / "compaction.png")
+    if "truncation" in settings:
+        fig["truncated_share_without"] = round(mean(x for s in args.seeds
+                                                    for x in runs["truncation"][s]["truncated_share"]), 3)
+    name = "compaction_policy" if policy else "compaction"
+    _plot(runs, args.seeds, OUT / f"{name}.png")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "compaction.json").write_text(json.dumps(fig, indent=1))
+    (OUT / f"{name}.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
 
 
@@ -165,6 +183,8 @@ def _plot(runs: dict, seeds: list[int], path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     for setting, color in (("compaction", "C0"), ("truncation", "C3")):
+        if setting not in runs:
+            continue
         for i, s in enumerate(seeds):
             label = setting if i == 0 else None
             a.plot(runs[setting][s]["reward"], color=color, alpha=0.7, label=label)

@@ -71,6 +71,7 @@ class Episode:
     closed: list[Trace] = field(default_factory=list)  # sub-traces ended by compaction
     truncated: bool = False
     summaries: list[str] = field(default_factory=list)  # the policy's notes, one per compaction (summary="policy")
+    summary_calls: list[int] = field(default_factory=list)  # how many tool calls each of those notes had to cover
     summarizing: bool = False  # the next generation is the policy's summary
     stopped_turns: int = 0     # turns that ended on a stop id (none in a whole batch: a stop-token mismatch)
     _ws: Workspace | None = None
@@ -170,6 +171,7 @@ class Episode:
         if self.summarizing:  # the policy's notes close this sub-trace, trained with it, and open the next
             self.summarizing = False
             self.summaries.append(final_answer(text))
+            self.summary_calls.append(len(self.calls))
             self.closed.append(Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs))
             return Step([], False) if self._restart(self.summaries[-1]) else self._truncate("the next turn")
         self.turns += 1
