@@ -80,7 +80,7 @@ def compaction_note(calls: list[tuple[str, str, str]]) -> str:
 
 
 # what an episode asks the policy for when it writes its own summary at a compaction (rl.compaction_summary: policy)
-SUMMARY_REQUEST = "The context is nearly full. Write notes on what the tools returned so far."
+SUMMARY_REQUEST = "Context full: write notes."  # short: the request and the notes must fit the budget too
 
 
 def compacted_prompt(prompt: str, note: str) -> str:
