@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sft-steps", type=int, default=1200)
     ap.add_argument("--budget", type=int, default=120, help="rl.context_budget (tokens)")
     ap.add_argument("--summary", choices=["rules", "policy"], default="rules", help="rl.compaction_summary")
+    ap.add_argument("--max-new-tokens", type=int, default=32,
+                    help="rl.max_new_tokens: a turn's budget, the policy's notes included (notes on 3 files: ~35)")
     args = ap.parse_args(argv if argv is not None else [])  # `python -m bench` calls main() bare
     global WORK, SUMMARY
     policy = args.summary == "policy"
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     pool, val = load_tasks(cur, "rl", "agentic"), load_tasks(cur, "val", "agentic")[:32]
     test = load_tasks(cur, "test", "agentic")
     base = _cfg([]).rl.for_domain("agentic")
-    common = {"loss_agg": "token", "max_turns": 5, "max_new_tokens": 32, "context_budget": args.budget,
+    common = {"loss_agg": "token", "max_turns": 5, "max_new_tokens": args.max_new_tokens, "context_budget": args.budget,
               "steps": args.steps, "val_every": 0, "checkpoint_every": 0, "compaction_summary": args.summary}
     model, tok = load_checkpoint(str(sft))
     r0 = base.model_copy(update=common)
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, dict[int, dict]] = {s: {} for s in settings}
     for seed in args.seeds:
         for setting, compaction in settings.items():
-            path = WORK / f"ppo-{setting}-{seed}-{args.steps}-{args.budget}-sft{args.sft_steps}.json"
+            new = "" if args.max_new_tokens == 32 else f"-new{args.max_new_tokens}"  # the rules runs' names kept
+            path = WORK / f"ppo-{setting}-{seed}-{args.steps}-{args.budget}{new}-sft{args.sft_steps}.json"
             if path.exists():
                 runs[setting][seed] = json.loads(path.read_text())
                 continue
