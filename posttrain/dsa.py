@@ -61,6 +61,7 @@ class DSAState:
         self.mode = "sparse"       # or "warmup": dense attention, the indexer learning the dense distribution
         self.collect = False       # compute the indexer loss and recall where gradients are on (the ramp sets it)
         self.selection: dict[int, torch.Tensor | None] = {}
+        self.index_inputs: dict[int, tuple | None] = {}  # the group indexer's (qi, w, ki) while it trains
         self.losses: list[torch.Tensor] = []
         self.recalls: list[torch.Tensor] = []
 
@@ -129,8 +130,14 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
         qi, w = module.indexer(hidden.detach(), cos, sin)
         idx = indexer_topk(qi.detach(), w.detach(), ki, allowed, st.top_k) if lk > st.top_k else None
         st.selection[group] = idx
-        if st.collect and torch.is_grad_enabled():
+        training = st.collect and torch.is_grad_enabled()
+        st.index_inputs[group] = (qi, w, ki) if training else None
+        if training:
             _indexer_loss(st, query, key, scaling, qi, w, ki, allowed, idx)
+    elif st.collect and torch.is_grad_enabled() and st.index_inputs.get(group) is not None:
+        # IndexShare: the layers that reuse the selection train the shared indexer too (KL to their own attention),
+        # so it selects what the whole group attends to, not its first layer alone
+        _indexer_loss(st, query, key, scaling, *st.index_inputs[group], allowed, st.selection[group])
     idx = st.selection[group]
     if st.mode == "warmup" or idx is None:  # every allowed key is selected: plain dense attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
