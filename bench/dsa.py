@@ -5,8 +5,8 @@ against DSA (the lightning indexer's top-k, then attention over the selected key
 DSA's sparse part is O(L * top_k); its indexer is O(L^2) with a few heads, so both are timed.
 
 `evidence`: the tiny profile's ramp per seed, dense against DSA adopted at the first stage longer than top_k (dense
-warm-up of the indexers, then sparse training), with one indexer per layer and with IndexShare 4; long_context
-accuracy at the top length for each. The dense ramp's stages before the adoption are shared (the DSA ramps resume
+warm-up of the indexers, then sparse training), with one indexer per layer and with IndexShare 4 (the first layer
+alone, the other three sharing one indexer); long_context accuracy at the top length for each. The dense ramp's stages before the adoption are shared (the DSA ramps resume
 from its scratch checkpoints), so each variant differs only where DSA is on.
 
     python -m bench.dsa [attention|evidence] [--seeds 0 1]     (make bench B=dsa: both)
@@ -28,7 +28,8 @@ SEQ_LENS = [1024, 2048, 4096, 8192, 16384]
 SHAPE = dict(heads=8, kv_heads=2, head_dim=64, indexer_heads=4, top_k=512)
 TOP_K = 256  # tiny: a quarter of the top length, 1024
 VARIANTS = {"dense": [], "dsa": ["ramp.attention=dsa", f"ramp.dsa.top_k={TOP_K}"],
-            "dsa_indexshare": ["ramp.attention=dsa", f"ramp.dsa.top_k={TOP_K}", "ramp.dsa.index_share=4"]}
+            "dsa_indexshare": ["ramp.attention=dsa", f"ramp.dsa.top_k={TOP_K}", "ramp.dsa.index_share=4",
+                               "ramp.dsa.own_indexer=[0]"]}
 REPEATS = 3
 
 
@@ -158,7 +159,7 @@ def evidence(seeds: list[int]) -> dict:
     def acc(name: str) -> list[float]:
         return [runs[name][s][f"ramp@{top}.long_context@{top}"] for s in seeds]
 
-    fig = {"seq_len": top, "top_k": TOP_K, "seeds": seeds, "index_share": 4}
+    fig = {"seq_len": top, "top_k": TOP_K, "seeds": seeds, "index_share": 4, "own_indexer": [0]}
     for key, name in (("dense", "dense"), ("dsa", "dsa"), ("dsa_indexshare", "dsa_indexshare")):
         xs = acc(name)
         fig[f"long_context_top_{key}"] = round(mean(xs), 4)

@@ -141,6 +141,10 @@ class DSAConfig(_Strict):
     """DeepSeek Sparse Attention, adopted at the first ramp stage when `ramp.attention: dsa` (posttrain.dsa)."""
     top_k: AtLeast1 = 256         # keys each query attends to (GLM-5: 2048 at 200k)
     index_share: AtLeast1 = 1     # one indexer per this many layers, its selection reused (GLM-5.2 IndexShare: 4)
+    # layers that keep an indexer of their own under IndexShare, the rest sharing in blocks of index_share: the
+    # first layer reads token embeddings and cannot select for the layers that retrieve (bench.dsa: IndexShare 4
+    # led by layer 0 lost 70 points of long_context on tiny, alone it did not)
+    own_indexer: list[AtLeast0] = Field(default_factory=lambda: [0])
     heads: AtLeast1 = 4           # indexer heads
     warmup_steps: AtLeast0 = 100  # dense warm-up: only the indexers train, towards the dense attention (KL)
     warmup_lr: Positive = 1e-3
@@ -449,6 +453,9 @@ class PipelineConfig(_Strict):
             if m.hidden_size % g or m.intermediate_size % g:
                 errors.append(f"quantize.group_size: must divide model.hidden_size and model.intermediate_size "
                               f"(got {g} for {m.hidden_size} and {m.intermediate_size})")
+            if self.ramp.attention == "dsa" and any(i >= m.num_layers for i in self.ramp.dsa.own_indexer):
+                errors.append(f"ramp.dsa.own_indexer: layers must be < model.num_layers {m.num_layers} "
+                              f"(got {self.ramp.dsa.own_indexer})")
         # the ramp extends the context: each stage sets max_position_embeddings to its seq_len
         first = self.ramp.stages[0].seq_len
         if first < m.max_position_embeddings:

@@ -1,8 +1,9 @@
 """DeepSeek Sparse Attention on a Hugging Face decoder (GLM-5 adopts it in mid-training; GLM-5.2 adds IndexShare).
 
-`install(model, top_k, index_share, heads)` gives every `index_share`-th layer a lightning indexer and switches
-the model to attention "dsa": per query the indexer scores every allowed key (kernels.dsa), the top `top_k` are
-kept, and attention runs over those only; the next `index_share - 1` layers reuse the selection. The indexer's
+`install(model, top_k, index_share, heads, own=...)` splits the layers into IndexShare groups (blocks of
+`index_share` layers; each layer in `own` is a group of its own), gives each group's first layer a lightning
+indexer and switches the model to attention "dsa": per query the indexer scores every allowed key (kernels.dsa),
+the top `top_k` are kept, and attention runs over those only; the group's other layers reuse the selection. The indexer's
 queries and per-head weights come from the layer's input hidden states (captured by a forward pre-hook: the
 attention function receives only q, k, v); its keys are the layer's own rotated keys, averaged over key heads, so
 decoding needs no second cache.
@@ -56,8 +57,8 @@ class DSAState:
     """Shared by a model's layers: settings, the current selection per IndexShare group, and what the indexers
     measured since the caller last `pop`ped."""
 
-    def __init__(self, top_k: int, index_share: int, kl_queries: int):
-        self.top_k, self.index_share, self.kl_queries = top_k, index_share, kl_queries
+    def __init__(self, top_k: int, kl_queries: int):
+        self.top_k, self.kl_queries = top_k, kl_queries
         self.mode = "sparse"       # or "warmup": dense attention, the indexer learning the dense distribution
         self.collect = False       # compute the indexer loss and recall where gradients are on (the ramp sets it)
         self.selection: dict[int, torch.Tensor | None] = {}
@@ -123,7 +124,7 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     b, _, lq, _ = query.shape
     lk = key.shape[2]
-    group = module.layer_idx // st.index_share
+    group = module.dsa_group
     allowed = _allowed(attention_mask, b, lq, lk, query.device)
     if hasattr(module, "indexer"):
         ki = key.detach().float().mean(1)
@@ -159,23 +160,39 @@ def _layers(model) -> nn.ModuleList:
     return getattr(model, "model", model).layers
 
 
-def install(model, top_k: int, index_share: int = 1, heads: int = 4, kl_queries: int = 64):
+def groups(n_layers: int, index_share: int, own: list[int] = ()) -> list[int]:
+    """The first layer of each layer's IndexShare group: blocks of `index_share` layers in order, except that each
+    layer in `own` is a group alone. Adjacent layers mostly attend to the same keys, but not across a transition
+    (the seeds: overlap 0.4 or less there); the first layer, reading token embeddings, is one: it cannot score a key
+    by the tokens before it, which the layers after it retrieve by."""
+    heads: list[int] = []
+    for i in range(n_layers):
+        start = heads[-1] if heads else None
+        heads.append(i if start is None or i in own or start in own or i - start >= index_share else start)
+    return heads
+
+
+def install(model, top_k: int, index_share: int = 1, heads: int = 4, kl_queries: int = 64, own: list[int] = ()):
     """Give `model` lightning indexers (new, randomly initialised) and switch it to attention "dsa"."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if top_k < 1 or index_share < 1 or heads < 1:
         raise ValueError(f"dsa: top_k, index_share and heads must be >= 1 (got {top_k}, {index_share}, {heads})")
-    state = DSAState(top_k, index_share, kl_queries)
-    for i, layer in enumerate(_layers(model)):
+    layers = _layers(model)
+    if any(not 0 <= i < len(layers) for i in own):
+        raise ValueError(f"dsa: own indexer layers {list(own)} must be layer indices of this {len(layers)}-layer model")
+    state = DSAState(top_k, kl_queries)
+    for i, (layer, head) in enumerate(zip(layers, groups(len(layers), index_share, own))):
         attn = layer.self_attn
-        if i % index_share == 0 and not hasattr(attn, "indexer"):
+        if head == i and not hasattr(attn, "indexer"):
             attn.indexer = Indexer(cfg.hidden_size, heads, head_dim, cfg.initializer_range).to(
                 next(attn.parameters()).device)
-        attn.dsa_state = state
+        attn.dsa_state, attn.dsa_group = state, head
         if not getattr(attn, "_dsa_hooked", False):
             attn.register_forward_pre_hook(_stash, with_kwargs=True)
             attn._dsa_hooked = True
-    setattr(cfg, CONFIG_KEY, {"top_k": top_k, "index_share": index_share, "heads": heads, "kl_queries": kl_queries})
+    setattr(cfg, CONFIG_KEY, {"top_k": top_k, "index_share": index_share, "heads": heads, "kl_queries": kl_queries,
+                              "own": sorted(own)})
     model.set_attn_implementation("dsa")
     return model
 

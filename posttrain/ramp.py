@@ -172,7 +172,7 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
     model = with_rope(model, st)
     adopt = r.attention == "dsa" and dsa.state(model) is None and st.seq_len >= r.dsa_start()
     if adopt:
-        dsa.install(model, r.dsa.top_k, r.dsa.index_share, r.dsa.heads, r.dsa.kl_queries)
+        dsa.install(model, r.dsa.top_k, r.dsa.index_share, r.dsa.heads, r.dsa.kl_queries, r.dsa.own_indexer)
     elif dsa.state(model) is None:  # dense stages before DSA's adoption run sdpa
         model = attention.use(model, "sdpa" if r.attention == "dsa" else r.attention)
     if cfg.mtp.depth and mtp.get(model) is None:

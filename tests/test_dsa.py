@@ -48,7 +48,19 @@ def test_index_share_runs_one_indexer_per_group_of_layers(model):
     for i in with_indexer:
         model.model.layers[i].self_attn.indexer.register_forward_hook(lambda *a: calls.append(1))
     logits(model)
-    assert len(calls) == 2 and set(dsa.state(model).selection) == {0, 1}
+    assert len(calls) == 2 and set(dsa.state(model).selection) == {0, 2}
+
+
+def test_index_share_groups_keep_transition_layers_alone():
+    assert dsa.groups(8, 4) == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert dsa.groups(8, 4, own=[0]) == [0, 1, 1, 1, 1, 5, 5, 5]
+    assert dsa.groups(6, 2, own=[2]) == [0, 0, 2, 3, 3, 5]
+    assert dsa.groups(3, 1) == [0, 1, 2]
+
+
+def test_an_own_indexer_layer_outside_the_model_is_refused(model):
+    with pytest.raises(ValueError, match=r"own indexer layers \[4\] must be layer indices of this 4-layer model"):
+        dsa.install(model, top_k=8, index_share=2, own=[4])
 
 
 def test_checkpoint_reloads_with_its_indexers(model, tok, tmp_path):
@@ -56,7 +68,7 @@ def test_checkpoint_reloads_with_its_indexers(model, tok, tmp_path):
     before = logits(model)
     save_checkpoint(model, tok, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())[dsa.CONFIG_KEY] == \
-        {"top_k": 8, "index_share": 2, "heads": 2, "kl_queries": 64}
+        {"top_k": 8, "index_share": 2, "heads": 2, "kl_queries": 64, "own": []}
     again, _ = load_checkpoint(tmp_path)
     assert again.config._attn_implementation == "dsa"
     torch.testing.assert_close(logits(again.eval()), before)
@@ -115,6 +127,9 @@ def test_dsa_settings_that_would_do_nothing_are_refused():
     with pytest.raises(ConfigError, match="ramp.dsa.adopt_at: 100 is not a stage's seq_len"):
         load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, adopt_at: 100}"])
     assert load_config("smoke", ["ramp.attention=dsa", "ramp.dsa.top_k=100"]).ramp.dsa_start() == 128
+    with pytest.raises(ConfigError,
+                       match=r"ramp.dsa.own_indexer: layers must be < model.num_layers 1 \(got \[0, 2\]\)"):
+        load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, own_indexer: [0, 2]}"])
 
 
 def test_the_w4a8_export_keeps_dsa(model, tok, tmp_path):
