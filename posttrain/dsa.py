@@ -3,17 +3,17 @@
 `install(model, top_k, index_share, heads, own=...)` splits the layers into IndexShare groups (blocks of
 `index_share` layers; each layer in `own` is a group of its own), gives each group's first layer a lightning
 indexer and switches the model to attention "dsa": per query the indexer scores every allowed key (kernels.dsa),
-the top `top_k` are kept, and attention runs over those only; the group's other layers reuse the selection. The indexer's
-queries and per-head weights come from the layer's input hidden states (captured by a forward pre-hook: the
-attention function receives only q, k, v); its keys are the layer's own rotated keys, averaged over key heads, so
-decoding needs no second cache.
+the top `top_k` are kept, and attention runs over those only; the group's other layers reuse the selection. The
+indexer's queries and per-head weights come from the layer's input hidden states (captured by a forward pre-hook:
+the attention function receives only q, k, v); its keys are the layer's own rotated keys, averaged over key heads,
+so decoding needs no second cache.
 
-The indexer learns only from its own loss, the KL from the layer's attention distribution (summed over heads) to
-the softmax of its scores, on a strided subset of queries with every input detached: over all allowed keys in
-the dense warm-up (`mode = "warmup"`: attention stays dense, the rest of the model frozen by the caller), over the
-selected keys once sparse. The losses and the top-k recall of the dense attention mass collect on the model's
-`DSAState` (while its `collect` is set) for the training loop to add and report; elsewhere (sft, rl) the indexers
-stay as the ramp left them. The settings live in config.json (`posttrain_dsa`) and the
+The indexer learns only from its own loss, the KL from the attention distribution (summed over heads) of each
+layer of its group to the softmax of its scores, on a strided subset of queries with every input detached: over
+all allowed keys in the dense warm-up (`mode = "warmup"`: attention stays dense, the rest of the model frozen by
+the caller), over the selected keys once sparse. The losses and the top-k recall of the dense attention mass
+collect on the model's `DSAState` (while its `collect` is set) for the training loop to add and report; elsewhere
+(sft, rl) the indexers stay as the ramp left them. The settings live in config.json (`posttrain_dsa`) and the
 indexers in the weights, so `restore` reinstalls them on load.
 """
 from __future__ import annotations
