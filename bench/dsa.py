@@ -6,8 +6,9 @@ DSA's sparse part is O(L * top_k); its indexer is O(L^2) with a few heads, so bo
 
 `evidence`: the tiny profile's ramp per seed, dense against DSA adopted at the first stage longer than top_k (dense
 warm-up of the indexers, then sparse training), with one indexer per layer and with IndexShare 4 (the first layer
-alone, the other three sharing one indexer); long_context accuracy at the top length for each. The dense ramp's stages before the adoption are shared (the DSA ramps resume
-from its scratch checkpoints), so each variant differs only where DSA is on.
+alone, the other three sharing one indexer); long_context accuracy at the top length for each. The dense ramp's
+stages before the adoption are shared (the DSA ramps resume from its scratch checkpoints), so each variant differs
+only where DSA is on.
 
     python -m bench.dsa [attention|evidence] [--seeds 0 1]     (make bench B=dsa: both)
 """

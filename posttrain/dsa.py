@@ -19,6 +19,7 @@ indexers in the weights, so `restore` reinstalls them on load.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -160,7 +161,7 @@ def _layers(model) -> nn.ModuleList:
     return getattr(model, "model", model).layers
 
 
-def groups(n_layers: int, index_share: int, own: list[int] = ()) -> list[int]:
+def groups(n_layers: int, index_share: int, own: Sequence[int] = ()) -> list[int]:
     """The first layer of each layer's IndexShare group: blocks of `index_share` layers in order, except that each
     layer in `own` is a group alone. Adjacent layers mostly attend to the same keys, but not across a transition
     (the seeds: overlap 0.4 or less there); the first layer, reading token embeddings, is one: it cannot score a key
@@ -172,7 +173,8 @@ def groups(n_layers: int, index_share: int, own: list[int] = ()) -> list[int]:
     return heads
 
 
-def install(model, top_k: int, index_share: int = 1, heads: int = 4, kl_queries: int = 64, own: list[int] = ()):
+def install(model, top_k: int, index_share: int = 1, heads: int = 4, kl_queries: int = 64,
+            own: Sequence[int] = ()):
     """Give `model` lightning indexers (new, randomly initialised) and switch it to attention "dsa"."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
