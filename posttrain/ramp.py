@@ -215,6 +215,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     seed_all(cfg.seed)
     r = cfg.ramp
     model, tok = load_checkpoint(inputs["base"])
+    n_layers = model.config.num_hidden_layers
+    if r.attention == "dsa" and any(i >= n_layers for i in r.dsa.own_indexer):  # a checkpoint's depth: known only now
+        raise ValueError(f"ramp.dsa.own_indexer: layers must be < the {n_layers} layers of {inputs['base']} "
+                         f"(got {r.dsa.own_indexer})")
     eos, bos = doc_end_id(tok), bos_ids(tok)
     docs = [[*bos, *d, eos]
             for d in tok(load_pretrain_texts(inputs["curate"]), add_special_tokens=False)["input_ids"]]

@@ -58,6 +58,13 @@ def test_index_share_groups_keep_transition_layers_alone():
     assert dsa.groups(3, 1) == [0, 1, 2]
 
 
+def test_an_own_indexer_layer_keeps_its_indexer_and_the_rest_share(model):
+    dsa.install(model, top_k=8, index_share=4, own=[0])
+    assert [i for i, layer in enumerate(model.model.layers) if hasattr(layer.self_attn, "indexer")] == [0, 1]
+    logits(model)
+    assert set(dsa.state(model).selection) == {0, 1}
+
+
 def test_an_own_indexer_layer_outside_the_model_is_refused(model):
     with pytest.raises(ValueError, match=r"own indexer layers \[4\] must be layer indices of this 4-layer model"):
         dsa.install(model, top_k=8, index_share=2, own=[4])
