@@ -82,6 +82,157 @@ def attention() -> dict:
     return fig
 
 
+GPU_SEQ_LENS = [4096, 8192, 16384, 32768, 65536, 131072]
+# GLM-5's top 2048 keys; 32 query heads over 4 key heads of 128, bf16
+GPU_SHAPE = dict(heads=32, kv_heads=4, head_dim=128, indexer_heads=4, top_k=2048)
+GPU_BUDGET_S = 8.0  # a kind whose next length would take longer is skipped there (recorded as null)
+
+
+def _cuda_seconds(fn, reps: int = 3) -> tuple[float, float]:
+    """(median seconds, peak MB allocated above what was live before) of fn() on the GPU, after a warm-up."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    live = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return round(sorted(times)[len(times) // 2], 5), round((torch.cuda.max_memory_allocated() - live) / 2 ** 20, 1)
+
+
+def _gpu_point(L: int, s: dict, over: set[str]):
+    """Yields (kind, (seconds, peak MB) or None, error or None) at length L; kinds in `over` are skipped."""
+    import torch
+
+    from kernels.dsa import indexer_topk, sparse_attention
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(1, s["heads"], L, s["head_dim"], **bf)
+    k, v = (torch.randn(1, s["kv_heads"], L, s["head_dim"], **bf) for _ in range(2))
+    qi = torch.randn(1, L, s["indexer_heads"], s["head_dim"], **bf)
+    w = torch.randn(1, L, s["indexer_heads"], **bf)
+    go = torch.randn_like(q)
+    # the peer at its best: flash attention, the key heads expanded outside the timing (flash has no GQA here)
+    ke, ve = (t.repeat_interleave(s["heads"] // s["kv_heads"], 1) for t in (k, v))
+    dense_leaf = [t.detach().requires_grad_() for t in (q, ke, ve)]
+    leaf = [t.detach().requires_grad_() for t in (q, k, v)]
+    idx = None
+
+    def sdpa(*t):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True)
+
+    def index():
+        nonlocal idx
+        idx = indexer_topk(qi, w, k.mean(1), None, s["top_k"])
+    calls = {"dense_fwd": lambda: sdpa(q, ke, ve), "dense_fwd_bwd": lambda: sdpa(*dense_leaf).backward(go),
+             "dsa_indexer": index,
+             "dsa_sparse_fwd": lambda: sparse_attention(q, k, v, idx, s["head_dim"] ** -0.5),
+             "dsa_sparse_fwd_bwd": lambda: sparse_attention(*leaf, idx, s["head_dim"] ** -0.5).backward(go)}
+    for kind, fn in calls.items():
+        if kind in over or (idx is None and kind.startswith("dsa_sparse")):
+            yield kind, None, None
+            continue
+        try:
+            with torch.enable_grad() if kind.endswith("bwd") else torch.no_grad():
+                yield kind, _cuda_seconds(fn), None
+        except Exception as e:  # recorded, not fatal: the other kinds still report
+            yield kind, None, f"{type(e).__name__}: {str(e)[:300]}"
+        for t in leaf + dense_leaf:
+            t.grad = None
+
+
+def attention_gpu() -> dict:
+    """One attention layer on the GPU, bf16: dense (torch sdpa: flash attention, causal) against DSA (the
+    indexer's scores kernel + top-k, then the sparse attention kernels), forward and forward + backward, per
+    length. Each length runs in its own process under a time limit; a kind that failed, ran out of time or would
+    pass the budget at the next length is skipped from there (null)."""
+    import torch
+    s = GPU_SHAPE
+    fig: dict = {"seq_lens": GPU_SEQ_LENS, **s, "dtype": "bfloat16", "device": torch.cuda.get_device_name(),
+                 "torch": torch.__version__, "budget_s": GPU_BUDGET_S,
+                 "peer": "torch sdpa, SDPBackend.FLASH_ATTENTION, is_causal=True, bf16, key heads expanded untimed"}
+    kinds = ("dense_fwd", "dense_fwd_bwd", "dsa_indexer", "dsa_sparse_fwd", "dsa_sparse_fwd_bwd")
+    for kind in kinds:
+        fig[f"{kind}_seconds"], fig[f"{kind}_peak_mb"] = [], []
+    over: set[str] = set()
+    for L in GPU_SEQ_LENS:
+        cmd = [sys.executable, "-m", "bench.dsa", "_gpu", str(L), json.dumps(sorted(over))]
+        try:
+            text = subprocess.run(cmd, capture_output=True, text=True, timeout=12 * GPU_BUDGET_S).stdout
+        except subprocess.TimeoutExpired as e:
+            text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            fig.setdefault("errors", {})[f"@{L}"] = f"timed out after {12 * GPU_BUDGET_S:.0f} s"
+        done = {}
+        for line in text.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                done[r["kind"]] = r
+        for kind in kinds:
+            r = done.get(kind, {"res": None, "error": None if kind in over else "did not finish"})
+            res = r["res"] or (None, None)
+            if r["error"]:
+                fig.setdefault("errors", {})[f"{kind}@{L}"] = r["error"]
+            if res[0] is None or res[0] > GPU_BUDGET_S / 4:  # the next length: about 4x (L^2)
+                over.add(kind)
+            fig[f"{kind}_seconds"].append(res[0])
+            fig[f"{kind}_peak_mb"].append(res[1])
+        print(f"seq_len {L:7d} " + " ".join(f"{kd} {fig[kd + '_seconds'][-1]}" for kd in kinds), flush=True)
+
+    def ratio(a: str, b: str) -> float | None:
+        x, y = fig[a][-1], fig[b][-1]
+        return None if x is None or y is None else round(x / y, 3)
+    dsa_fwd = [None if a is None or b is None else round(a + b, 5)
+               for a, b in zip(fig["dsa_indexer_seconds"], fig["dsa_sparse_fwd_seconds"])]
+    fig["dsa_fwd_seconds"] = dsa_fwd
+    fig["attn_time_ratio_at_top_len"] = None if dsa_fwd[-1] is None or fig["dense_fwd_seconds"][-1] is None \
+        else round(dsa_fwd[-1] / fig["dense_fwd_seconds"][-1], 3)
+    fig["sparse_fwd_bwd_ratio_at_top_len"] = ratio("dsa_sparse_fwd_bwd_seconds", "dense_fwd_bwd_seconds")
+    _plot_gpu(fig, OUT / "dsa_gpu.png")
+    return fig
+
+
+def _plot_gpu(fig: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    xs = fig["seq_lens"]
+    f, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label, style in (("dense_fwd", "dense forward (sdpa)", "-"),
+                              ("dsa_fwd", "DSA forward (indexer + sparse)", "-"),
+                              ("dsa_indexer", "DSA indexer top-k", ":"),
+                              ("dsa_sparse_fwd", "DSA sparse attention", "--"),
+                              ("dense_fwd_bwd", "dense forward + backward", "-"),
+                              ("dsa_sparse_fwd_bwd", "DSA sparse forward + backward", "--")):
+        pts = [(x, y) for x, y in zip(xs, fig[f"{key}_seconds"]) if y is not None]
+        if pts:
+            a.plot(*zip(*pts), marker="o", ls=style, label=label)
+    for key, label in (("dense_fwd", "dense forward"), ("dsa_indexer", "DSA indexer"),
+                       ("dsa_sparse_fwd", "DSA sparse")):
+        pts = [(x, y) for x, y in zip(xs, fig[f"{key}_peak_mb"]) if y is not None]
+        if pts:
+            b.plot(*zip(*pts), marker="o", label=label)
+    for ax, label in ((a, "seconds (one layer)"), (b, "peak MB above the inputs")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    f.suptitle(f"{fig['heads']} heads ({fig['kv_heads']} kv) x {fig['head_dim']}, top_k {fig['top_k']}, "
+               f"indexer {fig['indexer_heads']} heads, bf16; {fig['device']}")
+    f.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f.savefig(path, dpi=100)
+    plt.close(f)
+
+
 def _plot(fig: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -178,7 +329,7 @@ def evidence(seeds: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.dsa")
-    ap.add_argument("part", nargs="?", choices=["attention", "evidence", "all"], default="all")
+    ap.add_argument("part", nargs="?", choices=["attention", "attention_gpu", "evidence", "all"], default="all")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = ap.parse_args(argv if argv is not None else [])
     path = OUT / "dsa.json"
@@ -188,6 +339,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.part in ("attention", "all"):
         fig["attention"] = attention()
         fig["attn_time_ratio_at_top_len"] = fig["attention"]["attn_time_ratio_at_top_len"]
+        import torch
+        if torch.cuda.is_available():
+            fig["attention_gpu"] = attention_gpu()
+            fig["attn_time_ratio_at_top_len_gpu"] = fig["attention_gpu"]["attn_time_ratio_at_top_len"]
+    if args.part == "attention_gpu":
+        fig["attention_gpu"] = attention_gpu()
+        fig["attn_time_ratio_at_top_len_gpu"] = fig["attention_gpu"]["attn_time_ratio_at_top_len"]
     OUT.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
@@ -196,5 +354,8 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_one":
         print(json.dumps(_one(sys.argv[2], int(sys.argv[3]))))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_gpu":  # one length of attention_gpu, a line per kind
+        for kind, res, error in _gpu_point(int(sys.argv[2]), GPU_SHAPE, set(json.loads(sys.argv[3]))):
+            print(json.dumps({"kind": kind, "res": res, "error": error}), flush=True)
     else:
         main(sys.argv[1:])

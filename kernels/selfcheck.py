@@ -24,7 +24,7 @@ def _grads(fn, params, weights):
 
 
 def _worst(a, b) -> float:
-    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
+    return max((x.double().cpu() - y.double().cpu()).abs().max().item() for x, y in zip(a, b))
 
 
 def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
@@ -32,7 +32,7 @@ def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
 
     from kernels.logprob import linear_logprob, linear_logprob_reference
     from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_reference
-    from kernels.w4a8 import quantize_activations, w4a8_matmul, w4a8_reference
+    from kernels.w4a8 import quantize_activations, quantize_activations_fused, w4a8_matmul, w4a8_reference
     from posttrain.quant.int_linear import IntLinear
     g = torch.Generator().manual_seed(seed)
     out: dict[str, float] = {}
@@ -58,7 +58,9 @@ def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
     xq, sx = quantize_activations(x)
     ref = w4a8_reference(xq, sx, pack_to_int32(q, 4), scales)
     if use_triton(x.to(device)):
-        out["w4a8"] = _worst([w4a8_matmul(*(t.to(device) for t in (xq, sx, pack_to_int32(q, 4), scales)))], [ref])
+        args = [t.to(device) for t in (xq, sx, pack_to_int32(q, 4), scales)]
+        out["w4a8"] = max(_worst([w4a8_matmul(*args, config=dict(SPLIT_K=split))], [ref]) for split in (1, 2))
+        out["quantize_activations"] = _worst(quantize_activations_fused(x.to(device)), (xq, sx))
     out["int_linear"] = _worst([layer.to(device)(x.to(device))], [ref])  # the model's layer: kernel or _int_mm
     out.update(_check_dsa(device, g))
     out["triton"] = float(use_triton(x.to(device)))
@@ -78,8 +80,8 @@ def _check_dsa(device: str, g: torch.Generator) -> dict[str, float]:
 
     def picked(idx):  # each query's selected scores, sorted; -1 entries count as -1e9
         return [scores.gather(-1, idx.cpu().long().clamp(min=0)).masked_fill(idx.cpu() < 0, -1e9).sort(-1).values]
-    out["dsa_topk"] = max(_worst(picked(dsa.indexer_topk(*(t.to(device) for t in (qi, w, ki)),
-                                                         None if a is None else a.to(device), top_k)),
+    out["dsa_topk"] = max(_worst(picked(dsa.indexer_topk(*(t.to(device) for t in (qi, w, ki)),  # 2 query chunks
+                                                         None if a is None else a.to(device), top_k, 4 * b * lk * 16)),
                                  picked(dsa.indexer_topk_reference(qi, w, ki, a, top_k))) for a in (None, docs))
     h, hkv = 4, 2
     q = torch.randn(b, h, lq, d, generator=g).to(device).requires_grad_()

@@ -43,32 +43,70 @@ def _kernel():
 
     @triton.jit
     def gemm(x_ptr, sx_ptr, w_ptr, s_ptr, o_ptr, M, N, K, GROUP, stride_xm, stride_wn, stride_sn, stride_om,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):
+        # SPLIT_K > 1: each program sums its share of the groups into the zeroed output with atomics (a decode
+        # step's few rows leave too few column tiles to keep the memory system busy)
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)  # columns on the first axis: many more of them than rows
+        rm = tl.program_id(1) * BM + tl.arange(0, BM)
         rk = tl.arange(0, BK)
+        rc = tl.arange(0, BK // 8)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for g0 in range(0, K, GROUP):
+        per = tl.cdiv(K // GROUP, SPLIT_K) * GROUP
+        for g0 in range(tl.program_id(2) * per, tl.minimum(K, tl.program_id(2) * per + per), GROUP):
             acc_g = tl.zeros([BM, BN], dtype=tl.int32)
             for k0 in range(g0, g0 + GROUP, BK):
-                k = k0 + rk
-                x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :], mask=(rm < M)[:, None],
-                            other=0)
-                p = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + (k[:, None] // 8),
-                            mask=(rn < N)[None, :], other=0)
-                w = (((p >> ((k[:, None] % 8) * 4)) & 0xF) - 8).to(tl.int8)
-                acc_g = tl.dot(x, w, acc_g, out_dtype=tl.int32)
+                x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :],
+                            mask=(rm < M)[:, None], other=0)
+                p = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 // 8 + rc)[None, :],
+                            mask=(rn < N)[:, None], other=0)
+                # nibble j of packed column c is weight 8c + j: joins stack the eight nibbles in registers (the
+                # last three joined dimensions index 4a + 2b + d), so each packed word is loaded once, K-contiguous
+                a00 = tl.join(((p & 15) - 8).to(tl.int8), (((p >> 16) & 15) - 8).to(tl.int8))
+                a01 = tl.join((((p >> 4) & 15) - 8).to(tl.int8), (((p >> 20) & 15) - 8).to(tl.int8))
+                a10 = tl.join((((p >> 8) & 15) - 8).to(tl.int8), (((p >> 24) & 15) - 8).to(tl.int8))
+                a11 = tl.join((((p >> 12) & 15) - 8).to(tl.int8), (((p >> 28) & 15) - 8).to(tl.int8))
+                w = tl.reshape(tl.join(tl.join(a00, a10), tl.join(a01, a11)), [BN, BK])
+                acc_g = tl.dot(x, tl.trans(w), acc_g, out_dtype=tl.int32)
             s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + g0 // GROUP, mask=rn < N, other=0.0)
             acc += acc_g.to(tl.float32) * s[None, :]
         sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
-        tl.store(o_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc * sx[:, None],
-                 mask=(rm < M)[:, None] & (rn < N)[None, :])
+        optr = o_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+        if SPLIT_K == 1:
+            tl.store(optr, acc * sx[:, None], mask=(rm < M)[:, None] & (rn < N)[None, :])
+        else:
+            tl.atomic_add(optr, acc * sx[:, None], mask=(rm < M)[:, None] & (rn < N)[None, :])
 
-    return gemm
+    @triton.jit
+    def quantize(x_ptr, q_ptr, s_ptr, K, stride_xm, TOP: tl.constexpr, BLOCK: tl.constexpr):
+        # one row: absmax scale, then round half to even as torch.round does (adding and taking away 1.5 * 2^23
+        # leaves fp32 no fraction bits: exact for |v| <= 2^22, far above 127)
+        row = tl.program_id(0)
+        rk = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+        sx = tl.maximum(tl.max(tl.abs(x), 0) / TOP, 1e-8)
+        r = (x / sx + 12582912.0) - 12582912.0
+        tl.store(q_ptr + row.to(tl.int64) * K + rk, tl.minimum(tl.maximum(r, -TOP - 1), TOP).to(tl.int8), mask=rk < K)
+        tl.store(s_ptr + row + tl.arange(0, 1), tl.full([1], 0.0, tl.float32) + sx)
+
+    return gemm, quantize
 
 
-def w4a8_matmul(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel of `w4a8_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1)."""
+def quantize_activations_fused(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` in one Triton launch (torch's form takes six: at a decode step they cost more than
+    the GEMM)."""
+    import triton
+    x = x.contiguous()
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    sx = torch.empty(m, dtype=torch.float32, device=x.device)
+    _kernel()[1][(m,)](x, xq, sx, k, x.stride(0), TOP=2 ** (bits - 1) - 1, BLOCK=triton.next_power_of_2(k))
+    return xq, sx
+
+
+def w4a8_matmul(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """The Triton kernel of `w4a8_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1). `config` overrides
+    the tile sizes and launch settings (BM, BN, BK, SPLIT_K, num_warps, num_stages), for benchmarks."""
     import triton
     m, k = xq.shape
     n, groups = scales.shape
@@ -76,11 +114,15 @@ def w4a8_matmul(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales
     if k % 8 or group * groups != k or group % 16 or packed.shape != (n, k // 8):
         raise ValueError(f"w4a8_matmul: K={k} must split into {groups} groups of a multiple of 16 columns, packed "
                          f"[{n}, {k // 8}] int32 (got {tuple(packed.shape)})")
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64
-    bn, bk = 64, max(16, min(128, group & -group))  # bk: the largest power of 2 dividing the group, <= 128
-    out = torch.empty(m, n, device=xq.device, dtype=torch.float32)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    # the fastest split-free tiles of a sweep on an H100 at 4096 -> 14336. SPLIT_K 8 was faster at up to 16 rows
+    # (40 against 53 us) but its atomics make the sums' order, so a greedy decode, vary from run to run
+    cfg = dict(BM=16 if m <= 16 else 32 if m <= 32 else 64, BN=32 if m <= 64 else 128,
+               BK=max(16, min(128, group & -group)), SPLIT_K=1, num_warps=4, num_stages=2)
+    cfg.update(config or {})  # BK above: the largest power of 2 dividing the group, <= 128
+    split = cfg["SPLIT_K"]
+    out = (torch.zeros if split > 1 else torch.empty)(m, n, device=xq.device, dtype=torch.float32)
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
     scales = scales.float().contiguous()
-    _kernel()[grid](xq.contiguous(), sx.float().contiguous(), packed.contiguous(), scales, out, m, n, k, group,
-                    k, packed.stride(0), scales.stride(0), n, BM=bm, BN=bn, BK=bk)
+    _kernel()[0][grid](xq.contiguous(), sx.float().contiguous(), packed.contiguous(), scales, out, m, n, k, group,
+                       k, packed.stride(0), scales.stride(0), n, **cfg)
     return out

@@ -37,20 +37,23 @@ class IntLinear(torch.nn.Module):
         self.register_buffer("qweight_t", q.to(torch.int8).t().contiguous())   # [in, out]
         self.register_buffer("scales_t", scales.float().t().contiguous())      # [groups, out]
         self.kernel_fits = weight_bits == 4 and act_bits == 8 and self.group_size % 16 == 0
-        self._packed: torch.Tensor | None = None  # the Triton kernel's layout, packed where it first runs
+        self._packed: torch.Tensor | None = None  # the Triton kernel's layouts, made where it first runs
+        self._scales: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).float()
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel_fits and use_triton(x2):
+            from kernels.w4a8 import quantize_activations_fused, w4a8_matmul
+            if self._packed is None or self._packed.device != x2.device:  # the kernel's layouts, made once
+                self._packed = pack_to_int32(self.qweight_t.t(), 4)
+                self._scales = self.scales_t.t().contiguous()
+            y = w4a8_matmul(*quantize_activations_fused(x2), self._packed, self._scales)
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        x2 = x2.float()
         sx = (x2.abs().amax(-1, keepdim=True) / self.act_max).clamp(min=1e-8)
         xq = torch.round(x2 / sx).clamp(-self.act_max - 1, self.act_max).to(torch.int8)
         g = self.group_size
-        if self.kernel_fits and use_triton(x2):
-            from kernels.w4a8 import w4a8_matmul
-            if self._packed is None or self._packed.device != x2.device:
-                self._packed = pack_to_int32(self.qweight_t.t(), 4)
-            y = w4a8_matmul(xq, sx.squeeze(-1), self._packed, self.scales_t.t())
-            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         if g == self.in_features:
             acc = _int_mm(xq, self.qweight_t).float() * self.scales_t[0]
         else:
