@@ -11,6 +11,7 @@ Generated tokens/s count every emitted token over the episodes' wall time (envir
 both modes); acceptance length is tokens per model forward after the first token (at most depth + 1).
 
     python -m bench.mtp [--seed 0]     (make bench B=mtp)
+    python -m bench.mtp --checkpoint DIR --curate DIR     (an existing MTP checkpoint, e.g. on a GPU machine)
 """
 from __future__ import annotations
 
@@ -79,15 +80,18 @@ def compare(engine, tok, tasks, **kw) -> dict:
             "episodes": len(tasks), "generated_tokens": runs[True][0][2]}
 
 
-def measure(seed: int) -> dict:
+def measure(seed: int, checkpoint: Path | None = None, curate: Path | None = None) -> dict:
+    """Plain against speculative decoding on the tiny sft checkpoint trained with MTP for `seed`, or on
+    `checkpoint` (an MTP checkpoint, e.g. bench/mtp's own carried to a GPU machine) with `curate`'s test tasks."""
     import torch
 
     from posttrain.config import load_config
     from posttrain.data import load_tasks
+    from posttrain.device import device
     from posttrain.engines import rollout_engine
     torch.set_num_threads(2)
     cfg = load_config("tiny", [f"seed={seed}", f"mtp.depth={DEPTH}"])
-    path, cur, metrics = trained(seed)
+    path, cur, metrics = (checkpoint, curate, {}) if checkpoint else trained(seed)
     engine = rollout_engine("torch", path)
     tok = engine.tokenizer
     domains = cfg.rl.domains
@@ -95,7 +99,9 @@ def measure(seed: int) -> dict:
     single = [t for d in domains for t in load_tasks(cur, "test", d)[:8]]
     prompts = [t for d in domains for t in load_tasks(cur, "rl", d)[: cfg.rl.prompts_per_step // len(domains)]]
     common = {"max_new_tokens": cfg.eval.max_new_tokens, "max_turns": cfg.rl.max_turns}
-    fig = {"device": "cpu (2 cores)", "seed": seed, "depth": DEPTH, "repeats": REPEATS, **metrics}
+    dev = device()
+    where = torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    fig = {"device": where, "checkpoint": str(path), "seed": seed, "depth": DEPTH, "repeats": REPEATS, **metrics}
     fig["evaluate"] = compare(engine, tok, test, temperature=0.0, batch_size=cfg.eval.batch_size, **common)
     fig["evaluate_batch_1"] = compare(engine, tok, single, temperature=0.0, batch_size=1, **common)
     fig["rl_rollouts"] = compare(engine, tok, [t for t in prompts for _ in range(cfg.rl.group_size)],
@@ -111,8 +117,12 @@ def measure(seed: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.mtp")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint", type=Path, help="measure this MTP checkpoint instead of training one")
+    ap.add_argument("--curate", type=Path, help="with --checkpoint: the curated data whose test tasks it decodes")
     args = ap.parse_args(argv if argv is not None else [])
-    fig = measure(args.seed)
+    if bool(args.checkpoint) != bool(args.curate):
+        ap.error("--checkpoint and --curate go together")
+    fig = measure(args.seed, args.checkpoint, args.curate)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "mtp.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
