@@ -203,14 +203,17 @@ def indexer_topk(qi, w, ki, allowed, top_k: int, chunk_bytes: int = 2 ** 29) -> 
     bm, bn = 64, 64
     for c in range(0, lq, chunk):
         n = min(chunk, lq - c)
-        sc = torch.empty(b, n, lk, dtype=torch.float32, device=qi.device)
+        # causal: the chunk's last query sees keys up to lk - lq + c + n - 1; the keys past it are neither
+        # scored nor ranked (half the work over a whole sequence)
+        width = lk if a is not None else min(lk, lk - lq + c + n)
+        sc = torch.empty(b, n, width, dtype=torch.float32, device=qi.device)
         qc, wc = qi[:, c:c + n], w[:, c:c + n]
         ac = a[:, c:c + n] if a is not None else sc
-        scores_kernel[(triton.cdiv(lk, bn), triton.cdiv(n, bm), b)](
-            qc, wc, ki, ac, sc, n, lk, d, qi.shape[2], lk - lq + c, 1 / math.sqrt(d), qc.stride(0), qc.stride(1),
+        scores_kernel[(triton.cdiv(width, bn), triton.cdiv(n, bm), b)](
+            qc, wc, ki, ac, sc, n, width, d, qi.shape[2], lk - lq + c, 1 / math.sqrt(d), qc.stride(0), qc.stride(1),
             qc.stride(2), wc.stride(0), wc.stride(1), ki.stride(0), ki.stride(1), ac.stride(0), ac.stride(1),
             sc.stride(0), sc.stride(1), HAS_MASK=a is not None, BM=bm, BN=bn, BD=max(16, triton.next_power_of_2(d)))
-        vals, ids = sc.topk(min(top_k, lk), dim=-1)
+        vals, ids = sc.topk(min(top_k, width), dim=-1)
         out[:, c:c + n, :ids.shape[-1]] = ids.int().masked_fill(vals == float("-inf"), -1)
     return out
 
