@@ -197,7 +197,7 @@ def indexer_topk(qi, w, ki, allowed, top_k: int, chunk_bytes: int = 2 ** 29) -> 
                                                  top_k) for c in range(0, lq, chunk)], 1)
     import triton
     scores_kernel = _kernels()[0]
-    qi, w, ki = qi.contiguous(), w.contiguous(), ki.contiguous()
+    qi, w, ki = qi.contiguous(), w.contiguous(), ki.to(qi.dtype).contiguous()  # tl.dot wants one dtype
     a = allowed.to(torch.int8).contiguous() if allowed is not None else None
     out = torch.full((b, lq, top_k), -1, dtype=torch.int32, device=qi.device)
     bm, bn = 64, 64
@@ -228,7 +228,7 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, idx, scaling):
         import triton
-        q, k, v, idx = q.contiguous(), k.contiguous(), v.contiguous(), idx.contiguous()
+        q, k, v, idx = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous(), idx.contiguous()
         b, h, lq, d = q.shape
         hkv = k.shape[1]
         o = torch.empty(q.shape, device=q.device, dtype=torch.float32)
