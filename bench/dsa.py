@@ -191,8 +191,7 @@ def attention_gpu() -> dict:
     dsa_fwd = [None if a is None or b is None else round(a + b, 5)
                for a, b in zip(fig["dsa_indexer_seconds"], fig["dsa_sparse_fwd_seconds"])]
     fig["dsa_fwd_seconds"] = dsa_fwd
-    fig["attn_time_ratio_at_top_len"] = None if dsa_fwd[-1] is None or fig["dense_fwd_seconds"][-1] is None \
-        else round(dsa_fwd[-1] / fig["dense_fwd_seconds"][-1], 3)
+    fig["attn_time_ratio_at_top_len"] = ratio("dsa_fwd_seconds", "dense_fwd_seconds")
     fig["sparse_fwd_bwd_ratio_at_top_len"] = ratio("dsa_sparse_fwd_bwd_seconds", "dense_fwd_bwd_seconds")
     _plot_gpu(fig, OUT / "dsa_gpu.png")
     return fig
