@@ -231,7 +231,7 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, idx = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous(), idx.contiguous()
         b, h, lq, d = q.shape
         hkv = k.shape[1]
-        o = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        o = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # bf16 on a GPU, as flash keeps it
         lse = torch.empty(b * h, lq, device=q.device, dtype=torch.float32)
         ctx.blocks = dict(GP=max(16, triton.next_power_of_2(h // hkv)), BD=max(16, triton.next_power_of_2(d)))
         _kernels()[1][(lq, b * hkv)](q, k, v, idx, o, lse, h, hkv, h // hkv, lq, d, idx.shape[-1], scaling,
@@ -239,14 +239,14 @@ class _SparseAttention(torch.autograd.Function):
                                      idx.stride(0), idx.stride(1), **ctx.blocks, **FWD_LAUNCH)
         ctx.save_for_backward(q, k, v, idx, o, lse)
         ctx.scaling = scaling
-        return o.to(q.dtype)
+        return o  # saved for the backward too (autograd checks it is not modified in place)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, idx, o, lse = ctx.saved_tensors
         b, h, lq, d = q.shape
         hkv = k.shape[1]
-        delta = (do.float() * o).sum(-1).view(b * h, lq).contiguous()
+        delta = (do.float() * o.float()).sum(-1).view(b * h, lq).contiguous()
         do = do.to(q.dtype).contiguous()
         dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         dk = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
