@@ -83,8 +83,9 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
               num_cpus=0.5, threads=1, resumable=True),
         Stage("quantize", "posttrain.quant.stage:run", ("opd", "curate"), ("seed", "quantize"),
               "tasks.quantize:quantize"),
+        # on CPU evaluate's checkpoints run as Ray tasks of one CPU each (posttrain.evaluate), so it reserves little
         Stage("evaluate", "posttrain.evaluate:run", evaluated, ("seed", "world.seed", "eval", "rl", "model", "ramp"),
-              "tasks.evaluate:evaluate"),
+              "tasks.evaluate:evaluate", num_cpus=0.1),
     ]
     if len(order) > 1:  # the GLM-5 chains (with distillation, xs-, and without, seq-) after the first specialist
         stages += [Stage(stage_name(c, d, order), "posttrain.rl.cross_stage:run", _chain_inputs(c, d, order),

@@ -109,3 +109,43 @@ def test_unknown_engines_are_refused_by_name():
         check({"rl.rollout_engine": "sglang"})
     with pytest.raises(ValueError, match="rl.train_engine: unknown engine 'megatron'"):
         check({"rl.train_engine": "megatron"})
+
+
+def test_the_decode_cache_writes_in_place_and_matches_transformers_cache(ckpts, tok):
+    """Decoding writes each token's keys into spare room (no copy of the whole cache per token); what the model
+    sees is what transformers' own cache gives it: same greedy tokens and log-probabilities, rows dropped and
+    steps cropped alike."""
+    from transformers import DynamicCache
+
+    from posttrain.engines import torch_rollout
+    from posttrain.engines.kv_cache import decode_cache
+    model = rollout_engine("torch", ckpts[0]).model
+    prompts = _prompts(tok, 4)
+    prompts[1] = prompts[1][:-5]  # rows of different lengths, and two rows sharing a prompt
+    prompts.append(prompts[0])
+    kw = dict(max_new_tokens=20, temperature=0.0, pad_id=0)
+    free = torch_rollout.sample(model, prompts, stop_ids=set(), **kw)
+    kw["stop_ids"] = {free[0].ids[3], free[2].ids[6]}  # rows finish early and leave the batch
+    ours = torch_rollout.sample(model, prompts, **kw)
+    orig = torch_rollout.decode_cache
+    torch_rollout.decode_cache = lambda reserve: DynamicCache()
+    try:
+        ref = torch_rollout.sample(model, prompts, **kw)
+    finally:
+        torch_rollout.decode_cache = orig
+    assert [g.ids for g in ours] == [g.ids for g in ref] and any(g.stop_reason == "stop" for g in ours)
+    assert all(torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5) for a, b in zip(ours, ref))
+
+    cache, ref = decode_cache(reserve=4), DynamicCache()  # outgrows its room: doubles
+    for n in (3, 1, 1, 2):
+        k, v = torch.randn(3, 2, n, 8), torch.randn(3, 2, n, 8)
+        got, want = cache.update(k, v, 0), ref.update(k, v, 0)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    rows = torch.tensor([2, 0])
+    cache.batch_select_indices(rows)
+    ref.batch_select_indices(rows)
+    cache.crop(-2)
+    ref.crop(-2)
+    k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    got, want = cache.update(k, v, 0), ref.update(k, v, 0)
+    assert cache.get_seq_length() == ref.get_seq_length() == 6 and torch.equal(got[0], want[0])

@@ -16,10 +16,10 @@ positions a verification accepted, plus the draft steps' slots, dropped after ea
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from posttrain import mtp as mtp_module
 from posttrain.engines.base import Generation
+from posttrain.engines.kv_cache import decode_cache
 from posttrain.engines.torch_rollout import gumbel_draw, prefill_distinct
 
 
@@ -64,7 +64,9 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
     `verifications` (row-forwards of the model after the first token) and `accepted` (tokens they produced)."""
     mtp = mtp_module.get(model)
     n, base, head = mtp.depth, model.base_model, model.get_output_embeddings()
-    out, cache, attn, which = prefill_distinct(base, prompts, pad_id)
+    # rejected drafts keep their slots: the caches grow by n + 1 per verification (doubling when outgrown)
+    reserve = max(map(len, prompts)) + 2 * max_new_tokens + n + 1
+    out, cache, attn, which = prefill_distinct(base, prompts, pad_id, decode_cache(reserve))
     h = out.last_hidden_state[which]
     dev = h.device
     L = max(map(len, prompts))
@@ -89,7 +91,7 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
     rows = torch.arange(len(prompts), device=dev)
     pos = attn.sum(-1)                                     # where each row's next token goes
     # the MTP layer over the prompt: slot j holds (hidden state at j, token j + 1)
-    dcache, dattn = DynamicCache(), attn.clone()
+    dcache, dattn = decode_cache(reserve), attn.clone()
     g, lg = mtp.step(model, h, torch.cat([ids[:, 1:], x[:, None]], 1), (attn.cumsum(-1) - 1).clamp(min=0),
                      _mask(dattn, L), dcache)
     g, lg = g[:, -1:], lg[:, -1]

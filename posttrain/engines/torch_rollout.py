@@ -11,10 +11,12 @@ from transformers import DynamicCache
 
 from posttrain.chat import chat_format
 from posttrain.engines.base import Generation, WeightSource
+from posttrain.engines.kv_cache import decode_cache
 
 
-def prefill_distinct(model, prompts: list[list[int]], pad_id: int, **extra):
-    """Run each distinct prompt once (left-padded) and index its KV cache out to every row that has it.
+def prefill_distinct(model, prompts: list[list[int]], pad_id: int, cache=None, **extra):
+    """Run each distinct prompt once (left-padded) and index its KV cache (`cache`, default transformers'
+    DynamicCache) out to every row that has it.
 
     Returns (the model's output for the distinct prompts, the per-row cache, the per-row attention mask,
     `which`: row -> distinct prompt). Groups of samples share a prompt; this is where they share its work."""
@@ -24,7 +26,7 @@ def prefill_distinct(model, prompts: list[list[int]], pad_id: int, **extra):
     L = max(map(len, uniq))
     ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in uniq], device=dev)
     attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in uniq], device=dev)
-    cache = DynamicCache()
+    cache = DynamicCache() if cache is None else cache
     if hasattr(model, "lm_head"):  # a causal LM computes logits only where they are used: the last position
         extra["logits_to_keep"] = 1
     out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
@@ -47,7 +49,8 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature:
 
     Identical prompts (a GRPO group) are prefilled once and share their KV cache; finished rows leave
     the batch once an eighth of it has finished, so the cost follows the unfinished rows."""
-    out, cache, attn, which = prefill_distinct(model, prompts, pad_id)
+    reserve = max(map(len, prompts)) + max_new_tokens
+    out, cache, attn, which = prefill_distinct(model, prompts, pad_id, decode_cache(reserve))
     logits = out.logits[:, -1].float()[which]
     rows = torch.arange(len(prompts), device=logits.device)          # batch row -> prompt index
     live = torch.ones(len(prompts), dtype=torch.bool, device=logits.device)
