@@ -41,20 +41,20 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         samples, adv, rewards = [s for s, k in zip(samples, live.tolist()) if k], adv[live], rewards[live]
     chunks = [(idx, [samples[i] for i in idx]) for idx in micro_batches(samples, r.micro_batch_cells)]
     batches = [completion_batch(sub, dev) for _, sub in chunks]
+    trained = sum(b["mask"].sum().item() for b in batches)
     if critic is None:
         advs = [adv[idx] for idx, _ in chunks]
     else:
-        with torch.no_grad():
-            old_vs = [critic.forward(sub) for _, sub in chunks]
-        gaes = [gae(v, rewards[idx], b["mask"], r.gae_gamma, r.gae_lambda)
-                for (idx, _), v, b in zip(chunks, old_vs, batches)]
-        returns = [ret for _, ret in gaes]
-        flat = torch.cat([a[b["mask"] > 0] for (a, _), b in zip(gaes, batches)])  # whitened over the whole batch
-        advs = [(a - flat.mean()) / (flat.std() + 1e-6) * b["mask"] for (a, _), b in zip(gaes, batches)]
+        # the first pass's critic forward is the one the advantages need (nothing has updated the critic yet):
+        # its detached values are the old values, so a step runs one critic forward fewer
+        first = critic_pass(r, critic, chunks, batches, n_tokens, trained, rewards=rewards)
+        old_vs, returns = first.pop("old_values"), first.pop("returns")
+        gaes = first.pop("advantages")
+        flat = torch.cat([a[b["mask"] > 0] for a, b in zip(gaes, batches)])  # whitened over the whole batch
+        advs = [(a - flat.mean()) / (flat.std() + 1e-6) * b["mask"] for a, b in zip(gaes, batches)]
 
-    trained = sum(b["mask"].sum().item() for b in batches)
     stats: dict[str, float] = {}
-    for _ in range(r.ppo_epochs):
+    for epoch in range(r.ppo_epochs):
         stats = {}
         policy.zero_grad()
         for (_, sub), b, a in zip(chunks, batches, advs):
@@ -81,20 +81,39 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
             stats.update(extra())
         stats["grad_norm"] = policy.step(1.0)
         if critic is not None:
-            critic.zero_grad()
-            vl_total = clip_frac = 0.0
-            values = []
-            for (_, sub), b, v_old, ret in zip(chunks, batches, old_vs, returns):
-                v = critic.forward(sub)
-                vl, vst = value_loss(v, v_old, ret, b["mask"], r.value_clip, n_tokens)
-                critic.backward(vl)
-                vl_total += vl.item()
-                clip_frac += vst["value_clip_frac"] * b["mask"].sum().item() / trained
-                values.append(v.detach())
+            stats |= first if epoch == 0 else critic_pass(r, critic, chunks, batches, n_tokens, trained,
+                                                           old_values=old_vs, returns=returns)
             stats["critic_grad_norm"] = critic.step(1.0)
-            stats["value_loss"], stats["value_clip_frac"] = vl_total, clip_frac
-            # of the values this pass trained on (before its update), over the whole batch
-            stats["explained_variance"] = explained_variance(
-                torch.cat([v[b["mask"] > 0] for v, b in zip(values, batches)]),
-                torch.cat([x[b["mask"] > 0] for x, b in zip(returns, batches)]))
     return stats
+
+
+def critic_pass(r: RLConfig, critic: TrainEngine, chunks: list, batches: list[dict], n_tokens: float, trained: float,
+                rewards: torch.Tensor | None = None, old_values: list | None = None, returns: list | None = None
+                ) -> dict:
+    """The critic's clipped value loss, backward over the batch's micro-batches (its optimizer step is the
+    caller's). Without `old_values` (the first pass) the values it computes are the old values: their GAE
+    advantages and returns against `rewards` come back too (`old_values`, `returns`, `advantages`)."""
+    critic.zero_grad()
+    out: dict = {"value_loss": 0.0, "value_clip_frac": 0.0}
+    first = old_values is None
+    if first:
+        old_values, returns, out["advantages"] = [], [], []
+    values = []
+    for i, ((idx, sub), b) in enumerate(zip(chunks, batches)):
+        v = critic.forward(sub)
+        if first:
+            a, ret = gae(v.detach(), rewards[idx], b["mask"], r.gae_gamma, r.gae_lambda)
+            old_values.append(v.detach())
+            returns.append(ret)
+            out["advantages"].append(a)
+        vl, vst = value_loss(v, old_values[i], returns[i], b["mask"], r.value_clip, n_tokens)
+        critic.backward(vl)
+        out["value_loss"] += vl.item()
+        out["value_clip_frac"] += vst["value_clip_frac"] * b["mask"].sum().item() / trained
+        values.append(v.detach())
+    # of the values this pass trained on (before its update), over the whole batch
+    out["explained_variance"] = explained_variance(torch.cat([v[b["mask"] > 0] for v, b in zip(values, batches)]),
+                                                   torch.cat([x[b["mask"] > 0] for x, b in zip(returns, batches)]))
+    if first:
+        out |= {"old_values": old_values, "returns": returns}
+    return out
