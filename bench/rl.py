@@ -11,8 +11,10 @@ x 8 samples, one update per batch), loss settings (the tiny profile's aggregatio
 no KL) and machine. Figures: optimizer steps per second (no validation on either side) and the mean batch
 reward of the last 5 of n steps.
 Like for like: TRL is synchronous (generate, then update), so the comparison is our synchronous loop
-(rl.max_staleness=0, same deployment as (a)): `steps_ratio_vs_trl_sync`. Our asynchronous loop (k=1) against
-the same TRL run stays beside it as its own figure (`steps_per_s`, `steps_ratio_vs_trl`).
+(rl.max_staleness=0): `steps_ratio_vs_trl_sync`. TRL's one process has both cores' threads; ours takes turns
+between the trainer and the rollout worker, so each has both cores' threads too (`rl.worker_threads=2`); the
+deployment of (a), one thread each, is the side figure `steps_per_s_sync_1thread`. Our asynchronous loop (k=1,
+one thread each) against the same TRL run stays beside it as its own figure (`steps_per_s`, `steps_ratio_vs_trl`).
 Settings on each side: ours fp32, no activation checkpointing. TRL at its best on this machine, set
 explicitly and recorded as `trl_config` (TRL 1.16 defaults to bf16 and gradient checkpointing; bf16 is ~3x
 slower on this CPU): `bf16=False`, `gradient_checkpointing=False`; sampling top_p=1, top_k=0 (plain
@@ -36,6 +38,8 @@ VAL_EVERY = 8
 ASYNC_DOMAIN = os.environ.get("BENCH_RL_ASYNC_DOMAIN", "general")
 DOMAIN = os.environ.get("BENCH_RL_DOMAIN", "general")  # GRPO, as TRL's GRPOTrainer
 TRL_DEFAULTS = os.environ.get("BENCH_RL_TRL_DEFAULTS", "0") == "1"
+TRL_THREADS = 2   # TRL's one process: both cores
+SYNC_THREADS = 2  # our synchronous loop against it: trainer and rollout worker take turns, each with both cores
 # TRL's best settings on this machine, set explicitly (TRL 1.16 defaults: bf16=True, gradient_checkpointing=True)
 TRL_BEST = {"bf16": False, "gradient_checkpointing": False}
 OUT = Path(".posttrain/bench")
@@ -55,8 +59,9 @@ def _rl_config(overrides: dict, domain: str = DOMAIN):
     return r.model_copy(update={"val_every": 2, "checkpoint_every": 0, **overrides})
 
 
-def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAIN) -> dict:
-    """One specialist run (child process: its own Ray, its own clock)."""
+def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAIN, threads: int = 1) -> dict:
+    """One specialist run (child process: its own Ray, its own clock); `threads` torch threads for the trainer
+    and for the rollout worker each."""
     import ray
     import torch
 
@@ -64,10 +69,11 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
     from posttrain.raysupport import ensure_ray
     from posttrain.config import RuntimeConfig
     from posttrain.rl.loop import train_policy
-    torch.set_num_threads(1)
+    threads = int(threads)
+    torch.set_num_threads(threads)
     ensure_ray(RuntimeConfig())
     sft, curate = _inputs()
-    r = _rl_config({"max_staleness": k, "steps": steps, "val_every": val_every}, domain)
+    r = _rl_config({"max_staleness": k, "steps": steps, "val_every": val_every, "worker_threads": threads}, domain)
     # a validation set 3x the pipeline's (same generator, val split): time to accuracy needs a steady curve
     import environments
     from posttrain.config import load_config
@@ -89,7 +95,7 @@ def _trl(steps: int, defaults: bool = False) -> dict:
 
     import environments
     from posttrain.data import load_tasks
-    torch.set_num_threads(2)
+    torch.set_num_threads(TRL_THREADS)
     sft, curate = _inputs()
     r = _rl_config({})
     tok = AutoTokenizer.from_pretrained(sft)
@@ -158,7 +164,10 @@ def main() -> None:
     sync_wall, async_wall = _time_to(sync_val, sync_wall_curve, target), _time_to(async_val, async_wall_curve, target)
     sync, asyn = syncs[0], asyns[0]
     cmp = _child("ours", 1, TRL_STEPS, 0)  # no validation: TRL runs none either
-    cmp_sync = _child("ours", 0, TRL_STEPS, 0)  # synchronous, as TRL is: the like-for-like comparison
+    # synchronous, as TRL is: the like-for-like comparison. Trainer and worker take turns, so each gets both
+    # cores' threads, as TRL's one process does; the one-thread deployment of (a) is a side figure
+    cmp_sync = _child("ours", 0, TRL_STEPS, 0, 0, DOMAIN, SYNC_THREADS)
+    cmp_sync_1 = _child("ours", 0, TRL_STEPS, 0)
     trl = _child("trl", TRL_STEPS)
     trl_d = _child("trl", TRL_STEPS, "defaults") if TRL_DEFAULTS else None
     n = min(5, TRL_STEPS)  # reward after n steps: the mean of the last 5 steps' batch rewards
@@ -182,10 +191,12 @@ def main() -> None:
     fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]  # ours async (k=1) over TRL
     fig |= {"steps_per_s_sync": TRL_STEPS / cmp_sync["train_wall_s"],
             "reward_after_n_sync": sum(cmp_sync["reward"][-n:]) / n,
+            "steps_per_s_sync_1thread": TRL_STEPS / cmp_sync_1["train_wall_s"],
             "trl_config": trl["trl_config"], "trl_bf16": trl["trl_config"]["bf16"],
             "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
             "ours_config": {"bf16": False, "gradient_checkpointing": False, "max_staleness_sync": 0,
-                            "max_staleness_async": 1, "temperature": _rl_config({}).temperature}}
+                            "max_staleness_async": 1, "temperature": _rl_config({}).temperature,
+                            "threads_sync": SYNC_THREADS, "threads_async": 1, "threads_trl": TRL_THREADS}}
     fig["steps_ratio_vs_trl_sync"] = fig["steps_per_s_sync"] / fig["steps_per_s_trl"]  # the headline vs TRL
     if trl_d:  # TRL at its own defaults (bf16, gradient checkpointing): a side figure, not the comparison
         fig |= {"trl_defaults_config": trl_d["trl_config"], "steps_per_s_trl_defaults": TRL_STEPS / trl_d["wall_s"],

@@ -293,6 +293,9 @@ class RLConfig(_Strict):
     max_staleness: AtLeast0 = 1          # k: samples more than k policy versions old are dropped; 0 = synchronous
     rollout_workers: AtLeast1 = 1
     worker_cpus: NonNegative = 0.25      # Ray CPUs each rollout worker reserves
+    # torch threads of each rollout worker: a synchronous loop (max_staleness 0) alone on a machine can give the
+    # worker as many threads as the trainer has, since the two take turns
+    worker_threads: AtLeast1 = 1
     critic_lr: Positive = 3e-4           # ppo: the value model (the policy's backbone with a scalar head)
     gae_gamma: Share = 1.0
     gae_lambda: Share = 0.95

@@ -272,7 +272,8 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
 
     teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=r.rollout_engine) \
         if distill else None
-    workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, teachers=teachers, engine=r.rollout_engine)
+    workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, r.worker_threads, teachers=teachers,
+                         engine=r.rollout_engine)
     feed = Feed(r, pool, distill, workers, seed, st,
                 {**kw, "judge": (judge, tuple(r.judge.features)) if judge else None, "stop_check": r.stop_check})
     active_alarms: set[str] = set()
