@@ -47,9 +47,7 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
     else:
         # the first pass's critic forward is the one the advantages need (nothing has updated the critic yet):
         # its detached values are the old values, so a step runs one critic forward fewer
-        first = critic_pass(r, critic, chunks, batches, n_tokens, trained, rewards=rewards)
-        old_vs, returns = first.pop("old_values"), first.pop("returns")
-        gaes = first.pop("advantages")
+        first, old_vs, returns, gaes = critic_pass(r, critic, chunks, batches, n_tokens, trained, rewards=rewards)
         flat = torch.cat([a[b["mask"] > 0] for a, b in zip(gaes, batches)])  # whitened over the whole batch
         advs = [(a - flat.mean()) / (flat.std() + 1e-6) * b["mask"] for a, b in zip(gaes, batches)]
 
@@ -82,38 +80,33 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         stats["grad_norm"] = policy.step(1.0)
         if critic is not None:
             stats |= first if epoch == 0 else critic_pass(r, critic, chunks, batches, n_tokens, trained,
-                                                           old_values=old_vs, returns=returns)
+                                                           old_values=old_vs, returns=returns)[0]
             stats["critic_grad_norm"] = critic.step(1.0)
     return stats
 
 
 def critic_pass(r: RLConfig, critic: TrainEngine, chunks: list, batches: list[dict], n_tokens: float, trained: float,
                 rewards: torch.Tensor | None = None, old_values: list | None = None, returns: list | None = None
-                ) -> dict:
+                ) -> tuple[dict, list, list, list]:
     """The critic's clipped value loss, backward over the batch's micro-batches (its optimizer step is the
-    caller's). Without `old_values` (the first pass) the values it computes are the old values: their GAE
-    advantages and returns against `rewards` come back too (`old_values`, `returns`, `advantages`)."""
+    caller's): (statistics, values, returns, GAE advantages). Without `old_values` (the first pass) the values it
+    computes are the old values, and the returns and advantages come from them and `rewards`."""
     critic.zero_grad()
-    out: dict = {"value_loss": 0.0, "value_clip_frac": 0.0}
     first = old_values is None
-    if first:
-        old_values, returns, out["advantages"] = [], [], []
-    values = []
+    stats = {"value_loss": 0.0, "value_clip_frac": 0.0}
+    values, advantages, returns = [], [], [] if first else returns
     for i, ((idx, sub), b) in enumerate(zip(chunks, batches)):
         v = critic.forward(sub)
-        if first:
-            a, ret = gae(v.detach(), rewards[idx], b["mask"], r.gae_gamma, r.gae_lambda)
-            old_values.append(v.detach())
-            returns.append(ret)
-            out["advantages"].append(a)
-        vl, vst = value_loss(v, old_values[i], returns[i], b["mask"], r.value_clip, n_tokens)
-        critic.backward(vl)
-        out["value_loss"] += vl.item()
-        out["value_clip_frac"] += vst["value_clip_frac"] * b["mask"].sum().item() / trained
         values.append(v.detach())
+        if first:
+            a, ret = gae(values[i], rewards[idx], b["mask"], r.gae_gamma, r.gae_lambda)
+            advantages.append(a)
+            returns.append(ret)
+        vl, vst = value_loss(v, values[i] if first else old_values[i], returns[i], b["mask"], r.value_clip, n_tokens)
+        critic.backward(vl)
+        stats["value_loss"] += vl.item()
+        stats["value_clip_frac"] += vst["value_clip_frac"] * b["mask"].sum().item() / trained
     # of the values this pass trained on (before its update), over the whole batch
-    out["explained_variance"] = explained_variance(torch.cat([v[b["mask"] > 0] for v, b in zip(values, batches)]),
-                                                   torch.cat([x[b["mask"] > 0] for x, b in zip(returns, batches)]))
-    if first:
-        out |= {"old_values": old_values, "returns": returns}
-    return out
+    stats["explained_variance"] = explained_variance(torch.cat([v[b["mask"] > 0] for v, b in zip(values, batches)]),
+                                                     torch.cat([x[b["mask"] > 0] for x, b in zip(returns, batches)]))
+    return stats, values, returns, advantages
