@@ -1,8 +1,9 @@
 """The attention implementation is chosen by config (`ramp.attention`): the seam sparse attention plugs into.
 
 transformers dispatches attention (and the mask built for it) through two registries; `register` adds a
-name to both; posttrain.dsa registers "dsa" this way (its indexers installed by `posttrain.dsa.install`).
-"sdpa" (default) and "eager" are the dense references on CPU.
+name to both; posttrain.dsa registers "dsa" this way (its indexers installed by `posttrain.dsa.install`), and
+posttrain.packed_attention "packed_sdpa" (the ramp's default: sdpa that skips the scores between packed
+documents). "sdpa" and "eager" are the dense references.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from posttrain import dsa as _dsa  # noqa: F401  (registers "dsa")
+from posttrain import packed_attention
 
 
 def register(name: str, attention: Callable, mask: Callable = sdpa_mask) -> None:
@@ -19,6 +21,9 @@ def register(name: str, attention: Callable, mask: Callable = sdpa_mask) -> None
     the mask it receives (default: a boolean [B, 1, q, kv] mask, document boundaries included)."""
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, mask)
+
+
+register("packed_sdpa", packed_attention.packed_sdpa, packed_attention.packed_mask)
 
 
 def known() -> list[str]:

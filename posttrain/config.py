@@ -159,7 +159,9 @@ class RampConfig(_Strict):
     weight_decay: NonNegative = 0.1
     mask_documents: bool = True  # attention stays inside each packed document; positions restart
     activation_checkpointing: bool = False
-    attention: str = "sdpa"      # a transformers attention implementation, one from posttrain.attention.register, or dsa
+    # a transformers attention implementation, one from posttrain.attention.register, or dsa; packed_sdpa: sdpa
+    # that computes no scores between packed documents (posttrain.packed_attention)
+    attention: str = "packed_sdpa"
     dsa: DSAConfig = DSAConfig()
     long_docs: AtLeast0 = 2000   # distinct long-context documents per stage, lengths spread up to seq_len
     long_loss_weight: NonNegative = 8.0  # weight of a long document's answer tokens against a pretraining token

@@ -37,7 +37,9 @@ class MTP(nn.Module):
         base, last = model.base_model, _layers(model)[-1]
         config = copy.deepcopy(model.config)
         # the draft layer needs a plain attention that takes explicit masks: DSA's selection is per model layer
-        config._attn_implementation = "eager" if model.config._attn_implementation == "eager" else "sdpa"
+        # (packed_sdpa too: with no mask, it reads the packed documents from the positions like the model's layers)
+        config._attn_implementation = model.config._attn_implementation \
+            if model.config._attn_implementation in ("eager", "packed_sdpa") else "sdpa"
         self.depth, hidden = depth, model.config.hidden_size
         self.norm_h, self.norm_e, self.norm_out = (copy.deepcopy(base.norm) for _ in range(3))
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)

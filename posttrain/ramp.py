@@ -173,8 +173,8 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
     adopt = r.attention == "dsa" and dsa.state(model) is None and st.seq_len >= r.dsa_start()
     if adopt:
         dsa.install(model, r.dsa.top_k, r.dsa.index_share, r.dsa.heads, r.dsa.kl_queries, r.dsa.own_indexer)
-    elif dsa.state(model) is None:  # dense stages before DSA's adoption run sdpa
-        model = attention.use(model, "sdpa" if r.attention == "dsa" else r.attention)
+    elif dsa.state(model) is None:  # dense stages before DSA's adoption run packed sdpa
+        model = attention.use(model, "packed_sdpa" if r.attention == "dsa" else r.attention)
     if cfg.mtp.depth and mtp.get(model) is None:
         mtp.install(model, cfg.mtp.depth)
     if r.activation_checkpointing:

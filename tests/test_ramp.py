@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from posttrain import attention
+from posttrain import attention, packed_attention
 from posttrain.config import ConfigError, load_config
 from posttrain.packing import collate, pack
 from posttrain.train import masked_lm_loss
@@ -24,10 +24,11 @@ def doc(rng: random.Random, n: int) -> tuple[list[int], list[int]]:
     return [rng.randrange(1, 64) for _ in range(n)], [1] * n
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_attention_never_crosses_packed_documents(attn):
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "packed_sdpa"])
+def test_attention_never_crosses_packed_documents(attn, monkeypatch):
     """A document's outputs are unchanged, to float precision, when the other documents in its row change
     (content and length); without document masks they do change."""
+    monkeypatch.setattr(packed_attention, "MIN_LEN", 8)  # these rows are short: take packed_sdpa's own path
     model = tiny_llama(attn).eval()
     rng = random.Random(0)
     target = doc(rng, 17)
@@ -60,6 +61,42 @@ def test_pack_keeps_every_token_and_restarts_positions():
             assert b["loss_mask"][r, at] == 0  # no loss on predicting a document's first token from another
             at += len(x)
         assert b["loss_mask"][r, at:].sum() == 0  # padding
+
+
+def test_packed_sdpa_gives_sdpa_loss_and_gradients(monkeypatch):
+    """packed_sdpa (documents cut out of the rows, grouped by length) computes what sdpa's block-diagonal mask
+    does: the same loss and gradients, with grouped-query heads, a row of one document and right padding."""
+    monkeypatch.setattr(packed_attention, "MIN_LEN", 8)
+    rng = random.Random(3)
+    batch = collate(pack([doc(rng, n) for n in [20, 33, 11, 60, 64, 5, 1, 40, 17]], 64), 0)
+    assert batch["input_ids"].shape[1] == 64 and len(batch["input_ids"]) >= 4
+    results = []
+    for attn in ("sdpa", "packed_sdpa"):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
+        model = attention.use(LlamaForCausalLM(cfg), attn).train()
+        loss = masked_lm_loss(model, batch)
+        loss.backward()
+        results.append((loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-4)
+    plan, _ = packed_attention.document_plan(batch["position_ids"], len(batch["input_ids"]))
+    assert sum(int(real.sum()) for _, real in plan) == batch["input_ids"].numel()  # every token, once
+
+
+def test_packed_sdpa_below_its_length_or_with_a_padding_mask_is_sdpa():
+    """Short rows, generation with a padding mask and a cache: transformers' sdpa, bit for bit."""
+    ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 3, 4, 5]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    outs = []
+    for attn in ("sdpa", "packed_sdpa"):
+        model = tiny_llama(attn).eval()
+        with torch.no_grad():
+            outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                       pad_token_id=0, output_scores=True, return_dict_in_generate=True))
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0].scores, outs[1].scores))
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
