@@ -1,8 +1,9 @@
 """bench/ramp: training tokens/s and peak memory against sequence length, for the tiny model.
 
-Variants, each in its own process (peak RSS is per process): packed rows with document masks (what the
-ramp trains with), the same rows with one causal mask over the row (classic packing: cheaper, documents
-see each other), masks + activation checkpointing, and no packing at all (one document per row, padded
+Variants, each in its own process (peak RSS is per process): packed rows with sdpa's document masks, the
+same rows through `packed_sdpa` (the ramp's default: no scores between documents, posttrain.packed_attention),
+the same rows with one causal mask over the row (classic packing: cheaper, documents see each other),
+masks + activation checkpointing, and no packing at all (one document per row, padded
 to the longest in the batch, up to PADDED_MAX): its tokens/s counts real tokens only. Every step holds
 the same number of tokens (rows = TOKENS_PER_STEP / seq_len), so the lengths compare at equal work.
 """
@@ -20,7 +21,9 @@ SEQ_LENS = [256, 512, 1024, 2048, 4096]
 PADDED_MAX = 1024  # unpacked rows pad to the longest document: beyond this the batch no longer fits in memory
 TOKENS_PER_STEP = 8192
 STEPS, WARMUP = 6, 2
-VARIANTS = {"": dict(mask=True, ckpt=False, packed=True), "_nomask": dict(mask=False, ckpt=False, packed=True),
+VARIANTS = {"": dict(mask=True, ckpt=False, packed=True), "_packed_sdpa": dict(mask=True, ckpt=False, packed=True,
+                                                                             attn="packed_sdpa"),
+            "_nomask": dict(mask=False, ckpt=False, packed=True),
             "_ckpt": dict(mask=True, ckpt=True, packed=True), "_padded": dict(mask=True, ckpt=False, packed=False)}
 
 
@@ -34,9 +37,10 @@ def _docs(n_tokens: int, seq_len: int, rng: random.Random) -> list[tuple[list[in
     return docs
 
 
-def _measure(seq_len: int, mask: bool, ckpt: bool, packed: bool) -> dict:
+def _measure(seq_len: int, mask: bool, ckpt: bool, packed: bool, attn: str = "sdpa") -> dict:
     import torch
 
+    from posttrain import attention
     from posttrain.config import load_config
     from posttrain.memory import peak_memory
     from posttrain.packing import collate, pack
@@ -50,6 +54,7 @@ def _measure(seq_len: int, mask: bool, ckpt: bool, packed: bool) -> dict:
         vocab_size=512, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
         num_key_value_heads=m.num_heads, intermediate_size=m.intermediate_size, max_position_embeddings=seq_len,
         tie_word_embeddings=True)).float().train()
+    attention.use(model, attn)
     if ckpt:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -98,6 +103,7 @@ def main() -> None:
             print(f"seq_len {L:5d} {suffix or '_masks':8s} {res}", flush=True)
             for key in ("tokens_per_s", "peak_rss_mb"):
                 fig[key + suffix].append(res[key])
+    fig["packed_sdpa_speedup"] = [round(a / b, 3) for a, b in zip(fig["tokens_per_s_packed_sdpa"], fig["tokens_per_s"])]
     fig["mask_cost_at_max_len"] = round(fig["tokens_per_s"][-1] / fig["tokens_per_s_nomask"][-1], 3)
     fig["ckpt_memory_ratio_at_max_len"] = round(fig["peak_rss_mb_ckpt"][-1] / fig["peak_rss_mb"][-1], 3)
     i = SEQ_LENS.index(PADDED_MAX)
@@ -112,7 +118,7 @@ def _plot(fig: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = {"": "packed + document masks", "_nomask": "packed, one causal mask", "_ckpt": "masks + act. ckpt",
+    names = {"": "packed + document masks (sdpa)", "_packed_sdpa": "packed, packed_sdpa", "_nomask": "packed, one causal mask", "_ckpt": "masks + act. ckpt",
              "_padded": "no packing (padded)"}
     f, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for suffix, name in names.items():

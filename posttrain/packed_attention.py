@@ -10,7 +10,8 @@ kernel does this on CPU (flash-attention's varlen kernels are CUDA only; flex at
 Only rows of at least `MIN_LEN` tokens take that path; shorter ones run plain sdpa with its mask, which was
 as fast or faster there (a tiny-profile training step, B8, on 2 CPU cores: 0.17 s against 0.18 s at 256
 tokens, 0.40 against 0.39 at 512, 1.05 against 0.83 at 1024). Anything else (a padding mask, a KV cache
-being decoded into) runs transformers' sdpa unchanged.
+being decoded into, a model with sliding-window layers, whose window lives in the mask) runs transformers'
+sdpa unchanged.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     """transformers' attention-function signature: q [B, H, T, D], k/v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
     position_ids = kwargs.get("position_ids")
     B, H, T, D = query.shape
-    if attention_mask is not None or position_ids is None or T < MIN_LEN or key.shape[2] != T:
+    if attention_mask is not None or position_ids is None or T < MIN_LEN or key.shape[2] != T \
+            or kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     groups, inverse = _plan_for(position_ids, B)
@@ -87,7 +89,9 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
 
 def packed_mask(*args, attention_mask=None, q_length: int = 0, kv_length: int = 0, q_offset=0, kv_offset=0, **kwargs):
     """No mask where packed_sdpa reads the documents from the positions itself; sdpa's mask everywhere else."""
-    if attention_mask is None and q_length == kv_length >= MIN_LEN and int(q_offset) == 0 and int(kv_offset) == 0:
+    windowed = getattr(kwargs.get("config"), "sliding_window", None)
+    if attention_mask is None and q_length == kv_length >= MIN_LEN and int(q_offset) == 0 and int(kv_offset) == 0 \
+            and not windowed:
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, **kwargs)

@@ -99,6 +99,22 @@ def test_packed_sdpa_below_its_length_or_with_a_padding_mask_is_sdpa():
     assert all(torch.equal(a, b) for a, b in zip(outs[0].scores, outs[1].scores))
 
 
+def test_packed_sdpa_keeps_a_sliding_window(monkeypatch):
+    """A sliding-window model (its window lives in the mask) runs sdpa with its mask, even on long packed rows."""
+    from transformers import MistralConfig, MistralForCausalLM
+    monkeypatch.setattr(packed_attention, "MIN_LEN", 8)
+    batch = collate(pack([doc(random.Random(4), n) for n in [30, 20, 14]], 64), 0)
+    logits = []
+    for attn in ("sdpa", "packed_sdpa"):
+        torch.manual_seed(0)
+        cfg = MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=64, sliding_window=4)
+        model = attention.use(MistralForCausalLM(cfg), attn).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     rng = random.Random(2)
     batch = collate(pack([doc(rng, n) for n in [20, 33, 11, 60]], 64), 0)
