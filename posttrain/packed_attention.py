@@ -8,8 +8,9 @@ with `is_causal`: the work is the sum of the documents' squared lengths instead 
 kernel does this on CPU (flash-attention's varlen kernels are CUDA only; flex attention needs a compiler).
 
 Only rows of at least `MIN_LEN` tokens take that path; shorter ones run plain sdpa with its mask, which was
-as fast or faster there (a tiny-profile training step, B8, on 2 CPU cores: 0.17 s against 0.18 s at 256
-tokens, 0.40 against 0.39 at 512, 1.05 against 0.83 at 1024). Anything else (a padding mask, a KV cache
+as fast or faster there (one measurement of a tiny-ramp training step, B8, 2 CPU cores, grouping at every
+length: 0.17 s against 0.18 s at 256 tokens, 0.40 against 0.39 at 512, 1.05 against 0.83 at 1024; from 1024
+on, `python -m bench ramp` compares the two). Anything else (a padding mask, a KV cache
 being decoded into, a model with sliding-window layers, whose window lives in the mask) runs transformers'
 sdpa unchanged.
 """
