@@ -13,10 +13,10 @@ from posttrain.packing import collate, pack
 from posttrain.train import masked_lm_loss
 
 
-def tiny_llama(attn: str = "sdpa") -> LlamaForCausalLM:
+def tiny_llama(attn: str = "sdpa", kv_heads: int = 4) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, intermediate_size=64, max_position_embeddings=128)
+                      num_key_value_heads=kv_heads, intermediate_size=64, max_position_embeddings=128)
     return attention.use(LlamaForCausalLM(cfg), attn)
 
 
@@ -72,10 +72,7 @@ def test_packed_sdpa_gives_sdpa_loss_and_gradients(monkeypatch):
     assert batch["input_ids"].shape[1] == 64 and len(batch["input_ids"]) >= 4
     results = []
     for attn in ("sdpa", "packed_sdpa"):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
-        model = attention.use(LlamaForCausalLM(cfg), attn).train()
+        model = tiny_llama(attn, kv_heads=2).train()
         loss = masked_lm_loss(model, batch)
         loss.backward()
         results.append((loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
