@@ -22,8 +22,12 @@ document masks, TRL's `packing=True` (best-fit decreasing, padding-free); the co
 unpacked run spread over the same number of steps.
 
 tokens/s counts the non-pad tokens of the batches over the training loop's wall time (model loading and
-data preparation excluded on both sides). mfu: achieved model FLOP/s (6 x params x tokens/s) over this
-machine's fp32 matmul peak, measured in the same run with a large torch.mm.
+data preparation excluded on both sides), from the start of step WARMUP (BENCH_SFT_WARMUP, default 10) to the
+end, on every side alike: the first steps carry one-off costs (allocator growth, Ray Train's helper actors
+starting beside its worker) that a 1,500-step stage does not feel. The whole loop, warm-up included, is kept
+beside it as `*_whole_loop`.
+
+mfu: achieved model FLOP/s (6 x params x tokens/s) over this machine's fp32 matmul peak, measured in the same run with a large torch.mm.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = int(os.environ.get("BENCH_SFT_STEPS", 60))
+STEPS = int(os.environ.get("BENCH_SFT_STEPS", 200))
+WARMUP = int(os.environ.get("BENCH_SFT_WARMUP", 10))  # steps before every side's clock starts
 TRL_DEFAULTS = os.environ.get("BENCH_SFT_TRL_DEFAULTS", "1") != "0"
 # TRL's best settings on this machine, set explicitly (TRL 1.16 defaults: bf16=True, gradient_checkpointing=True)
 TRL_BEST = {"bf16": False, "gradient_checkpointing": False}
@@ -70,6 +75,21 @@ def _prepare() -> None:
     rng = random.Random(cfg.seed)
     order = [examples[rng.randrange(len(examples))] for _ in range(STEPS * cfg.sft.batch_size)]
     torch.save(order, WORK / "order.pt")
+
+
+class _Clock:
+    """The loop's wall time, whole and from the start of step WARMUP (the same cut on every side)."""
+
+    def start(self) -> None:
+        self.t0 = self.t_warm = time.perf_counter()
+
+    def at_step(self, i: int) -> None:
+        if i == WARMUP:
+            self.t_warm = time.perf_counter()
+
+    def stop(self) -> dict:
+        t = time.perf_counter()
+        return {"seconds_whole": t - self.t0, "seconds": t - self.t_warm}
 
 
 def _peak_matmul_flops() -> float:
@@ -111,16 +131,20 @@ def _ours(packed: bool = False) -> dict:
     n = _packed_rows(order, s.seq_len)
     rows = pack(order, s.seq_len)[:STEPS * n]
 
+    clock = _Clock()
+
     def next_batch(i: int):
+        clock.at_step(i)
         if packed:
             return collate(rows[i * n:(i + 1) * n], tok.pad_token_id)
         return pad_examples(order[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
 
-    t = time.perf_counter()
+    clock.start()
     hist = train(model, next_batch, steps=STEPS, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
                  weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="ours")
-    tokens = sum(len(x) for row in rows for x, _ in row) if packed else _tokens(order)
-    return {"seconds": time.perf_counter() - t, "loss": hist["loss"], "tokens": tokens,
+    tokens = [sum(len(x) for x, _ in row) for row in rows] if packed else [len(ids) for ids, _ in order]
+    per_step = len(tokens) // STEPS
+    return {**clock.stop(), "loss": hist["loss"], "tokens": sum(tokens), "tokens_steady": sum(tokens[WARMUP * per_step:]),
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -132,8 +156,13 @@ def _raytrain_worker(config: dict) -> None:
     from posttrain.train import pad_examples
     s = config["cfg"].sft
 
+    clock = _Clock()
+
     def bench_batches(cfg, tok, examples):  # the same batches, in the same order, as the other sides
-        return lambda i: pad_examples(examples[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
+        def next_batch(i: int):
+            clock.at_step(i)
+            return pad_examples(examples[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
+        return next_batch
 
     inner = sft.train
 
@@ -145,11 +174,12 @@ def _raytrain_worker(config: dict) -> None:
             checkpoint(st)
             ckpt_s[0] += time.perf_counter() - t
 
-        t = time.perf_counter()
+        clock.start()
         hist = inner(*args, checkpoint=timed_checkpoint, **kwargs)
         if ray.train.get_context().get_world_rank() == 0:
+            times = {k: v - ckpt_s[0] for k, v in clock.stop().items()}
             Path(config["timing"]).write_text(json.dumps({
-                "seconds": time.perf_counter() - t - ckpt_s[0], "checkpoint_seconds": ckpt_s[0], "loss": hist["loss"],
+                **times, "checkpoint_seconds": ckpt_s[0], "loss": hist["loss"],
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
         return hist
 
@@ -186,12 +216,14 @@ def _raytrain(packed: bool = False) -> dict:
     fit_seconds = time.perf_counter() - t
     ray.shutdown()
     res = json.loads(timing.read_text())
-    return {**res, "fit_seconds": fit_seconds, "tokens": _tokens(order), "workers": s.workers}
+    return {**res, "fit_seconds": fit_seconds, "tokens": _tokens(order),
+            "tokens_steady": _tokens(order[WARMUP * s.batch_size:]), "workers": s.workers}
 
 
 def _trl(packed: bool = False, defaults: bool = False) -> dict:
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
+    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     s, model, tok, order = _start()
@@ -213,19 +245,32 @@ def _trl(packed: bool = False, defaults: bool = False) -> dict:
                      adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=s.grad_clip,
                      max_length=s.seq_len, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                      dataloader_num_workers=0, seed=_cfg().seed, disable_tqdm=True)
-    trainer = InOrder(model=model, args=args, train_dataset=data, processing_class=tok)
-    t = time.perf_counter()
+    clock = _Clock()
+
+    class AtWarmup(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock.at_step(state.global_step)
+
+    trainer = InOrder(model=model, args=args, train_dataset=data, processing_class=tok, callbacks=[AtWarmup()])
+    clock.start()
     trainer.train()
-    seconds = time.perf_counter() - t
+    times = clock.stop()
     loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    n_rows = STEPS * _packed_rows(order, s.seq_len)
-    tokens = sum(len(x) for x in trainer.train_dataset[:n_rows]["input_ids"]) if packed else _tokens(order)
+    rows = _packed_rows(order, s.seq_len) if packed else s.batch_size
+    lengths = [len(x) for x in trainer.train_dataset[:STEPS * rows]["input_ids"]] if packed else \
+        [len(ids) for ids, _ in order]
     config = {k: getattr(args, k) for k in (
         "bf16", "fp16", "gradient_checkpointing", "activation_checkpointing", "packing", "packing_strategy",
         "use_liger_kernel", "torch_compile",
     )}  # as the trainer ran; padding-free is the trainer's decision (bfd packing turns it on)
     config["padding_free"] = getattr(trainer, "padding_free", args.padding_free)
-    return {"seconds": seconds, "loss": loss, "tokens": tokens, "trl_config": config}
+    return {**times, "loss": loss, "tokens": sum(lengths), "tokens_steady": sum(lengths[WARMUP * rows:]),
+            "trl_config": config}
+
+
+def _rate(side: dict, whole: bool = False) -> float:
+    """Non-pad tokens/s from step WARMUP on (`whole`: over the whole loop)."""
+    return side["tokens"] / side["seconds_whole"] if whole else side["tokens_steady"] / side["seconds"]
 
 
 def _child(side: str) -> dict:
@@ -245,9 +290,9 @@ def main() -> None:
     trl_d = _child("_trl defaults") if TRL_DEFAULTS else None
     peak = _peak_matmul_flops()
     k = min(10, STEPS)  # loss after n: the mean of the last k steps
-    tps, tps_trl = ours["tokens"] / ours["seconds"], trl["tokens"] / trl["seconds"]
+    tps, tps_trl = _rate(ours), _rate(trl)
     fig = {
-        "steps": STEPS, "tokens_per_s": round(tps, 1), "tokens_per_s_trl": round(tps_trl, 1),
+        "steps": STEPS, "warmup_steps": WARMUP, "tokens_per_s": round(tps, 1), "tokens_per_s_trl": round(tps_trl, 1),
         "throughput_ratio_vs_trl": round(tps / tps_trl, 3),
         "loss_after_n": round(sum(ours["loss"][-k:]) / k, 4), "loss_after_n_trl": round(sum(trl["loss"][-k:]) / k, 4),
         "peak_rss_mb": ours["peak_rss_mb"], "peak_rss_mb_trl": trl["peak_rss_mb"],
@@ -257,14 +302,14 @@ def main() -> None:
         "trl_config": trl["trl_config"], "trl_bf16": trl["trl_config"]["bf16"],
         "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
     }
-    tps_ray = ray_ours["tokens"] / ray_ours["seconds"]
+    tps_ray = _rate(ray_ours)
     fig |= {"tokens_per_s_raytrain": round(tps_ray, 1),
             "throughput_ratio_vs_trl_raytrain": round(tps_ray / tps_trl, 3),
             "loss_after_n_raytrain": round(sum(ray_ours["loss"][-k:]) / k, 4),
             "peak_rss_mb_raytrain": ray_ours["peak_rss_mb"], "raytrain_fit_seconds": round(ray_ours["fit_seconds"], 2),
             "raytrain_checkpoint_seconds": round(ray_ours["checkpoint_seconds"], 3),
             "raytrain_workers": ray_ours["workers"]}
-    tps_p, tps_trl_p = ours_p["tokens"] / ours_p["seconds"], trl_p["tokens"] / trl_p["seconds"]
+    tps_p, tps_trl_p = _rate(ours_p), _rate(trl_p)
     fig |= {"tokens_per_s_packed": round(tps_p, 1), "tokens_per_s_trl_packed": round(tps_trl_p, 1),
             "throughput_ratio_vs_trl_packed": round(tps_p / tps_trl_p, 3),
             "loss_after_n_packed": round(sum(ours_p["loss"][-k:]) / k, 4),
@@ -272,11 +317,16 @@ def main() -> None:
             "peak_rss_mb_packed": ours_p["peak_rss_mb"], "peak_rss_mb_trl_packed": trl_p["peak_rss_mb"],
             "trl_config_packed": trl_p["trl_config"]}
     if trl_d:  # TRL at its own defaults (bf16, gradient checkpointing): a side figure, not the comparison
-        tps_d = trl_d["tokens"] / trl_d["seconds"]
+        tps_d = _rate(trl_d)
         fig |= {"trl_defaults_config": trl_d["trl_config"], "tokens_per_s_trl_defaults": round(tps_d, 1),
                 "throughput_ratio_vs_trl_defaults": round(tps / tps_d, 3),
                 "loss_after_n_trl_defaults": round(sum(trl_d["loss"][-k:]) / k, 4),
                 "peak_rss_mb_trl_defaults": trl_d["peak_rss_mb"]}
+    # the whole loop, warm-up steps included: where the Ray Train side pays its helpers' start-up
+    whole = {"": ours, "_trl": trl, "_raytrain": ray_ours, "_packed": ours_p, "_trl_packed": trl_p}
+    fig |= {f"tokens_per_s{k}_whole_loop": round(_rate(v, whole=True), 1) for k, v in whole.items()}
+    fig |= {"throughput_ratio_vs_trl_whole_loop": round(_rate(ours, True) / _rate(trl, True), 3),
+            "throughput_ratio_vs_trl_raytrain_whole_loop": round(_rate(ray_ours, True) / _rate(trl, True), 3)}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "sft.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
