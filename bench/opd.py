@@ -104,6 +104,8 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     h = st.history
     return {"wall_s": h["wall_s"][-1], "val": h["val_score"], "tokens": h["student_tokens"],
             "teacher_tokens": h["teacher_tokens"][-1], "reverse_kl": h["reverse_kl"],
+            # where the trainer's step went, seconds per step: waiting for rollouts, the update, the weight push
+            **{k: sum(h[k]) / len(h[k]) for k in ("rollout_wait_s", "train_s", "push_s")},
             "temperature": r.temperature, "max_staleness": r.max_staleness}
 
 
@@ -221,6 +223,7 @@ def main() -> None:
            "reverse_kl_after_n_full": reverse_kl_on_own_samples(str(OUT / "opd-ours-full-student"), teacher)}
     fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]
     fig["steps_ratio_vs_trl_full"] = fig["steps_per_s_full"] / fig["steps_per_s_trl"]  # same loss on both sides
+    fig |= {f"full_step_{k}": full[k] for k in ("rollout_wait_s", "train_s", "push_s")}
     fig |= {"trl_config": trl["trl_config"], "trl_loss_top_k": trl["trl_config"]["loss_top_k"],
             "trl_top_p": trl["trl_config"]["top_p"], "trl_bf16": trl["trl_config"]["bf16"],
             "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],

@@ -169,8 +169,11 @@ def test_staleness_bound_k_is_what_the_trainer_sees(ckpt, k):
     h = st.history
     assert len(h["reward"]) == 3 and len(h["val_score"]) == 2  # before, and after the last step
     for key in ("reward_std", "masked_fraction", "kl_behaviour", "entropy", "gen_tokens_per_s", "train_tokens_per_s",
-                "staleness_mean", "stale_dropped"):
+                "staleness_mean", "stale_dropped", "rollout_wait_s", "train_s", "push_s"):
         assert len(h[key]) == 3, key
+    # where the trainer's time went: within the step's wall time (validation is not in a step's split)
+    assert all(h[k][i] >= 0 for k in ("rollout_wait_s", "train_s", "push_s") for i in range(3))
+    assert sum(h["rollout_wait_s"] + h["train_s"] + h["push_s"]) <= h["wall_s"][-1]
 
 
 def test_validation_every_n_student_tokens(ckpt):

@@ -196,8 +196,9 @@ class Feed:
 
 
 def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Feed, hist: dict, step: int,
-                gen_s: float, gen_tok: float, train_s: float, wall_s: float) -> dict[str, float]:
-    """One step's curves: reward, the update's statistics, staleness, tokens and throughput."""
+                gen_s: float, gen_tok: float, times: dict[str, float], wall_s: float) -> dict[str, float]:
+    """One step's curves: reward, the update's statistics, staleness, tokens, throughput, and where the trainer's
+    time went (`times`: seconds waiting for rollouts, in the update, pushing the weights)."""
     both = batch + dbatch
     rewards = torch.tensor([s.reward for s in batch or dbatch if s.subtrace == 0])  # one per episode
     prev = {k: hist[k][-1] if hist.get(k) else 0.0 for k in ("student_tokens", "teacher_tokens")}
@@ -209,8 +210,8 @@ def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Fe
            "student_tokens": prev["student_tokens"] + sum(s.n_generated for s in both),
            "teacher_tokens": prev["teacher_tokens"] + sum(s.n_generated for s in dbatch),
            "gen_tokens_per_s": gen_tok / gen_s if gen_s else float("nan"),
-           "train_tokens_per_s": float(batch_tokens(both)) / train_s,
-           "wall_s": wall_s}  # validation not included
+           "train_tokens_per_s": float(batch_tokens(both)) / times["train_s"],
+           **times, "wall_s": wall_s}  # validation not included
     spec = feed.counts
     if spec["verifications"] or "mtp_acceptance_length" in hist:  # MTP drafts: tokens per model forward
         row["mtp_acceptance_length"] = (spec["accepted"] / spec["verifications"] if spec["verifications"]
@@ -285,13 +286,16 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
         workers.push(eng.policy.weights(), st.step)
         bar = tqdm(range(st.step, r.steps), initial=st.step, total=r.steps, desc=label, mininterval=5)
         for step in bar:
+            t_wait = time.perf_counter()
             batch, dbatch, gen_s, gen_tok = feed.collect(step)
             t_train = time.perf_counter()
             stats = update(r, eng, batch, dbatch, distill)
-            train_s = time.perf_counter() - t_train
+            t_push = time.perf_counter()
             workers.push(eng.policy.weights(), step + 1)
+            times = {"rollout_wait_s": t_train - t_wait, "train_s": t_push - t_train,
+                     "push_s": time.perf_counter() - t_push}
             st.attempts += [{"step": step, "task": s.task_id, **b} for s in batch + dbatch for b in s.blocked]
-            row = history_row(batch, dbatch, stats, feed, hist, step, gen_s, gen_tok, train_s, time.perf_counter() - t0)
+            row = history_row(batch, dbatch, stats, feed, hist, step, gen_s, gen_tok, times, time.perf_counter() - t0)
             for k, v in row.items():
                 hist.setdefault(k, []).append(v)
             done = step + 1
