@@ -19,6 +19,12 @@ vocabulary chunk, `trl/kernels/chunked_divergence.py`); the `loss_top_k=1`, `top
 to the experimental IW-OPD / server-distillation configs. Should the installed config grow a
 `loss_top_k`, it is set to 0.
 
+Beside (a): where a step's time goes. `full_step_*_s`, from the full-form run's history: seconds per step the
+trainer waited for rollouts, spent in the update, and pushing weights; `component_ms_*`: the rollout, the
+teacher's scoring and the update of one such batch, each alone on one thread; `floor_steps_per_s`: 2 cores
+divided by their sum (plus the push), the fastest this arrangement (each part on one core) can step, and
+`floor_ratio_vs_trl` that over TRL's steps/s.
+
 (b) Token efficiency, per domain: the RL specialist trained from sft as the tiny profile trains it against
 single-teacher OPD from the same sft with that specialist as teacher (16 prompts a step), in the full
 reverse-KL form and the sampled-token form; validation on 192 generated val-split tasks for both, at the
@@ -171,6 +177,53 @@ def _trl(steps: int, save: str) -> dict:
             "trl_config": config}
 
 
+def _components(reps: int = 5) -> dict:
+    """The three parts of an OPD step of (a), each alone in this process on one thread (median ms of `reps` after
+    two warm-ups): the student's rollout of PROMPTS prompts, the teacher's scoring of them (full vocabulary), and
+    the trainer's update on them. Together (plus the weight push) they bound how fast a step can be on 2 cores
+    when each part runs on one of them: half their sum."""
+    import statistics
+
+    import torch
+
+    from posttrain.data import load_tasks
+    from posttrain.engines import train_engine
+    from posttrain.rl.opd_loss import distill_backward
+    from posttrain.rl.teachers import Teacher
+    from posttrain.rl.workers import RolloutWorker
+    torch.set_num_threads(1)
+    art = _inputs()
+    tasks = load_tasks(art["curate"], "rl", DOMAIN)[:PROMPTS]
+    worker, teacher = RolloutWorker(art["sft"]), Teacher(art[f"rl-{DOMAIN}"])
+    policy = train_engine("torch", art["sft"], lr=LR)
+    state: dict = {}
+
+    def generate():
+        state["samples"] = worker.rollout(tasks, 1, seed=len(state), temperature=TEMPERATURE, max_new_tokens=MAX_NEW)[0]
+
+    def score():
+        items = [(s.prompt_ids, s.ids, s.gen_mask) for s in state["samples"]]
+        for s, t in zip(state["samples"], teacher.score(items, "full", 16, TEMPERATURE)):
+            s.teacher = t
+
+    def update():
+        policy.train()
+        policy.zero_grad()
+        distill_backward(policy, state["samples"], mode="full", temperature=TEMPERATURE)
+        policy.step(1.0)
+        policy.eval()
+
+    out = {}
+    for name, fn in (("generate", generate), ("teacher", score), ("update", update)):
+        times = []
+        for i in range(reps + 2):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        out[name] = 1000 * statistics.median(times[2:])
+    return out
+
+
 def reverse_kl_on_own_samples(student_dir: str, teacher_dir: str, n: int = 64) -> float:
     """Exact per-token KL(student || teacher) over the vocabulary, on the student's own completions (T=1,
     fixed seed) for n held-out val prompts, averaged over generated tokens."""
@@ -224,6 +277,11 @@ def main() -> None:
     fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]
     fig["steps_ratio_vs_trl_full"] = fig["steps_per_s_full"] / fig["steps_per_s_trl"]  # same loss on both sides
     fig |= {f"full_step_{k}": full[k] for k in ("rollout_wait_s", "train_s", "push_s")}
+    # the floor of this arrangement: the parts' single-thread CPU time (and the push) spread over 2 cores
+    parts = _child("components")
+    fig |= {f"component_ms_{k}": v for k, v in parts.items()}
+    fig["floor_steps_per_s"] = 2000 / (sum(parts.values()) + 1000 * full["push_s"])
+    fig["floor_ratio_vs_trl"] = fig["floor_steps_per_s"] / fig["steps_per_s_trl"]
     fig |= {"trl_config": trl["trl_config"], "trl_loss_top_k": trl["trl_config"]["loss_top_k"],
             "trl_top_p": trl["trl_config"]["top_p"], "trl_bf16": trl["trl_config"]["bf16"],
             "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
@@ -282,6 +340,8 @@ if __name__ == "__main__":
         result = _ours_opd(rest[0], int(rest[1]), int(rest[2]), *rest[3:5], *map(float, rest[5:]))
     elif what == "rl":
         result = _ours_rl(rest[0], int(rest[1]))
+    elif what == "components":
+        result = _components()
     else:
         result = _trl(int(rest[0]), rest[1])
     (OUT / f"opd-{what}.json").write_text(json.dumps(result))

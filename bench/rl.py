@@ -84,7 +84,9 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
     h = st.history
     return {"wall_s": st.wall_s, "train_wall_s": h["wall_s"][-1], "val": h["val_score"], "val_wall": h["val_wall_s"],
             "reward": h["reward"],
-            "masked_fraction": h["masked_fraction"], "dropped": st.dropped, "staleness": st.staleness}
+            "masked_fraction": h["masked_fraction"], "dropped": st.dropped, "staleness": st.staleness,
+            # where the trainer's step went, seconds per step: waiting for rollouts, the update, the weight push
+            **{k: sum(h[k]) / len(h[k]) for k in ("rollout_wait_s", "train_s", "push_s")}}
 
 
 def _trl(steps: int, defaults: bool = False) -> dict:
@@ -198,6 +200,7 @@ def main() -> None:
                             "max_staleness_async": 1, "temperature": _rl_config({}).temperature,
                             "threads_sync": SYNC_THREADS, "threads_async": 1, "threads_trl": TRL_THREADS}}
     fig["steps_ratio_vs_trl_sync"] = fig["steps_per_s_sync"] / fig["steps_per_s_trl"]  # the headline vs TRL
+    fig |= {f"sync_step_{k}": cmp_sync[k] for k in ("rollout_wait_s", "train_s", "push_s")}
     if trl_d:  # TRL at its own defaults (bf16, gradient checkpointing): a side figure, not the comparison
         fig |= {"trl_defaults_config": trl_d["trl_config"], "steps_per_s_trl_defaults": TRL_STEPS / trl_d["wall_s"],
                 "reward_after_n_trl_defaults": sum(trl_d["reward"][-n:]) / n}
