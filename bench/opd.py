@@ -199,7 +199,7 @@ def _components(reps: int = 5) -> dict:
     state: dict = {}
 
     def generate():
-        state["samples"] = worker.rollout(tasks, 1, seed=len(state), temperature=TEMPERATURE, max_new_tokens=MAX_NEW)[0]
+        state["samples"] = worker.rollout(tasks, 1, seed=0, temperature=TEMPERATURE, max_new_tokens=MAX_NEW)[0]
 
     def score():
         items = [(s.prompt_ids, s.ids, s.gen_mask) for s in state["samples"]]

@@ -27,7 +27,8 @@ end, on every side alike: the first steps carry one-off costs (allocator growth,
 starting beside its worker) that a 1,500-step stage does not feel. The whole loop, warm-up included, is kept
 beside it as `*_whole_loop`.
 
-mfu: achieved model FLOP/s (6 x params x tokens/s) over this machine's fp32 matmul peak, measured in the same run with a large torch.mm.
+mfu: achieved model FLOP/s (6 x params x tokens/s) over this machine's fp32 matmul peak, measured in the
+same run with a large torch.mm.
 """
 from __future__ import annotations
 
@@ -322,7 +323,7 @@ def main() -> None:
                 "throughput_ratio_vs_trl_defaults": round(tps / tps_d, 3),
                 "loss_after_n_trl_defaults": round(sum(trl_d["loss"][-k:]) / k, 4),
                 "peak_rss_mb_trl_defaults": trl_d["peak_rss_mb"]}
-    # the whole loop, warm-up steps included: where the Ray Train side pays its helpers' start-up
+    # the whole loop, warm-up steps included
     whole = {"": ours, "_trl": trl, "_raytrain": ray_ours, "_packed": ours_p, "_trl_packed": trl_p}
     fig |= {f"tokens_per_s{k}_whole_loop": round(_rate(v, whole=True), 1) for k, v in whole.items()}
     fig |= {"throughput_ratio_vs_trl_whole_loop": round(_rate(ours, True) / _rate(trl, True), 3),
