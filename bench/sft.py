@@ -145,8 +145,8 @@ def _ours(packed: bool = False) -> dict:
                  weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="ours")
     tokens = [sum(len(x) for x, _ in row) for row in rows] if packed else [len(ids) for ids, _ in order]
     per_step = len(tokens) // STEPS
-    return {**clock.stop(), "loss": hist["loss"], "tokens": sum(tokens), "tokens_steady": sum(tokens[WARMUP * per_step:]),
-            "params": sum(p.numel() for p in model.parameters())}
+    return {**clock.stop(), "loss": hist["loss"], "tokens": sum(tokens),
+            "tokens_steady": sum(tokens[WARMUP * per_step:]), "params": sum(p.numel() for p in model.parameters())}
 
 
 def _raytrain_worker(config: dict) -> None:
