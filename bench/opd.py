@@ -9,7 +9,8 @@ sampling and loss temperature 1 on both sides (set explicitly: the tiny profile'
 machine, STEPS optimizer steps, no validation on either side. Figures: steps per second, and the reverse
 KL(student || teacher) after the run, measured the same way for both: the exact per-token KL over the
 vocabulary on completions each final student samples for 64 held-out val prompts (fixed seed), averaged
-over tokens.
+over tokens. `_full_onpolicy`: the full form with `opd.max_staleness` 0 (ours trains one version behind its
+samples by default; TRL is on-policy).
 Settings on each side: ours fp32, no activation checkpointing, plain temperature sampling. TRL set
 explicitly and recorded as `trl_config`: `bf16=False`, `gradient_checkpointing=False` (its defaults are
 True; bf16 is ~3x slower on this CPU), `top_p=1.0`, `top_k=0` (plain temperature sampling, as ours), and
@@ -84,9 +85,9 @@ def _loop_config(**over):
 
 
 def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", loss: str = "sampled", lr: float = LR,
-              temperature: float | None = None) -> dict:
+              temperature: float | None = None, max_staleness: int | None = None) -> dict:
     """Single-teacher OPD from sft (child process: its own Ray, its own clock). `val_every_tokens` 0: no
-    validation (start and end only); `temperature` None: the tiny profile's."""
+    validation (start and end only); `temperature`, `max_staleness` None: the tiny profile's."""
     import ray
     import torch
 
@@ -99,7 +100,8 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     ensure_ray(RuntimeConfig())
     art = _inputs()
     r = _loop_config(steps=steps, val_every=0, val_every_tokens=val_every_tokens, lr=lr,
-                     **({"temperature": temperature} if temperature is not None else {}))
+                     **({"temperature": temperature} if temperature is not None else {}),
+                     **({"max_staleness": max_staleness} if max_staleness is not None else {}))
     pool = load_tasks(art["curate"], "rl", domain)
     val = _val(domain) if val_every_tokens else pool[:2]
     distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS, mode=loss)
@@ -266,6 +268,8 @@ def main() -> None:
     teacher = art[f"rl-{DOMAIN}"]
     ours = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-student", "sampled", LR, TEMPERATURE)
     full = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-full-student", "full", LR, TEMPERATURE)  # TRL's form
+    # the same on-policy (max_staleness 0), as TRL is: does our one step of staleness cost distance to the teacher?
+    onpolicy = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-full-onpolicy-student", "full", LR, TEMPERATURE, 0)
     trl = _child("trl", STEPS, OUT / "opd-trl-student")
     fig = {"domain": DOMAIN, "steps": STEPS, "prompts_per_step": PROMPTS,
            "steps_per_s": STEPS / ours["wall_s"], "steps_per_s_trl": STEPS / trl["wall_s"],
@@ -273,7 +277,10 @@ def main() -> None:
            "reverse_kl_after_n": reverse_kl_on_own_samples(str(OUT / "opd-ours-student"), teacher),
            "reverse_kl_after_n_trl": reverse_kl_on_own_samples(str(OUT / "opd-trl-student"), teacher),
            "steps_per_s_full": STEPS / full["wall_s"],
-           "reverse_kl_after_n_full": reverse_kl_on_own_samples(str(OUT / "opd-ours-full-student"), teacher)}
+           "reverse_kl_after_n_full": reverse_kl_on_own_samples(str(OUT / "opd-ours-full-student"), teacher),
+           "steps_per_s_full_onpolicy": STEPS / onpolicy["wall_s"],
+           "reverse_kl_after_n_full_onpolicy": reverse_kl_on_own_samples(str(OUT / "opd-ours-full-onpolicy-student"),
+                                                                         teacher)}
     fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]
     fig["steps_ratio_vs_trl_full"] = fig["steps_per_s_full"] / fig["steps_per_s_trl"]  # same loss on both sides
     fig |= {f"full_step_{k}": full[k] for k in ("rollout_wait_s", "train_s", "push_s")}
@@ -337,7 +344,8 @@ def _plot(curves: dict, path: Path) -> None:
 if __name__ == "__main__":
     what, *rest = sys.argv[1:]
     if what == "opd":
-        result = _ours_opd(rest[0], int(rest[1]), int(rest[2]), *rest[3:5], *map(float, rest[5:]))
+        result = _ours_opd(rest[0], int(rest[1]), int(rest[2]), *rest[3:5], *map(float, rest[5:7]),
+                           *map(int, rest[7:]))
     elif what == "rl":
         result = _ours_rl(rest[0], int(rest[1]))
     elif what == "components":
