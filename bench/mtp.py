@@ -12,11 +12,13 @@ both modes); acceptance length is tokens per model forward after the first token
 
     python -m bench.mtp [--seed 0]     (make bench B=mtp)
     python -m bench.mtp --checkpoint DIR --curate DIR     (an existing MTP checkpoint, e.g. on a GPU machine)
+    BENCH_MTP_REPEATS=N     (default 2)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from statistics import mean
@@ -25,7 +27,7 @@ from bench.dsa import WORK, tiny_inputs
 
 OUT = Path(".posttrain/bench")
 DEPTH = 3
-REPEATS = 2
+REPEATS = int(os.environ.get("BENCH_MTP_REPEATS", 2))
 
 
 def trained(seed: int) -> tuple[Path, Path, dict]:
@@ -60,15 +62,20 @@ def _measure(engine, tok, tasks, **kw) -> tuple[list, float, int, dict]:
 
 
 def compare(engine, tok, tasks, **kw) -> dict:
-    """Plain and speculative decoding of `tasks`, alternating; tokens/s (mean of the repeats), acceptance, and
-    whether every episode's tokens matched (meaningful for greedy decoding)."""
+    """Plain and speculative decoding of `tasks`, alternating after a warm-up of each; tokens/s (mean of the
+    repeats), acceptance, and whether every episode's tokens matched (meaningful for greedy decoding)."""
     import torch
+
+    def once(spec: bool) -> tuple:
+        engine.speculative = spec
+        gen = torch.Generator().manual_seed(0) if kw.get("temperature", 0) > 0 else None
+        return _measure(engine, tok, tasks, generator=gen, **kw)
+
+    once(False), once(True)  # warm-up, not counted: a GPU's first calls pay for loading kernels
     runs: dict[bool, list] = {False: [], True: []}
     for _ in range(REPEATS):
         for spec in (False, True):
-            engine.speculative = spec
-            gen = torch.Generator().manual_seed(0) if kw.get("temperature", 0) > 0 else None
-            runs[spec].append(_measure(engine, tok, tasks, generator=gen, **kw))
+            runs[spec].append(once(spec))
     engine.speculative = True
     plain, mtp = (mean(n / s for _, s, n, _ in runs[b]) for b in (False, True))
     st = runs[True][-1][3]

@@ -28,6 +28,33 @@ def _layers(model) -> nn.ModuleList:
     return model.base_model.layers
 
 
+class _FusedRMSNorm(nn.Module):
+    """An RMSNorm as one `F.rms_norm` call: one kernel on a GPU where transformers' Llama-style norm launches six;
+    the MTP layer's draft steps are bound by kernel launches when decoding (bench/mtp on an H100)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def _fuse_norms(module: nn.Module) -> None:
+    """Swap each RMSNorm under `module` for `_FusedRMSNorm` where it computes the same (checked on a probe; a norm of
+    another form, Gemma's 1 + weight say, stays as it is). Same parameters, same state-dict keys."""
+    for name, child in module.named_children():
+        w = getattr(child, "weight", None)
+        if isinstance(getattr(child, "variance_epsilon", None), float) and isinstance(w, torch.Tensor) and w.dim() == 1:
+            with torch.no_grad():
+                probe = torch.randn(4, w.shape[0], device=w.device, dtype=w.dtype)
+                fused = _FusedRMSNorm(child)
+                if torch.allclose(child(probe), fused(probe), rtol=1e-3, atol=1e-5):
+                    setattr(module, name, fused)
+        else:
+            _fuse_norms(child)
+
+
 class MTP(nn.Module):
     """The shared MTP layer: norms of the incoming state and of the next token's embedding, a projection of
     both to the hidden size, one decoder layer of the model's own class, a final norm before the shared head."""
@@ -49,6 +76,7 @@ class MTP(nn.Module):
             nn.init.normal_(self.proj.weight[:, hidden:], std=model.config.initializer_range)
         self.layer = type(last)(config, layer_idx=0)
         self.layer.load_state_dict({k: v for k, v in last.state_dict().items() if ".indexer." not in k}, strict=False)
+        _fuse_norms(self)
         self.to(next(model.parameters()).device, next(model.parameters()).dtype)
 
     def step(self, model, state: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -123,3 +123,21 @@ def test_an_mtp_layer_needs_a_plain_output_head(model):
     del model.mtp
     with pytest.raises(ValueError, match="shares that head"):
         mtp.install(model, 2)
+
+
+def test_the_mtp_layer_runs_fused_norms_only_where_they_compute_the_same(model):
+    class OnePlusNorm(torch.nn.Module):  # Gemma's form: x * (1 + weight)
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.randn(8)), 1e-6
+
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, (8,), eps=self.variance_epsilon) * (1 + self.weight)
+
+    layer = mtp.get(model)
+    assert isinstance(layer.norm_h, mtp._FusedRMSNorm) and isinstance(layer.layer.input_layernorm, mtp._FusedRMSNorm)
+    assert {k for k in layer.state_dict() if "norm" in k} >= {"norm_h.weight", "layer.input_layernorm.weight"}
+    holder = torch.nn.Module()
+    holder.norm = OnePlusNorm()
+    mtp._fuse_norms(holder)
+    assert isinstance(holder.norm, OnePlusNorm)

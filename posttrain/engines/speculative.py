@@ -20,29 +20,35 @@ import torch
 from posttrain import mtp as mtp_module
 from posttrain.engines.base import Generation
 from posttrain.engines.kv_cache import decode_cache
-from posttrain.engines.torch_rollout import gumbel_draw, prefill_distinct
+from posttrain.engines.torch_rollout import exponential_noise, gumbel_draw, on_device, prefill_distinct
 
 
 def verify(logp: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, temperature: float,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           generator: torch.Generator | None = None, noise: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """How many drafts each row keeps, and the token that follows them.
 
     logp: the model's log-probabilities [B, n + 1, V] at the positions predicting draft 1..n and the one after;
-    q: the draft probabilities [B, n, V] (unused by greedy); drafts [B, n]. Greedy when `temperature` is 0."""
+    q: the draft probabilities [B, n, V] (unused by greedy); drafts [B, n]. Greedy when `temperature` is 0.
+    `noise`: Exp(1) noise [B, V + n] (the residual draw's, then the acceptance tests'), drawn from `generator`
+    when not given."""
     B, n = drafts.shape
     if temperature <= 0:
         best = logp.argmax(-1)
         kept = (drafts == best[:, :n]).long().cumprod(1).sum(1)
         return kept, best.gather(1, kept[:, None]).squeeze(1)
+    V = logp.shape[-1]
+    if noise is None:
+        noise = exponential_noise((B, V + n), on_device(generator, logp.device), logp.device)
     p = logp.exp()
     pd, qd = p[:, :n].gather(2, drafts[..., None]).squeeze(2), q.gather(2, drafts[..., None]).squeeze(2)
-    u = torch.rand((B, n), generator=generator).to(p.device)
+    u = torch.exp(-noise[:, V:])                           # uniform on (0, 1]
     kept = (u * qd < pd).long().cumprod(1).sum(1)
     rows = torch.arange(B, device=p.device)
     q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, kept]    # no draft after the last: q = 0
     residual = (p[rows, kept] - q_next).clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[rows, kept])
-    return kept, gumbel_draw(residual.log(), generator)
+    return kept, gumbel_draw(residual.log(), generator, noise[:, :V])
 
 
 def _mask(valid: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -69,6 +75,7 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
     out, cache, attn, which = prefill_distinct(base, prompts, pad_id, decode_cache(reserve))
     h = out.last_hidden_state[which]
     dev = h.device
+    generator = on_device(generator, dev)
     L = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in prompts], device=dev)
 
@@ -78,42 +85,44 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
         tok = gumbel_draw(logp, generator) if temperature > 0 else logits.argmax(-1)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
-    def draft(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draft(logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(draft token, the draft distribution q it came from; None for greedy, whose check needs no q)."""
         if temperature <= 0:
             return logits.argmax(-1), None
         logq = torch.log_softmax(logits.float() / temperature, -1)
-        return gumbel_draw(logq, generator), logq.exp()
+        return gumbel_draw(logq, generator, noise), logq.exp()
 
     x, x_lp = pick(head(h[:, -1]))
     out_ids, out_lp = [[t] for t in x.tolist()], [[v] for v in x_lp.tolist()]
     stopped = [t in stop_ids for t in x.tolist()]
-    rows = torch.arange(len(prompts), device=dev)
+    rows = list(range(len(prompts)))                       # batch row -> prompt index, on the host
     pos = attn.sum(-1)                                     # where each row's next token goes
     # the MTP layer over the prompt: slot j holds (hidden state at j, token j + 1)
     dcache, dattn = decode_cache(reserve), attn.clone()
     g, lg = mtp.step(model, h, torch.cat([ids[:, 1:], x[:, None]], 1), (attn.cumsum(-1) - 1).clamp(min=0),
                      _mask(dattn, L), dcache)
     g, lg = g[:, -1:], lg[:, -1]
-    ar = torch.arange(n + 1, device=dev)
+    ar, V = torch.arange(n + 1, device=dev), lg.shape[-1]
     while True:
-        live = [i for i, r in enumerate(rows.tolist()) if not stopped[r] and len(out_ids[r]) < max_new_tokens]
+        live = [i for i, r in enumerate(rows) if not stopped[r] and len(out_ids[r]) < max_new_tokens]
         if not live:
             break
         if len(live) < len(rows):
             keep = torch.tensor(live, dtype=torch.long, device=dev)
             cache.batch_select_indices(keep)
             dcache.batch_select_indices(keep)
-            rows, attn, dattn, x, pos = rows[keep], attn[keep], dattn[keep], x[keep], pos[keep]
-            g, lg = g[keep], lg[keep]
+            rows = [rows[i] for i in live]
+            attn, dattn, x, pos, g, lg = attn[keep], dattn[keep], x[keep], pos[keep], g[keep], lg[keep]
+        # a verification's randomness in one draw: each draft step's noise, then verify's
+        noise = exponential_noise((len(rows), (n + 1) * V + n), generator, dev) if temperature > 0 else None
         # draft n tokens: step 1 came from the last catch-up; steps 2..n extend the MTP layer's cache
-        tok, probs = draft(lg)
+        tok, probs = draft(lg, None if noise is None else noise[:, :V])
         drafts, q = [tok], [probs]
         for s in range(1, n):
             dattn = torch.cat([dattn, torch.ones_like(dattn[:, :1])], 1)
             g, lgs = mtp.step(model, g, drafts[-1][:, None], (pos - 1 + s)[:, None], _mask(dattn, 1), dcache)
             lg = lgs[:, -1]
-            tok, probs = draft(lg)
+            tok, probs = draft(lg, None if noise is None else noise[:, s * V:(s + 1) * V])
             drafts.append(tok)
             q.append(probs)
         d = torch.stack(drafts, 1)
@@ -123,26 +132,29 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
                    past_key_values=cache, use_cache=True).last_hidden_state
         logits = head(hid).float()
         logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
-        kept, y = verify(logp, torch.stack(q, 1) if temperature > 0 else None, d, temperature, generator)
+        kept, y = verify(logp, torch.stack(q, 1) if temperature > 0 else None, d, temperature, generator,
+                         None if noise is None else noise[:, n * V:])
         new = torch.cat([d, y[:, None]], 1).scatter(1, kept[:, None], y[:, None])   # d1..d_kept, y
         new_lp = logp.gather(2, new[..., None]).squeeze(2)
         valid = (ar[None] <= kept[:, None]).long()         # x and the kept drafts stay in the model's cache
         attn[:, -(n + 1):] = valid
         if n > 1:
             dattn[:, -(n - 1):] = 0                        # the draft steps' slots
-        if stats is not None:
-            stats["verifications"] = stats.get("verifications", 0) + len(rows)
-            stats["accepted"] = stats.get("accepted", 0) + int((kept + 1).sum())
-        for r, k, toks, lps in zip(rows.tolist(), kept.tolist(), new.tolist(), new_lp.tolist()):
+        # catch up the MTP layer on the accepted positions: slot j = (hidden state at pos + j, token pos + j + 1)
+        dattn = torch.cat([dattn, valid], 1)
+        g, lgs = mtp.step(model, hid, new, pos[:, None] + ar, _mask(dattn, n + 1), dcache)
+        g, lg = g.gather(1, kept[:, None, None].expand(-1, 1, g.shape[-1])), lgs[torch.arange(len(kept)), kept]
+        x, pos = y, pos + kept + 1
+        # the host reads the verification once, after the catch-up is queued (on a GPU a read waits for it all)
+        got, got_lp = torch.cat([kept[:, None], new], 1).tolist(), new_lp.tolist()
+        for r, (k, *toks), lps in zip(rows, got, got_lp):
             for t, v in zip(toks[:k + 1], lps[:k + 1]):
                 if stopped[r] or len(out_ids[r]) >= max_new_tokens:
                     break
                 out_ids[r].append(t)
                 out_lp[r].append(v)
                 stopped[r] = t in stop_ids
-        # catch up the MTP layer on the accepted positions: slot j = (hidden state at pos + j, token pos + j + 1)
-        dattn = torch.cat([dattn, valid], 1)
-        g, lgs = mtp.step(model, hid, new, pos[:, None] + ar, _mask(dattn, n + 1), dcache)
-        g, lg = g.gather(1, kept[:, None, None].expand(-1, 1, g.shape[-1])), lgs[torch.arange(len(kept)), kept]
-        x, pos = y, pos + kept + 1
+        if stats is not None:
+            stats["verifications"] = stats.get("verifications", 0) + len(rows)
+            stats["accepted"] = stats.get("accepted", 0) + sum(k + 1 for k, *_ in got)
     return [Generation(i, lp, "stop" if s else "length") for i, lp, s in zip(out_ids, out_lp, stopped)]
