@@ -9,11 +9,21 @@ full KL that needs k numbers per token). Optionally the task reward is mixed in 
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
 from posttrain.rl.batches import completion_batch, micro_batches
 from posttrain.rl.losses import policy_loss
+
+
+def _read_only_tensor(a) -> torch.Tensor:
+    """A tensor over the teacher's [T, V] log-probabilities without a copy. Arrays from Ray's object store are
+    read-only, which torch warns about on the user's console; they are only read here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.as_tensor(np.asarray(a))
 
 
 def reward_advantages(samples: list) -> torch.Tensor:
@@ -78,7 +88,7 @@ def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: floa
             logp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
             kl = reverse_kl_terms(logp_all, ids, sub, mode)
         elif mode == "full":
-            kl = policy.reverse_kl(sub, [torch.as_tensor(np.asarray(s.teacher)) for s in sub], temperature)
+            kl = policy.reverse_kl(sub, [_read_only_tensor(s.teacher) for s in sub], temperature)
         if mode == "sampled" or reward_weight:
             logp = policy.logprobs(sub, temperature)[0] if logp is None else logp
         if mode == "sampled":
