@@ -34,6 +34,8 @@ same granularity in student tokens: after the first step at or past every `val_e
 and OPD, plus the start and the last step. Figure: student tokens generated until validation first
 reaches 95% of the specialist's final score, RL over OPD; the headline is the full form on the domain
 where the ratio is smallest.
+
+BENCH_OPD_SEED (default 0) seeds the OPD runs on both sides (ours and TRL's), to see the students' spread.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ OPD_STEPS = int(os.environ.get("BENCH_OPD_EFF_STEPS", 100))
 RL_STEPS = int(os.environ.get("BENCH_OPD_RL_STEPS", 0))  # (b)'s RL specialist: 0 = the tiny profile's steps
 # (b): validate every N student tokens on both sides (the same N), not every k steps
 VAL_EVERY_TOKENS = int(os.environ.get("BENCH_OPD_VAL_EVERY_TOKENS", 2048))
+SEED = int(os.environ.get("BENCH_OPD_SEED", 0))  # the OPD runs' training seed, ours and TRL's
 # TRL's best settings on this machine, set explicitly: fp32 without activation checkpointing (TRL 1.16 defaults
 # to bf16 and gradient checkpointing), plain temperature sampling as ours (no nucleus, no top-k filter)
 TRL_BEST = {"bf16": False, "gradient_checkpointing": False, "top_p": 1.0, "top_k": 0}
@@ -105,7 +108,7 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     pool = load_tasks(art["curate"], "rl", domain)
     val = _val(domain) if val_every_tokens else pool[:2]
     distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS, mode=loss)
-    policy, tok, st = train_policy(r, art["sft"], [], val, seed=0, label=f"bench opd {domain}", distill=distill)
+    policy, tok, st = train_policy(r, art["sft"], [], val, seed=SEED, label=f"bench opd {domain}", distill=distill)
     ray.shutdown()
     if save:
         save_checkpoint(policy, tok, Path(save))
@@ -158,7 +161,7 @@ def _trl(steps: int, save: str) -> dict:
                               output_dir=str(OUT / "opd-trl"), per_device_train_batch_size=PROMPTS,
                               max_completion_length=MAX_NEW, learning_rate=LR, beta=1.0, temperature=TEMPERATURE,
                               max_steps=steps, use_cpu=True,
-                              logging_steps=1, save_strategy="no", report_to=[], seed=0, disable_dropout=True,
+                              logging_steps=1, save_strategy="no", report_to=[], seed=SEED, disable_dropout=True,
                               lr_scheduler_type="constant", warmup_steps=0, adam_beta2=0.95, weight_decay=0.0)
     student = AutoModelForCausalLM.from_pretrained(art["sft"], dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(art[f"rl-{DOMAIN}"], dtype=torch.float32)
@@ -271,7 +274,7 @@ def main() -> None:
     # the same on-policy (max_staleness 0), as TRL is: does our one step of staleness cost distance to the teacher?
     onpolicy = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-full-onpolicy-student", "full", LR, TEMPERATURE, 0)
     trl = _child("trl", STEPS, OUT / "opd-trl-student")
-    fig = {"domain": DOMAIN, "steps": STEPS, "prompts_per_step": PROMPTS,
+    fig = {"domain": DOMAIN, "steps": STEPS, "prompts_per_step": PROMPTS, "seed": SEED,
            "steps_per_s": STEPS / ours["wall_s"], "steps_per_s_trl": STEPS / trl["wall_s"],
            "reverse_kl_before": reverse_kl_on_own_samples(art["sft"], teacher),
            "reverse_kl_after_n": reverse_kl_on_own_samples(str(OUT / "opd-ours-student"), teacher),
