@@ -71,7 +71,8 @@ def compare(engine, tok, tasks, **kw) -> dict:
         gen = torch.Generator().manual_seed(0) if kw.get("temperature", 0) > 0 else None
         return _measure(engine, tok, tasks, generator=gen, **kw)
 
-    once(False), once(True)  # warm-up, not counted: a GPU's first calls pay for loading kernels
+    for spec in (False, True):  # a warm-up of each, not counted: a GPU's first calls pay for loading kernels
+        once(spec)
     runs: dict[bool, list] = {False: [], True: []}
     for _ in range(REPEATS):
         for spec in (False, True):
