@@ -49,7 +49,8 @@ def _fuse_norms(module: nn.Module) -> None:
             with torch.no_grad():
                 probe = torch.randn(4, w.shape[0], device=w.device, dtype=w.dtype)
                 fused = _FusedRMSNorm(child)
-                if torch.allclose(child(probe), fused(probe), rtol=1e-3, atol=1e-5):
+                # within rounding: in bf16 the two round at different points (one ulp apart, 0.8%)
+                if torch.allclose(child(probe), fused(probe), rtol=max(1e-3, 2 * torch.finfo(w.dtype).eps), atol=1e-5):
                     setattr(module, name, fused)
         else:
             _fuse_norms(child)

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from posttrain import mtp
 from posttrain.config import ModelConfig
@@ -139,5 +140,6 @@ def test_the_mtp_layer_runs_fused_norms_only_where_they_compute_the_same(model):
     assert {k for k in layer.state_dict() if "norm" in k} >= {"norm_h.weight", "layer.input_layernorm.weight"}
     holder = torch.nn.Module()
     holder.norm = OnePlusNorm()
+    holder.bf16 = LlamaRMSNorm(64).to(torch.bfloat16)  # a real checkpoint's dtype: fused too
     mtp._fuse_norms(holder)
-    assert isinstance(holder.norm, OnePlusNorm)
+    assert isinstance(holder.norm, OnePlusNorm) and isinstance(holder.bf16, mtp._FusedRMSNorm)
