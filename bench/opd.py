@@ -98,7 +98,7 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     from posttrain.data import load_tasks
     from posttrain.model import save_checkpoint
     from posttrain.raysupport import ensure_ray
-    from posttrain.rl.loop import Distill, train_policy
+    from posttrain.rl.loop import Distill, mean_step_times, train_policy
     torch.set_num_threads(1)  # trainer, rollout worker and teacher: one thread each on the 2 cores
     ensure_ray(RuntimeConfig())
     art = _inputs()
@@ -115,8 +115,7 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     h = st.history
     return {"wall_s": h["wall_s"][-1], "val": h["val_score"], "tokens": h["student_tokens"],
             "teacher_tokens": h["teacher_tokens"][-1], "reverse_kl": h["reverse_kl"],
-            # where the trainer's step went, seconds per step: waiting for rollouts, the update, the weight push
-            **{k: sum(h[k]) / len(h[k]) for k in ("rollout_wait_s", "train_s", "push_s")},
+            "step_times": mean_step_times(h),
             "temperature": r.temperature, "max_staleness": r.max_staleness}
 
 
@@ -286,11 +285,11 @@ def main() -> None:
                                                                          teacher)}
     fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]
     fig["steps_ratio_vs_trl_full"] = fig["steps_per_s_full"] / fig["steps_per_s_trl"]  # same loss on both sides
-    fig |= {f"full_step_{k}": full[k] for k in ("rollout_wait_s", "train_s", "push_s")}
+    fig |= {f"full_step_{k}": v for k, v in full["step_times"].items()}
     # the floor of this arrangement: the parts' single-thread CPU time (and the push) spread over 2 cores
     parts = _child("components")
     fig |= {f"component_ms_{k}": v for k, v in parts.items()}
-    fig["floor_steps_per_s"] = 2000 / (sum(parts.values()) + 1000 * full["push_s"])
+    fig["floor_steps_per_s"] = 2000 / (sum(parts.values()) + 1000 * full["step_times"]["push_s"])
     fig["floor_ratio_vs_trl"] = fig["floor_steps_per_s"] / fig["steps_per_s_trl"]
     fig |= {"trl_config": trl["trl_config"], "trl_loss_top_k": trl["trl_config"]["loss_top_k"],
             "trl_top_p": trl["trl_config"]["top_p"], "trl_bf16": trl["trl_config"]["bf16"],

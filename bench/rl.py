@@ -68,7 +68,7 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
     from posttrain.data import load_tasks
     from posttrain.raysupport import ensure_ray
     from posttrain.config import RuntimeConfig
-    from posttrain.rl.loop import train_policy
+    from posttrain.rl.loop import mean_step_times, train_policy
     threads = int(threads)
     torch.set_num_threads(threads)
     ensure_ray(RuntimeConfig())
@@ -85,8 +85,7 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
     return {"wall_s": st.wall_s, "train_wall_s": h["wall_s"][-1], "val": h["val_score"], "val_wall": h["val_wall_s"],
             "reward": h["reward"],
             "masked_fraction": h["masked_fraction"], "dropped": st.dropped, "staleness": st.staleness,
-            # where the trainer's step went, seconds per step: waiting for rollouts, the update, the weight push
-            **{k: sum(h[k]) / len(h[k]) for k in ("rollout_wait_s", "train_s", "push_s")}}
+            "step_times": mean_step_times(h)}
 
 
 def _trl(steps: int, defaults: bool = False) -> dict:
@@ -200,7 +199,7 @@ def main() -> None:
                             "max_staleness_async": 1, "temperature": _rl_config({}).temperature,
                             "threads_sync": SYNC_THREADS, "threads_async": 1, "threads_trl": TRL_THREADS}}
     fig["steps_ratio_vs_trl_sync"] = fig["steps_per_s_sync"] / fig["steps_per_s_trl"]  # the headline vs TRL
-    fig |= {f"sync_step_{k}": cmp_sync[k] for k in ("rollout_wait_s", "train_s", "push_s")}
+    fig |= {f"sync_step_{k}": v for k, v in cmp_sync["step_times"].items()}
     if trl_d:  # TRL at its own defaults (bf16, gradient checkpointing): a side figure, not the comparison
         fig |= {"trl_defaults_config": trl_d["trl_config"], "steps_per_s_trl_defaults": TRL_STEPS / trl_d["wall_s"],
                 "reward_after_n_trl_defaults": sum(trl_d["reward"][-n:]) / n}

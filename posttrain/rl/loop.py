@@ -195,6 +195,11 @@ class Feed:
             f.cancel()
 
 
+def mean_step_times(hist: dict) -> dict[str, float]:
+    """Seconds per step, over a run's history: waiting for rollouts, in the update, pushing the weights."""
+    return {k: sum(hist[k]) / len(hist[k]) for k in ("rollout_wait_s", "train_s", "push_s")}
+
+
 def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Feed, hist: dict, step: int,
                 gen_s: float, gen_tok: float, times: dict[str, float], wall_s: float) -> dict[str, float]:
     """One step's curves: reward, the update's statistics, staleness, tokens, throughput, and where the trainer's
