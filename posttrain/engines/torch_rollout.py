@@ -37,7 +37,8 @@ def prefill_distinct(model, prompts: list[list[int]], pad_id: int, cache=None, *
 
 def on_device(generator: torch.Generator | None, device) -> torch.Generator | None:
     """A generator on `device` seeded by one draw of `generator`, so noise is drawn where the logits are: drawn on
-    the host, it took 0.7 ms a decoding step of 120 rows (bench/mtp's RL rollouts on an H100) plus a blocking copy.
+    the host, it took 0.7 ms a decoding step of 120 rows (profiling bench/mtp's RL rollouts on an H100), plus a
+    blocking copy.
     The same seed gives the same stream on the same kind of device; CPU and GPU streams differ."""
     device = torch.device(device)
     if generator is None or generator.device.type == device.type:
