@@ -6,10 +6,15 @@ is its own.
 Settings on each side: ours fp32, no activation checkpointing (the pipeline's SFT). TRL at its best on
 this machine, set explicitly (TRL 1.16 defaults to bf16 and gradient checkpointing; bf16 is ~3x slower on
 this CPU and checkpointing recomputes activations): `bf16=False`, `gradient_checkpointing=False`, recorded
-as `trl_config`. Beside it, labelled `_trl_defaults`, TRL with its own defaults (bf16, checkpointing) on the
+as `trl_config`. On the unpacked batches TRL runs twice, padded and with `padding_free=True` (one flat row
+per batch; its sdpa then builds a block-diagonal mask over the whole row; `max_length=None` there, as TRL asks,
+the inputs being truncated already), and the faster is its figure (`trl_padding_free` says which; both kept as
+`tokens_per_s_trl_padded`, `_padding_free`). Beside it, labelled `_trl_defaults`, TRL with its own defaults (bf16, checkpointing) on the
 unpacked batches (`BENCH_SFT_TRL_DEFAULTS=0` skips it).
 
-Ours is measured twice on the unpacked batches: the bare loop (`posttrain.train.train`, in process) and
+Ours takes the unpacked batches as posttrain.sft does (`posttrain.sft.collator`): each batch one row of its
+conversations with no padding, attention inside each (varlen_sdpa). It is measured twice: the bare loop
+(`posttrain.train.train`, in process) and
 through the path the pipeline uses, Ray Train (`posttrain.sft._worker` under a `TorchTrainer`, one worker,
 the profile's threads, fed the same batch order; no periodic checkpoints, only the final state report).
 `throughput_ratio_vs_trl_raytrain` is the Ray Train figure over TRL's; its clock is the training loop
@@ -127,10 +132,12 @@ def _start():
 
 def _ours(packed: bool = False) -> dict:
     from posttrain.packing import collate, pack
-    from posttrain.train import pad_examples, train
+    from posttrain.sft import collator
+    from posttrain.train import train
     s, model, tok, order = _start()
     n = _packed_rows(order, s.seq_len)
     rows = pack(order, s.seq_len)[:STEPS * n]
+    to_batch = collator(tok, model, s.seq_len)  # as posttrain.sft's worker: padding-free where the attention allows
 
     clock = _Clock()
 
@@ -138,7 +145,7 @@ def _ours(packed: bool = False) -> dict:
         clock.at_step(i)
         if packed:
             return collate(rows[i * n:(i + 1) * n], tok.pad_token_id)
-        return pad_examples(order[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
+        return to_batch(order[i * s.batch_size:(i + 1) * s.batch_size])
 
     clock.start()
     hist = train(model, next_batch, steps=STEPS, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
@@ -154,15 +161,14 @@ def _raytrain_worker(config: dict) -> None:
     import ray.train
 
     import posttrain.sft as sft
-    from posttrain.train import pad_examples
     s = config["cfg"].sft
 
     clock = _Clock()
 
-    def bench_batches(cfg, tok, examples):  # the same batches, in the same order, as the other sides
+    def bench_batches(cfg, examples):  # the same conversations, in the same order, as the other sides
         def next_batch(i: int):
             clock.at_step(i)
-            return pad_examples(examples[i * s.batch_size:(i + 1) * s.batch_size], tok.pad_token_id, s.seq_len)
+            return examples[i * s.batch_size:(i + 1) * s.batch_size]
         return next_batch
 
     inner = sft.train
@@ -221,7 +227,7 @@ def _raytrain(packed: bool = False) -> dict:
             "tokens_steady": _tokens(order[WARMUP * s.batch_size:]), "workers": s.workers}
 
 
-def _trl(packed: bool = False, defaults: bool = False) -> dict:
+def _trl(packed: bool = False, defaults: bool = False, padding_free: bool = False) -> dict:
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
     from transformers import TrainerCallback
@@ -240,11 +246,11 @@ def _trl(packed: bool = False, defaults: bool = False) -> dict:
     # defaults: bf16 and gradient checkpointing left at TRL's own defaults (the labelled side figure)
     args = SFTConfig(**({} if defaults else TRL_BEST), output_dir=str(WORK / "trl"), max_steps=STEPS,
                      per_device_train_batch_size=_packed_rows(order, s.seq_len) if packed else s.batch_size,
-                     packing=packed,
+                     packing=packed, **({"padding_free": True} if padding_free else {}),
                      learning_rate=s.lr, warmup_steps=s.warmup, lr_scheduler_type="cosine_with_min_lr",
                      lr_scheduler_kwargs={"min_lr_rate": s.min_lr_ratio}, weight_decay=s.weight_decay,
                      adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=s.grad_clip,
-                     max_length=s.seq_len, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                     max_length=None if padding_free else s.seq_len, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                      dataloader_num_workers=0, seed=_cfg().seed, disable_tqdm=True)
     clock = _Clock()
 
@@ -285,7 +291,10 @@ def _child(side: str) -> dict:
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     _prepare()
-    ours, trl = _child("_ours"), _child("_trl")
+    ours = _child("_ours")
+    # TRL's best unpacked: padded, or padding-free (one flat row; its sdpa then masks the whole row)
+    trl_unpacked = {"padded": _child("_trl"), "padding_free": _child("_trl padding_free")}
+    trl = max(trl_unpacked.values(), key=_rate)
     ray_ours = _child("_raytrain")
     ours_p, trl_p = _child("_ours packed"), _child("_trl packed")
     trl_d = _child("_trl defaults") if TRL_DEFAULTS else None
@@ -302,6 +311,8 @@ def main() -> None:
         "loss_first": round(ours["loss"][0], 4), "loss_first_trl": round(trl["loss"][0], 4),
         "trl_config": trl["trl_config"], "trl_bf16": trl["trl_config"]["bf16"],
         "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
+        "trl_padding_free": trl["trl_config"]["padding_free"],
+        **{f"tokens_per_s_trl_{k}": round(_rate(v), 1) for k, v in trl_unpacked.items()},
     }
     tps_ray = _rate(ray_ours)
     fig |= {"tokens_per_s_raytrain": round(tps_ray, 1),
@@ -337,7 +348,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in ("_ours", "_trl", "_raytrain"):
         from bench import sft as me  # by module name: Ray pickles `_raytrain_worker` by reference, not from __main__
         flags = sys.argv[2:]
-        kwargs = {"packed": "packed" in flags, **({"defaults": True} if "defaults" in flags else {})}
+        kwargs = {"packed": "packed" in flags, **{f: True for f in ("defaults", "padding_free") if f in flags}}
         res = getattr(me, sys.argv[1])(**kwargs)
         res.setdefault("peak_rss_mb", round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
         print(json.dumps(res))

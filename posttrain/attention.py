@@ -3,7 +3,8 @@
 transformers dispatches attention (and the mask built for it) through two registries; `register` adds a
 name to both; posttrain.dsa registers "dsa" this way (its indexers installed by `posttrain.dsa.install`), and
 posttrain.packed_attention "packed_sdpa" (the ramp's default: sdpa that skips the scores between packed
-documents). "sdpa" and "eager" are the dense references.
+documents) and "varlen_sdpa" (the same at every length, for padding-free batches). "sdpa" and "eager" are the
+dense references.
 """
 from __future__ import annotations
 
@@ -24,6 +25,24 @@ def register(name: str, attention: Callable, mask: Callable = sdpa_mask) -> None
 
 
 register("packed_sdpa", packed_attention.packed_sdpa, packed_attention.packed_mask)
+register("varlen_sdpa", packed_attention.varlen_sdpa, packed_attention.varlen_mask)
+
+# implementations that read packed documents from restarting positions at the cost of their own lengths
+_VARLEN = ("varlen_sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def padding_free(model) -> bool:
+    """Whether `model` takes a batch as one row of documents, positions restarting at each, no padding
+    (posttrain.train.flat_examples): then no layer computes anything for padding. A model on sdpa or
+    packed_sdpa is switched to varlen_sdpa for it (its MTP layer too); eager (whose mask would be the whole
+    row's length squared), dsa and other implementations keep padded batches."""
+    from posttrain import mtp
+    m = getattr(model, "module", model)
+    if m.config._attn_implementation in ("sdpa", "packed_sdpa"):
+        use(m, "varlen_sdpa")
+        if (draft := mtp.get(m)) is not None:
+            draft.follow_attention(m)
+    return m.config._attn_implementation in _VARLEN
 
 
 def known() -> list[str]:

@@ -61,6 +61,10 @@ def sequence_logprobs(model, input_ids: torch.Tensor, targets_mask: torch.Tensor
         from kernels.logprob import linear_logprob
         out = model(input_ids=input_ids, **inputs, output_hidden_states=True, logits_to_keep=1)
         return linear_logprob(out.hidden_states[-1][:, :-1][sel], _head_weight(model, out), target[sel])[0]
+    if input_ids.shape[0] == 1:  # one row (padding-free batches): the head runs on the scored positions only
+        keep = sel[0].nonzero()[:, 0]
+        logits = model(input_ids=input_ids, **inputs, logits_to_keep=keep).logits[0]
+        return -F.cross_entropy(logits, target[sel], reduction="none")
     logits = model(input_ids=input_ids, **inputs).logits[:, :-1]
     return -F.cross_entropy(logits[sel], target[sel], reduction="none")
 

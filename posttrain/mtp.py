@@ -63,11 +63,8 @@ class MTP(nn.Module):
     def __init__(self, model, depth: int):
         super().__init__()
         base, last = model.base_model, _layers(model)[-1]
-        config = copy.deepcopy(model.config)
-        # the draft layer needs a plain attention that takes explicit masks: DSA's selection is per model layer
-        # (packed_sdpa too: with no mask, it reads the packed documents from the positions like the model's layers)
-        config._attn_implementation = model.config._attn_implementation \
-            if model.config._attn_implementation in ("eager", "packed_sdpa") else "sdpa"
+        self.config = config = copy.deepcopy(model.config)
+        self.follow_attention(model)
         self.depth, hidden = depth, model.config.hidden_size
         self.norm_h, self.norm_e, self.norm_out = (copy.deepcopy(base.norm) for _ in range(3))
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)
@@ -79,6 +76,13 @@ class MTP(nn.Module):
         self.layer.load_state_dict({k: v for k, v in last.state_dict().items() if ".indexer." not in k}, strict=False)
         _fuse_norms(self)
         self.to(next(model.parameters()).device, next(model.parameters()).dtype)
+
+    def follow_attention(self, model) -> None:
+        """The draft layer needs a plain attention that takes explicit masks: DSA's selection is per model layer
+        (packed_sdpa and varlen_sdpa too: with no mask, they read the packed documents from the positions like
+        the model's layers)."""
+        name = model.config._attn_implementation
+        self.config._attn_implementation = name if name in ("eager", "packed_sdpa", "varlen_sdpa") else "sdpa"
 
     def step(self, model, state: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
              attention_mask: torch.Tensor | None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +153,8 @@ def _capture_hooks(model) -> None:
 
 def loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
     """The MTP loss of the forward the model just ran on `batch` (with `capture` set): the mean over draft steps
-    of the cross-entropy of token i + k + 1 where `loss_mask` trains it; and each step's top-1 accuracy."""
+    of the cross-entropy of token i + k + 1 where `loss_mask` trains it and it is in token i's document; and each
+    step's top-1 accuracy."""
     m = getattr(model, "module", model)
     mtp, seen = m.mtp, m.mtp.seen
     dev = seen["hidden"].device
@@ -163,6 +168,7 @@ def loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[floa
             break
         nxt = F.pad(ids[:, k:], (0, k))                       # token i + k at position i
         target, tmask = F.pad(ids[:, k + 1:], (0, k + 1)), F.pad(mask[:, k + 1:], (0, k + 1)) != 0
+        tmask &= F.pad(pos[:, k + 1:] - pos[:, :-k - 1], (0, k + 1)) == k + 1  # not a packed row's next document
         state, logits = mtp.step(m, state, nxt, pos, seen["mask"])
         if not tmask.any():
             continue

@@ -7,6 +7,12 @@ cut out of the rows, grouped by length (rounded up to a power of two, at most T)
 with `is_causal`: the work is the sum of the documents' squared lengths instead of B*T^2. No library
 kernel does this on CPU (flash-attention's varlen kernels are CUDA only; flex attention needs a compiler).
 
+"varlen_sdpa" is the same path at every length: for a batch flattened into one row of documents with no padding
+(posttrain.attention.padding_free, SFT's batches), where the row is as long as the whole batch and a dense mask
+would cost its length squared. On the ramp's own rows grouping loses below MIN_LEN (tiny model, 2 CPU cores,
+pretraining-like documents: 12,100 against 14,250 tokens/s at 256, 10,750 against 11,600 at 512; many short
+groups, each an sdpa call), which is why "packed_sdpa" keeps the dense mask there.
+
 Only rows of at least `MIN_LEN` tokens take that path; shorter ones run plain sdpa with its mask, which was
 as fast or faster there (one measurement of a tiny-ramp training step, B8, 2 CPU cores, grouping at every
 length: 0.17 s against 0.18 s at 256 tokens, 0.40 against 0.39 at 512, 1.05 against 0.83 at 1024; from 1024
@@ -70,9 +76,20 @@ def _plan_for(position_ids: torch.Tensor, batch: int) -> Plan:
 def packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                 **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q [B, H, T, D], k/v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
+    return _grouped_sdpa(MIN_LEN, module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                **kwargs) -> tuple[torch.Tensor, None]:
+    """packed_sdpa at every row length."""
+    return _grouped_sdpa(1, module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _grouped_sdpa(min_len: int, module, query, key, value, attention_mask, dropout: float, scaling: float | None,
+                  **kwargs) -> tuple[torch.Tensor, None]:
     position_ids = kwargs.get("position_ids")
     B, H, T, D = query.shape
-    if attention_mask is not None or position_ids is None or T < MIN_LEN or key.shape[2] != T \
+    if attention_mask is not None or position_ids is None or T < min_len or key.shape[2] != T \
             or kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -88,10 +105,19 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     return torch.cat(outs)[inverse].view(B, T, H, D), None
 
 
-def packed_mask(*args, attention_mask=None, q_length: int = 0, kv_length: int = 0, q_offset=0, kv_offset=0, **kwargs):
+def packed_mask(*args, **kwargs):
     """No mask where packed_sdpa reads the documents from the positions itself; sdpa's mask everywhere else."""
+    return _mask(MIN_LEN, *args, **kwargs)
+
+
+def varlen_mask(*args, **kwargs):
+    return _mask(1, *args, **kwargs)
+
+
+def _mask(min_len: int, *args, attention_mask=None, q_length: int = 0, kv_length: int = 0, q_offset=0, kv_offset=0,
+          **kwargs):
     windowed = getattr(kwargs.get("config"), "sliding_window", None)
-    if attention_mask is None and q_length == kv_length >= MIN_LEN and int(q_offset) == 0 and int(kv_offset) == 0 \
+    if attention_mask is None and q_length == kv_length >= min_len and int(q_offset) == 0 and int(kv_offset) == 0 \
             and not windowed:
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, q_offset=q_offset,

@@ -17,7 +17,7 @@ import torch
 import environments
 from environments import long_context
 from environments.base import Task
-from posttrain import mtp
+from posttrain import attention, mtp
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
@@ -25,7 +25,7 @@ from posttrain.device import stage_gpus
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
 from posttrain.store import train_storage
-from posttrain.train import eval_loss, masked_lm_loss, pad_examples, summarize, train
+from posttrain.train import eval_loss, flat_examples, masked_lm_loss, pad_examples, summarize, train
 
 STATE = "state.pt"
 
@@ -73,32 +73,41 @@ def _long_tasks(tok, split: str, n: int, seed: int, max_len: int) -> list[Task]:
     return [t for i, L in enumerate(lengths) for t in long_context.fit_to_length(split, n // 3, seed + i, L, count)]
 
 
-def _batches(cfg: PipelineConfig, tok, examples: list) -> Callable[[int], dict]:
-    """Micro-batch `i` of the global data order: a pure function of `i` (exact resume needs no cursor file).
+def _batches(cfg: PipelineConfig, examples: list) -> Callable[[int], list]:
+    """The conversations of micro-batch `i` of the global data order (`sft.packing`: its packed rows): a pure
+    function of `i` (exact resume needs no cursor file).
 
     `sft.packing`: `batch_size` rows of `seq_len` tokens, conversations packed best-fit with their
-    boundaries kept (positions restart, attention stays inside each). Otherwise length buckets: a batch
-    pads to its longest row, so one long-context example would make the whole batch `seq_len` wide.
+    boundaries kept (positions restart, attention stays inside each). Otherwise length buckets: a padded batch
+    is as wide as its longest row, so one long-context example would make the whole batch `seq_len` wide.
     """
     s = cfg.sft
     if s.packing:
         rows = pack(examples, s.seq_len)
 
-        def next_packed(i: int) -> dict:
+        def next_packed(i: int) -> list:
             rng = random.Random(cfg.seed * 31 + i)
-            return collate([rows[rng.randrange(len(rows))] for _ in range(s.batch_size)], pad_id(tok))
+            return [rows[rng.randrange(len(rows))] for _ in range(s.batch_size)]
         return next_packed
     buckets: dict[int, list] = {}
     for ex in examples:
         buckets.setdefault(min(s.seq_len, 1 << max(6, (len(ex[0]) - 1).bit_length())), []).append(ex)
     keys = sorted(buckets)
 
-    def next_batch(i: int) -> dict:
+    def next_batch(i: int) -> list:
         rng = random.Random(cfg.seed * 31 + i)
         bucket = buckets[rng.choices(keys, weights=[len(buckets[k]) for k in keys])[0]]
-        return pad_examples([bucket[rng.randrange(len(bucket))] for _ in range(s.batch_size)],
-                            pad_id(tok), s.seq_len)
+        return [bucket[rng.randrange(len(bucket))] for _ in range(s.batch_size)]
     return next_batch
+
+
+def collator(tok, model, max_len: int) -> Callable[[list], dict]:
+    """Conversations -> tensors: one row without padding where the model's attention reads documents from the
+    positions (posttrain.attention.padding_free; about 1.4x faster steps on the tiny model, whose padded
+    batches are a third padding), else padded."""
+    if attention.padding_free(model):
+        return lambda examples: flat_examples(examples, pad_id(tok), max_len)
+    return lambda examples: pad_examples(examples, pad_id(tok), max_len)
 
 
 def _worker(config: dict) -> None:
@@ -118,14 +127,15 @@ def _worker(config: dict) -> None:
             state = torch.load(Path(d) / STATE, weights_only=False)
         model.load_state_dict(state["model"])
         print(f"[sft] resuming at step {state['step']} of {s.steps}", flush=True)
+    to_batch = collator(tok, model, s.seq_len)
     model = ray.train.torch.prepare_model(model)  # DDP when there is more than one worker
-    global_batch = _batches(cfg, tok, config["examples"])
+    global_batch = _batches(cfg, config["examples"])
 
-    def next_batch(i: int) -> dict:  # this worker's rows of the global batch
-        return {k: v[rank::world] for k, v in global_batch(i).items()}
+    def next_batch(i: int) -> dict:  # this worker's share of the global batch
+        share = global_batch(i)[rank::world]
+        return collate(share, pad_id(tok)) if s.packing else to_batch(share)
 
-    val_batches = [pad_examples(config["val"][i:i + s.batch_size], pad_id(tok), s.seq_len)
-                   for i in range(0, len(config["val"]), s.batch_size)]
+    val_batches = [to_batch(config["val"][i:i + s.batch_size]) for i in range(0, len(config["val"]), s.batch_size)]
 
     # the MTP curves live in the history (the same lists), so a resumed run continues them
     curves = {k: state["hist"][k] for k in ("mtp_loss", "mtp_acc1") if state and k in state["hist"]}

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from posttrain.head import sequence_logprobs
+from posttrain.packing import collate
 
 Batch = dict[str, torch.Tensor]
 
@@ -116,6 +117,13 @@ def pad_examples(examples: list[tuple[list[int], list[int]]], pad_id: int, max_l
         mask[i, : len(m)] = torch.tensor(m)
         attn[i, : len(x)] = 1
     return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+def flat_examples(examples: list[tuple[list[int], list[int]]], pad_id: int, max_len: int) -> Batch:
+    """(ids, loss_mask) pairs, each truncated to `max_len`, as one row of documents with positions restarting at
+    each and no padding: the same loss as `pad_examples`, with nothing computed for padding, for a model whose
+    attention reads the documents from the positions (posttrain.attention.padding_free)."""
+    return collate([[(ids[:max_len], m[:max_len]) for ids, m in examples]], pad_id)
 
 
 @torch.no_grad()

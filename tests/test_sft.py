@@ -3,6 +3,7 @@ import torch
 
 import environments
 from posttrain.config import load_config
+from posttrain.packing import collate
 from posttrain.sft import _batches, build_examples
 from posttrain.train import masked_lm_loss, pad_examples
 from tests.test_ramp import tiny_llama
@@ -12,7 +13,7 @@ def test_packed_sft_batches_give_the_same_loss_as_each_conversation_alone(tok):
     cfg = load_config("smoke", ["sft.packing=true", "sft.batch_size=2", "sft.seq_len=256"])
     tasks = [t for d in environments.DOMAINS for t in environments.get(d).generate("train", 4, 0)]
     examples = build_examples(cfg, tok, tasks, 0)
-    batch = _batches(cfg, tok, examples)(0)
+    batch = collate(_batches(cfg, examples)(0), tok.pad_token_id)
     T = batch["input_ids"].shape[1]
     assert batch["input_ids"].shape[0] == 2 and T <= 256 and "position_ids" in batch
 
@@ -34,3 +35,34 @@ def test_packed_sft_batches_give_the_same_loss_as_each_conversation_alone(tok):
     with torch.no_grad():
         packed = masked_lm_loss(model, batch).item()
     assert abs(packed - total / weight) < 1e-4
+
+
+def test_padding_free_batches_give_the_padded_loss_and_gradients_mtp_included():
+    """SFT's padding-free batches (one row of conversations, positions restarting, varlen_sdpa) train exactly
+    what padded batches do: the same loss, the same MTP loss and the same gradients."""
+    import random
+
+    from posttrain import attention, mtp
+    from posttrain.sft import collator
+    rng = random.Random(0)
+    # conversation-like: untrained prompt tokens, then the trained answer
+    examples = [([rng.randrange(1, 64) for _ in range(n)], [0] * 2 + [1] * (n - 2)) for n in (9, 30, 17, 25, 12)]
+    padded_model, flat_model = (mtp.install(tiny_llama("sdpa", kv_heads=2), 2).train() for _ in range(2))
+
+    class Tok:
+        pad_token_id = 0
+    results = []
+    for model, batch in ((padded_model, pad_examples(examples, 0, 28)),  # 30 tokens: truncated alike on both paths
+                         (flat_model, collator(Tok(), flat_model, 28)(examples))):
+        curves: dict = {}
+        loss = mtp.with_loss(masked_lm_loss, 1.0, curves)(model, batch)
+        loss.backward()
+        results.append((batch, loss.detach(), curves["mtp_loss"][0],
+                        torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (padded, *a), (flat, *b) = results
+    assert flat_model.config._attn_implementation == mtp.get(flat_model).config._attn_implementation == "varlen_sdpa"
+    assert not attention.padding_free(tiny_llama("eager"))
+    assert padded["input_ids"].shape == (5, 28) and flat["input_ids"].shape == (1, 9 + 28 + 17 + 25 + 12)
+    torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=1e-5)
+    assert abs(a[1] - b[1]) < 1e-5
+    torch.testing.assert_close(a[2], b[2], atol=1e-6, rtol=1e-4)
