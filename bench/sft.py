@@ -9,8 +9,8 @@ this CPU and checkpointing recomputes activations): `bf16=False`, `gradient_chec
 as `trl_config`. On the unpacked batches TRL runs twice, padded and with `padding_free=True` (one flat row
 per batch; its sdpa then builds a block-diagonal mask over the whole row; `max_length=None` there, as TRL asks,
 the inputs being truncated already), and the faster is its figure (`trl_padding_free` says which; both kept as
-`tokens_per_s_trl_padded`, `_padding_free`). Beside it, labelled `_trl_defaults`, TRL with its own defaults (bf16, checkpointing) on the
-unpacked batches (`BENCH_SFT_TRL_DEFAULTS=0` skips it).
+`tokens_per_s_trl_padded`, `_padding_free`). Beside it, labelled `_trl_defaults`, TRL with its own defaults
+(bf16, checkpointing) on the padded unpacked batches (`BENCH_SFT_TRL_DEFAULTS=0` skips it).
 
 Ours takes the unpacked batches as posttrain.sft does (`posttrain.sft.collator`): each batch one row of its
 conversations with no padding, attention inside each (varlen_sdpa). It is measured twice: the bare loop
@@ -250,7 +250,8 @@ def _trl(packed: bool = False, defaults: bool = False, padding_free: bool = Fals
                      learning_rate=s.lr, warmup_steps=s.warmup, lr_scheduler_type="cosine_with_min_lr",
                      lr_scheduler_kwargs={"min_lr_rate": s.min_lr_ratio}, weight_decay=s.weight_decay,
                      adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=s.grad_clip,
-                     max_length=None if padding_free else s.seq_len, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                     max_length=None if padding_free else s.seq_len, logging_steps=1, save_strategy="no",
+                     report_to=[], use_cpu=True,
                      dataloader_num_workers=0, seed=_cfg().seed, disable_tqdm=True)
     clock = _Clock()
 
