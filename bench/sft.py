@@ -22,9 +22,10 @@ inside the worker (Ray start-up, model loading and the final state report to Ray
 side loads before its clock and saves nothing); `raytrain_checkpoint_seconds` is that report and
 `raytrain_fit_seconds` the whole `fit()`.
 
-Packed variant: the same conversations packed into rows of seq_len, ours best-fit decreasing with
-document masks, TRL's `packing=True` (best-fit decreasing, padding-free); the conversations of the
-unpacked run spread over the same number of steps.
+Packed variant: the same conversations packed into rows of seq_len (best-fit decreasing), as `sft.packing`
+feeds them: ours takes each batch's rows as one padding-free row (posttrain.sft.collator), TRL's
+`packing=True` (best-fit decreasing, padding-free); the conversations of the unpacked run spread over the same
+number of steps.
 
 tokens/s counts the non-pad tokens of the batches over the training loop's wall time (model loading and
 data preparation excluded on both sides), from the start of step WARMUP (BENCH_SFT_WARMUP, default 10) to the
@@ -131,21 +132,19 @@ def _start():
 
 
 def _ours(packed: bool = False) -> dict:
-    from posttrain.packing import collate, pack
+    from posttrain.packing import pack
     from posttrain.sft import collator
     from posttrain.train import train
     s, model, tok, order = _start()
     n = _packed_rows(order, s.seq_len)
     rows = pack(order, s.seq_len)[:STEPS * n]
-    to_batch = collator(tok, model, s.seq_len)  # as posttrain.sft's worker: padding-free where the attention allows
+    to_batch = collator(tok, model, s.seq_len, packed)  # as posttrain.sft's worker: padding-free where it can
 
     clock = _Clock()
 
     def next_batch(i: int):
         clock.at_step(i)
-        if packed:
-            return collate(rows[i * n:(i + 1) * n], tok.pad_token_id)
-        return to_batch(order[i * s.batch_size:(i + 1) * s.batch_size])
+        return to_batch(rows[i * n:(i + 1) * n] if packed else order[i * s.batch_size:(i + 1) * s.batch_size])
 
     clock.start()
     hist = train(model, next_batch, steps=STEPS, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,

@@ -62,6 +62,9 @@ def test_padding_free_batches_give_the_padded_loss_and_gradients_mtp_included():
     (padded, *a), (flat, *b) = results
     assert flat_model.config._attn_implementation == mtp.get(flat_model).config._attn_implementation == "varlen_sdpa"
     assert not attention.padding_free(tiny_llama("eager"))
+    # sft.packing's rows go in as the same one row
+    packed = collator(Tok(), flat_model, 28, packing=True)([examples[:2], examples[2:]])
+    assert all(torch.equal(packed[k], flat[k]) for k in flat)
     assert padded["input_ids"].shape == (5, 28) and flat["input_ids"].shape == (1, 9 + 28 + 17 + 25 + 12)
     torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=1e-5)
     assert abs(a[1] - b[1]) < 1e-5
