@@ -28,7 +28,7 @@ register("packed_sdpa", packed_attention.packed_sdpa, packed_attention.packed_ma
 register("varlen_sdpa", packed_attention.varlen_sdpa, packed_attention.varlen_mask)
 
 # implementations that read packed documents from restarting positions at the cost of their own lengths
-_VARLEN = ("varlen_sdpa", "flash_attention_2", "flash_attention_3")
+VARLEN = ("varlen_sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def padding_free(model) -> bool:
@@ -42,7 +42,7 @@ def padding_free(model) -> bool:
         use(m, "varlen_sdpa")
         if (draft := mtp.get(m)) is not None:
             draft.follow_attention(m)
-    return m.config._attn_implementation in _VARLEN
+    return m.config._attn_implementation in VARLEN
 
 
 def known() -> list[str]:

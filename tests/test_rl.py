@@ -118,6 +118,46 @@ def test_prefix_shared_forward_equals_the_full_sequence_forward(ckpt, tok):
                               torch.tensor([x for x, g in zip(s.logprobs, s.gen_mask) if g]), atol=1e-4)
 
 
+def test_padding_free_forward_equals_the_cached_forward_with_its_gradients(ckpt, tok):
+    """One row per batch, no padding, no cache (rl.batches.flat_forward): the same logits, hidden states and
+    gradients as the prefix-cached path; taken where samples do not share prompts enough to pay for padding."""
+    from posttrain.attention import padding_free
+    from posttrain.rl.batches import cached_tokens, flat_tokens, pad_rows
+    from posttrain.rl.critic import ValueModel
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(0)
+
+    def sample(prompt: list[int], n: int):
+        return SimpleNamespace(prompt_ids=prompt, ids=torch.randint(3, 200, (n,), generator=g).tolist())
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 20, 9, 14)]
+    one_each = [sample(p, n) for p, n in zip(prompts, (3, 25, 7, 16))]  # lengths apart: the flat row is cheaper
+    assert flat_tokens(one_each) < cached_tokens(one_each)
+    many = [sample(p, 4) for p in prompts[1:3] for _ in range(8)]  # GRPO-sized groups: the prompts' cache is cheaper
+    assert flat_tokens(many) > cached_tokens(many)
+    worker = RolloutWorker(ckpt)
+    cached_model = copy.deepcopy(worker.engine.model).train()  # sdpa: the cached path
+    flat_model = copy.deepcopy(worker.engine.model).train()
+    assert padding_free(flat_model) and flat_model.config._attn_implementation == "varlen_sdpa"
+    real = pad_rows([[True] * len(s.ids) for s in one_each], False, torch.bool)
+    results = []
+    for model in (cached_model, flat_model):
+        logits = prefix_forward(model, one_each, tok.pad_token_id)
+        logits.log_softmax(-1)[real].max(-1).values.sum().backward()
+        hidden = prefix_forward(model, one_each, tok.pad_token_id, "hidden")[0]
+        results.append((logits[real], hidden[real],
+                        torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    critic = ValueModel(ckpt)  # the critic's backbone too
+    assert critic.backbone.config._attn_implementation == "varlen_sdpa"
+    plain = ValueModel(ckpt).backbone
+    plain.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        flat = prefix_forward(critic.backbone, one_each, tok.pad_token_id, "last_hidden_state")
+        cached = prefix_forward(plain, one_each, tok.pad_token_id, "last_hidden_state")
+    torch.testing.assert_close(flat[real], cached[real], atol=1e-4, rtol=1e-4)
+
+
 def test_groups_without_signal_skip_the_forward_pass_and_the_update_is_unchanged(ckpt, tok):
     worker = RolloutWorker(ckpt)
     samples, _ = worker.rollout(environments.get("general").generate("train", 4, 0), 4, seed=0, temperature=1.0,

@@ -46,7 +46,9 @@ class TorchTrainEngine:
             tok = AutoTokenizer.from_pretrained(path)
             pad = pad_id(tok)
             return cls(ValueModel(path), lambda m, samples: m(samples, pad), lr=lr, tokenizer=tok)
+        from posttrain.attention import padding_free
         model, tok = load_checkpoint(path)
+        padding_free(model)  # completions scored as one row without padding where that is cheaper (rl.batches)
         pad = pad_id(tok)
         if role == "reference":
             return cls(model.eval(), policy_logits(pad), tokenizer=tok, pad_id=pad)

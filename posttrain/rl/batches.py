@@ -40,7 +40,13 @@ def prefix_forward(model, samples: list, pad_id: int, output: str = "logits"):
     """`output` ("logits" or "last_hidden_state") at the position predicting each completion token:
     result[:, j] is computed from the prompt and ids[:j], shape [samples, longest completion, dim].
     "hidden" (a causal LM's last hidden state, its head run on one position only, posttrain.head) returns
-    (that, the model's output for the completions)."""
+    (that, the model's output for the completions).
+
+    Where the model reads packed documents from the positions (posttrain.attention.padding_free) and its
+    prompts are not shared enough to pay for the padding, each sample runs whole, the batch as one row
+    without padding (`flat_forward`)."""
+    if reads_documents(model) and flat_tokens(samples) < cached_tokens(samples):
+        return flat_forward(model, samples, output)
     hidden = output == "hidden"
     extra = {"output_hidden_states": True, "logits_to_keep": 1} if hidden else {}
     head, cache, p_att, which = prefill_distinct(model, [s.prompt_ids for s in samples], pad_id, **extra)
@@ -56,3 +62,47 @@ def prefix_forward(model, samples: list, pad_id: int, output: str = "logits"):
         first, rest = getattr(head, output)[:, -1][which], getattr(tail, output)
     out = torch.cat([first[:, None], rest[:, :-1]], 1)
     return (out, tail) if hidden else out
+
+
+def reads_documents(model) -> bool:
+    from posttrain.attention import VARLEN
+    config = getattr(getattr(model, "module", model), "config", None)
+    return getattr(config, "_attn_implementation", None) in VARLEN
+
+
+def flat_tokens(samples: list) -> int:
+    """Tokens `flat_forward` runs: every sample's prompt and completion."""
+    return sum(len(s.prompt_ids) + len(s.ids) for s in samples)
+
+
+def cached_tokens(samples: list) -> int:
+    """Token slots the cached path runs: each distinct prompt once, padded to the longest, then every
+    completion padded to the longest."""
+    distinct = {tuple(s.prompt_ids) for s in samples}
+    return len(distinct) * max(map(len, distinct)) + len(samples) * max(1, max(len(s.ids) for s in samples))
+
+
+def flat_forward(model, samples: list, output: str = "logits"):
+    """prefix_forward's result from one row holding each sample's prompt and completion, positions restarting
+    at each: no padding and no cache; the output head runs where a completion token is predicted only."""
+    dev = next(model.parameters()).device
+    rows = [list(s.prompt_ids) + list(s.ids) for s in samples]
+    ids = torch.tensor([t for r in rows for t in r], device=dev)[None]
+    pos = torch.cat([torch.arange(len(r)) for r in rows]).to(dev)[None]
+    at, keep = 0, []
+    for r, s in zip(rows, samples):  # the position predicting completion token j: the one before it
+        keep.extend(range(at + len(s.prompt_ids) - 1, at + len(r) - 1))
+        at += len(r)
+    keep = torch.tensor(keep, dtype=torch.long, device=dev)
+    real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, dev)
+    out = None
+    if output == "last_hidden_state":
+        vals = model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0, keep]
+    elif output == "hidden":
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+        vals = out.hidden_states[-1][0, keep]
+    else:
+        vals = getattr(model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep), output)[0]
+    res = vals.new_zeros(*real.shape, vals.shape[-1])
+    res[real] = vals
+    return (res, out) if output == "hidden" else res

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModel
 
+from posttrain.attention import padding_free
 from posttrain.model import load_pretrained
 from posttrain.rl.batches import prefix_forward
 
@@ -12,6 +13,7 @@ class ValueModel(torch.nn.Module):
     def __init__(self, checkpoint: str):
         super().__init__()
         self.backbone = load_pretrained(AutoModel, checkpoint)
+        padding_free(self.backbone)  # completions valued as one row without padding where cheaper (rl.batches)
         self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)  # starts predicting 0 everywhere: no made-up baseline
         torch.nn.init.zeros_(self.head.bias)

@@ -23,6 +23,9 @@ class Teacher:
     def __init__(self, checkpoint: str, threads: int = 1, engine: str = "torch"):
         torch.set_num_threads(threads)
         self.engine = rollout_engine(engine, checkpoint)
+        if isinstance(getattr(self.engine, "model", None), torch.nn.Module):  # the torch engine scores the student's
+            from posttrain.attention import padding_free  # completions as one row without padding (rl.batches)
+            padding_free(self.engine.model)
 
     def ready(self) -> bool:
         return True
