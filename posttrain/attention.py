@@ -34,10 +34,13 @@ VARLEN = ("varlen_sdpa", "flash_attention_2", "flash_attention_3")
 def padding_free(model) -> bool:
     """Whether `model` takes a batch as one row of documents, positions restarting at each, no padding
     (posttrain.train.flat_examples): then no layer computes anything for padding. A model on sdpa or
-    packed_sdpa is switched to varlen_sdpa for it (its MTP layer too); eager (whose mask would be the whole
-    row's length squared), dsa and other implementations keep padded batches."""
+    packed_sdpa is switched to varlen_sdpa for it (its MTP layer too). Eager, a sliding-window model (its
+    window lives in a mask, which would be the whole row's length squared), dsa and other implementations keep
+    padded batches."""
     from posttrain import mtp
     m = getattr(model, "module", model)
+    if getattr(m.config, "sliding_window", None):
+        return False
     if m.config._attn_implementation in ("sdpa", "packed_sdpa"):
         use(m, "varlen_sdpa")
         if (draft := mtp.get(m)) is not None:

@@ -62,6 +62,11 @@ def test_padding_free_batches_give_the_padded_loss_and_gradients_mtp_included():
     (padded, *a), (flat, *b) = results
     assert flat_model.config._attn_implementation == mtp.get(flat_model).config._attn_implementation == "varlen_sdpa"
     assert not attention.padding_free(tiny_llama("eager"))
+    from transformers import MistralConfig, MistralForCausalLM
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                                sliding_window=4))
+    assert not attention.padding_free(windowed) and windowed.config._attn_implementation == "sdpa"
     # sft.packing's rows go in as the same one row
     packed = collator(Tok(), flat_model, 28, packing=True)([examples[:2], examples[2:]])
     assert all(torch.equal(packed[k], flat[k]) for k in flat)
