@@ -121,10 +121,11 @@ def test_prefix_shared_forward_equals_the_full_sequence_forward(ckpt, tok):
 def test_padding_free_forward_equals_the_cached_forward_with_its_gradients(ckpt, tok):
     """One row per batch, no padding, no cache (rl.batches.flat_forward): the same logits, hidden states and
     gradients as the prefix-cached path; taken where samples do not share prompts enough to pay for padding."""
+    from types import SimpleNamespace
+
     from posttrain.attention import padding_free
     from posttrain.rl.batches import cached_tokens, flat_tokens, pad_rows
     from posttrain.rl.critic import ValueModel
-    from types import SimpleNamespace
     g = torch.Generator().manual_seed(0)
 
     def sample(prompt: list[int], n: int):

@@ -42,6 +42,8 @@ def test_padding_free_batches_give_the_padded_loss_and_gradients_mtp_included():
     what padded batches do: the same loss, the same MTP loss and the same gradients."""
     import random
 
+    from transformers import MistralConfig, MistralForCausalLM
+
     from posttrain import attention, mtp
     from posttrain.sft import collator
     rng = random.Random(0)
@@ -60,17 +62,17 @@ def test_padding_free_batches_give_the_padded_loss_and_gradients_mtp_included():
         results.append((batch, loss.detach(), curves["mtp_loss"][0],
                         torch.cat([p.grad.flatten() for p in model.parameters()])))
     (padded, *a), (flat, *b) = results
-    assert flat_model.config._attn_implementation == mtp.get(flat_model).config._attn_implementation == "varlen_sdpa"
-    assert not attention.padding_free(tiny_llama("eager"))
-    from transformers import MistralConfig, MistralForCausalLM
-    windowed = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                                                sliding_window=4))
-    assert not attention.padding_free(windowed) and windowed.config._attn_implementation == "sdpa"
-    # sft.packing's rows go in as the same one row
-    packed = collator(Tok(), flat_model, 28, packing=True)([examples[:2], examples[2:]])
-    assert all(torch.equal(packed[k], flat[k]) for k in flat)
     assert padded["input_ids"].shape == (5, 28) and flat["input_ids"].shape == (1, 9 + 28 + 17 + 25 + 12)
     torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=1e-5)
     assert abs(a[1] - b[1]) < 1e-5
     torch.testing.assert_close(a[2], b[2], atol=1e-6, rtol=1e-4)
+    assert flat_model.config._attn_implementation == mtp.get(flat_model).config._attn_implementation == "varlen_sdpa"
+    # sft.packing's rows go in as the same one row
+    packed = collator(Tok(), flat_model, 28, packing=True)([examples[:2], examples[2:]])
+    assert all(torch.equal(packed[k], flat[k]) for k in flat)
+    # eager and sliding-window models keep padded batches
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                                sliding_window=4))
+    assert not attention.padding_free(tiny_llama("eager")) and not attention.padding_free(windowed)
+    assert windowed.config._attn_implementation == "sdpa"
