@@ -45,7 +45,13 @@ def padding_free(model) -> bool:
         use(m, "varlen_sdpa")
         if (draft := mtp.get(m)) is not None:
             draft.follow_attention(m)
-    return m.config._attn_implementation in VARLEN
+    return reads_documents(m)
+
+
+def reads_documents(model) -> bool:
+    """Whether `model`'s attention reads packed documents from restarting positions (see padding_free)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return getattr(config, "_attn_implementation", None) in VARLEN
 
 
 def known() -> list[str]:

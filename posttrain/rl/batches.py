@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.attention import reads_documents
 from posttrain.engines.torch_rollout import prefill_distinct
 
 
@@ -62,12 +63,6 @@ def prefix_forward(model, samples: list, pad_id: int, output: str = "logits"):
         first, rest = getattr(head, output)[:, -1][which], getattr(tail, output)
     out = torch.cat([first[:, None], rest[:, :-1]], 1)
     return (out, tail) if hidden else out
-
-
-def reads_documents(model) -> bool:
-    from posttrain.attention import VARLEN
-    config = getattr(getattr(model, "module", model), "config", None)
-    return getattr(config, "_attn_implementation", None) in VARLEN
 
 
 def flat_tokens(samples: list) -> int:
