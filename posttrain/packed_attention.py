@@ -31,15 +31,18 @@ from transformers.masking_utils import sdpa_mask
 
 MIN_LEN = 1024
 
-Plan = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+Plan = tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]
 _last: tuple = (None, None, None)  # (weak reference to the position ids, batch shape, plan): one forward's layers share it
 
 
 def document_plan(position_ids: torch.Tensor, batch: int) -> Plan:
-    """Per length group, the flat token index of each document's slots [n, P] (past a document's end: its
-    last token, which `is_causal` hides from the real queries) and which slots are real; and the permutation
-    from the groups' real slots back to token order. A document starts where a position is not the previous
-    one plus 1 (transformers' rule for packed sequences)."""
+    """The documents of the rows as length groups: each group's shape (n documents, P slots), the flat token
+    index of every slot, group after group (past a document's end: its last token, which `is_causal` hides
+    from the real queries), and for each token its slot in that order. A document starts where a position is
+    not the previous one plus 1 (transformers' rule for packed sequences).
+
+    Flat indices, so that each layer gathers with one `index_select` per tensor: its backward is an
+    `index_add_`, where advanced indexing's is a serial accumulating `index_put_` (7% of an SFT step)."""
     pos = position_ids.expand(batch, -1).cpu()
     B, T = pos.shape
     starts = torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1
@@ -50,18 +53,18 @@ def document_plan(position_ids: torch.Tensor, batch: int) -> Plan:
     groups: dict[int, list[tuple[int, int]]] = {}
     for st, n in zip(first.tolist(), (ends - first).tolist()):
         groups.setdefault(min(T, 1 << (n - 1).bit_length()), []).append((st, n))
-    plan, order = [], []
+    shapes, src, dst = [], [], torch.empty(B * T, dtype=torch.long)
+    offset = 0
     for P, docs in sorted(groups.items()):
         st, n = torch.tensor([d[0] for d in docs]), torch.tensor([d[1] for d in docs])
         slots = torch.arange(P)[None, :]
         real = slots < n[:, None]
         index = st[:, None] + torch.minimum(slots, n[:, None] - 1)
-        plan.append((index.to(position_ids.device), real.to(position_ids.device)))
-        order.append(index[real])
-    flat = torch.cat(order)
-    inverse = torch.empty_like(flat)
-    inverse[flat] = torch.arange(len(flat))
-    return plan, inverse.to(position_ids.device)
+        dst[index[real]] = offset + real.flatten().nonzero().squeeze(1)
+        shapes.append((len(docs), P))
+        src.append(index.flatten())
+        offset += len(docs) * P
+    return shapes, torch.cat(src).to(position_ids.device), dst.to(position_ids.device)
 
 
 def _plan_for(position_ids: torch.Tensor, batch: int) -> Plan:
@@ -93,16 +96,17 @@ def _grouped_sdpa(min_len: int, module, query, key, value, attention_mask, dropo
             or kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    groups, inverse = _plan_for(position_ids, B)
+    shapes, src, dst = _plan_for(position_ids, B)
     rep = H // key.shape[1]
-    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value))
-    outs = []
-    for index, real in groups:
-        qg, kg, vg = (x[index].transpose(1, 2) for x in (q, k, v))
+    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D).index_select(0, src) for x in (query, key, value))
+    outs, at = [], 0
+    for n, P in shapes:
+        qg, kg, vg = (x[at:at + n * P].view(n, P, x.shape[1], D).transpose(1, 2) for x in (q, k, v))
         o = F.scaled_dot_product_attention(qg, repeat_kv(kg, rep), repeat_kv(vg, rep), dropout_p=dropout,
                                            scale=scaling, is_causal=True)
-        outs.append(o.transpose(1, 2)[real])
-    return torch.cat(outs)[inverse].view(B, T, H, D), None
+        outs.append(o.transpose(1, 2).reshape(n * P, H, D))
+        at += n * P
+    return torch.cat(outs).index_select(0, dst).view(B, T, H, D), None
 
 
 def packed_mask(*args, **kwargs):
