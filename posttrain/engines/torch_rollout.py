@@ -47,8 +47,10 @@ def on_device(generator: torch.Generator | None, device) -> torch.Generator | No
 
 
 def exponential_noise(shape: tuple[int, ...], generator: torch.Generator | None, device) -> torch.Tensor:
-    """Exp(1) noise on `device` (from `generator`, which `on_device` put there, or the device's default)."""
-    return torch.empty(shape, device=device).exponential_(generator=generator)
+    """Exp(1) noise on `device` (from `generator`, which `on_device` put there, or the device's default), as
+    -log U with U uniform on [0, 1): on CPU torch's `exponential_` draws one value at a time (1.0 ms for
+    128 x 512 against 0.17 ms here, 2 cores), a seventh of a tiny GRPO rollout."""
+    return torch.rand(shape, generator=generator, device=device).log_().neg_()
 
 
 def gumbel_draw(logp: torch.Tensor, generator: torch.Generator | None, noise: torch.Tensor | None = None
