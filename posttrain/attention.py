@@ -48,6 +48,17 @@ def padding_free(model) -> bool:
     return reads_documents(m)
 
 
+def fast_decoding(model) -> None:
+    """A model on sdpa is switched to packed_sdpa, the same attention with `decode_attention` for decoding steps
+    (posttrain.packed_attention); its MTP layer follows. Others keep theirs (varlen_sdpa has it already)."""
+    from posttrain import mtp
+    m = getattr(model, "module", model)
+    if m.config._attn_implementation == "sdpa":
+        use(m, "packed_sdpa")
+        if (draft := mtp.get(m)) is not None:
+            draft.follow_attention(m)
+
+
 def reads_documents(model) -> bool:
     """Whether `model`'s attention reads packed documents from restarting positions (see padding_free)."""
     config = getattr(getattr(model, "module", model), "config", None)

@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import sdpa_mask
 
 MIN_LEN = 1024
+DECODE_MAX = 16  # queries at most this many against a longer cache take decode_attention
 
 Plan = tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]
 _last: tuple = (None, None, None)  # (weak reference to the position ids, batch shape, plan): one forward's layers share it
@@ -92,6 +93,9 @@ def _grouped_sdpa(min_len: int, module, query, key, value, attention_mask, dropo
                   **kwargs) -> tuple[torch.Tensor, None]:
     position_ids = kwargs.get("position_ids")
     B, H, T, D = query.shape
+    if T <= DECODE_MAX and T < key.shape[2] and (attention_mask is not None or T == 1) and not dropout \
+            and "s_aux" not in kwargs:
+        return decode_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is not None or position_ids is None or T < min_len or key.shape[2] != T \
             or kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -107,6 +111,26 @@ def _grouped_sdpa(min_len: int, module, query, key, value, attention_mask, dropo
         outs.append(o.transpose(1, 2).reshape(n * P, H, D))
         at += n * P
     return torch.cat(outs).index_select(0, dst).view(B, T, H, D), None
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float | None) -> torch.Tensor:
+    """A few new queries against a KV cache (decoding; a speculative verification): q [B, H, T, D], k/v
+    [B, Hkv, S, D], `mask` [B, 1, T, S] boolean or additive (None: every key) -> [B, T, H, D].
+
+    Two matmuls with each key head's queries side by side, no copies of the keys per query head: on CPU twice as
+    fast as sdpa's kernel at decode shapes (128 rows, 4 heads over 1, 20-80 keys: 50 against 102 us, 105
+    against 188), whose flash kernel is built for long queries. A fully masked query attends evenly (no NaN)."""
+    B, H, T, D = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    rep = H // Hkv  # query head h reads key head h // rep (transformers' repeat_kv)
+    scores = query.reshape(B, Hkv, rep * T, D) @ key.transpose(-1, -2) * (scaling or D ** -0.5)
+    if mask is not None:
+        mask = mask.expand(B, 1, T, S)
+        mask = mask[:, :, None].expand(B, 1, rep, T, S).reshape(B, 1, rep * T, S) if T > 1 and rep > 1 else mask
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool \
+            else scores + mask
+    return (scores.softmax(-1) @ value).view(B, H, T, D).transpose(1, 2)
 
 
 def packed_mask(*args, **kwargs):

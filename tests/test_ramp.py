@@ -83,17 +83,37 @@ def test_packed_sdpa_gives_sdpa_loss_and_gradients(monkeypatch):
 
 
 def test_packed_sdpa_below_its_length_or_with_a_padding_mask_is_sdpa():
-    """Short rows, generation with a padding mask and a cache: transformers' sdpa, bit for bit."""
+    """Short rows, generation with a padding mask and a cache: transformers' sdpa (the prefill bit for bit,
+    the decoding steps through decode_attention: the same tokens, scores to float rounding)."""
     ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 3, 4, 5]])
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
-    outs = []
+    outs, prefill = [], []
     for attn in ("sdpa", "packed_sdpa"):
-        model = tiny_llama(attn).eval()
+        model = tiny_llama(attn, kv_heads=2).eval()
         with torch.no_grad():
             outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                        pad_token_id=0, output_scores=True, return_dict_in_generate=True))
+            prefill.append(model(input_ids=ids, attention_mask=mask).logits)
+    assert torch.equal(prefill[0], prefill[1])
     assert torch.equal(outs[0].sequences, outs[1].sequences)
-    assert all(torch.equal(a, b) for a, b in zip(outs[0].scores, outs[1].scores))
+    for a, b in zip(outs[0].scores, outs[1].scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_decode_attention_is_sdpa_over_a_cache(queries):
+    """A few queries against a longer cache (a decoding step; a speculative verification), grouped-query heads, a
+    boolean mask with padding: decode_attention computes sdpa's output; a query with every key masked gets no NaN."""
+    torch.manual_seed(1)
+    B, H, Hkv, S, D = 3, 4, 2, 9, 8
+    q, k, v = torch.randn(B, H, queries, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    mask = torch.ones(B, 1, queries, S, dtype=torch.bool).tril(S - queries)
+    mask[1, :, :, :4] = False  # a left-padded row
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1), attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(packed_attention.decode_attention(q, k, v, mask, None), ref)
+    mask[2] = False
+    assert not packed_attention.decode_attention(q, k, v, mask, None).isnan().any()
 
 
 def test_packed_sdpa_keeps_a_sliding_window(monkeypatch):

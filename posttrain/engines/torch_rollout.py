@@ -112,6 +112,8 @@ class TorchRolloutEngine:
     (validation) sees its updates at once; workers and teachers hold their own copy."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_cells: int = 4096):
+        from posttrain.attention import fast_decoding
+        fast_decoding(model)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.pad_id, self.max_cells = chat_format(tokenizer).pad_id, max_cells
         self.version = 0
