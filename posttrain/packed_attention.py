@@ -19,6 +19,9 @@ length: 0.17 s against 0.18 s at 256 tokens, 0.40 against 0.39 at 512, 1.05 agai
 on, `python -m bench ramp` compares the two). Anything else (a padding mask, a KV cache
 being decoded into, a model with sliding-window layers, whose window lives in the mask) runs transformers'
 sdpa unchanged.
+
+Both also take decoding steps (a few queries against a KV cache) through `decode_attention`, on CPU; rollout
+engines switch an sdpa model to packed_sdpa for it (posttrain.attention.fast_decoding).
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import sdpa_mask
 
 MIN_LEN = 1024
-DECODE_MAX = 16  # queries at most this many against a longer cache take decode_attention
+# at most this many queries against a longer cache take decode_attention, on CPU (where it was measured), while
+# its scores [B, H, T, S] stay under DECODE_CELLS floats (sdpa's kernels never hold them all)
+DECODE_MAX, DECODE_CELLS = 16, 1 << 24
 
 Plan = tuple[list[tuple[int, int]], torch.Tensor, torch.Tensor]
 _last: tuple = (None, None, None)  # (weak reference to the position ids, batch shape, plan): one forward's layers share it
@@ -93,8 +98,8 @@ def _grouped_sdpa(min_len: int, module, query, key, value, attention_mask, dropo
                   **kwargs) -> tuple[torch.Tensor, None]:
     position_ids = kwargs.get("position_ids")
     B, H, T, D = query.shape
-    if T <= DECODE_MAX and T < key.shape[2] and (attention_mask is not None or T == 1) and not dropout \
-            and "s_aux" not in kwargs:
+    if query.device.type == "cpu" and T <= DECODE_MAX and T < key.shape[2] <= DECODE_CELLS // (B * H * T) \
+            and (attention_mask is not None or T == 1) and not dropout and "s_aux" not in kwargs:
         return decode_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is not None or position_ids is None or T < min_len or key.shape[2] != T \
             or kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
