@@ -16,12 +16,10 @@ groups, each an sdpa call), which is why "packed_sdpa" keeps the dense mask ther
 Only rows of at least `MIN_LEN` tokens take that path; shorter ones run plain sdpa with its mask, which was
 as fast or faster there (one measurement of a tiny-ramp training step, B8, 2 CPU cores, grouping at every
 length: 0.17 s against 0.18 s at 256 tokens, 0.40 against 0.39 at 512, 1.05 against 0.83 at 1024; from 1024
-on, `python -m bench ramp` compares the two). Anything else (a padding mask, a KV cache
-being decoded into, a model with sliding-window layers, whose window lives in the mask) runs transformers'
-sdpa unchanged.
-
-Both also take decoding steps (a few queries against a KV cache) through `decode_attention`, on CPU; rollout
-engines switch an sdpa model to packed_sdpa for it (posttrain.attention.fast_decoding).
+on, `python -m bench ramp` compares the two). Decoding steps (a few queries against a KV cache) take
+`decode_attention` on CPU; rollout engines switch an sdpa model to packed_sdpa for it
+(posttrain.attention.fast_decoding). Anything else (a padding mask, a prefill into a KV cache, a model with
+sliding-window layers, whose window lives in the mask) runs transformers' sdpa unchanged.
 """
 from __future__ import annotations
 
