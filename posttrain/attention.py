@@ -37,26 +37,28 @@ def padding_free(model) -> bool:
     packed_sdpa is switched to varlen_sdpa for it (its MTP layer too). Eager, a sliding-window model (its
     window lives in a mask, which would be the whole row's length squared), dsa and other implementations keep
     padded batches."""
-    from posttrain import mtp
     m = getattr(model, "module", model)
     if getattr(m.config, "sliding_window", None):
         return False
     if m.config._attn_implementation in ("sdpa", "packed_sdpa"):
-        use(m, "varlen_sdpa")
-        if (draft := mtp.get(m)) is not None:
-            draft.follow_attention(m)
+        _switch(m, "varlen_sdpa")
     return reads_documents(m)
 
 
 def fast_decoding(model) -> None:
     """A model on sdpa is switched to packed_sdpa, the same attention with `decode_attention` for decoding steps
     (posttrain.packed_attention); its MTP layer follows. Others keep theirs (varlen_sdpa has it already)."""
-    from posttrain import mtp
     m = getattr(model, "module", model)
     if m.config._attn_implementation == "sdpa":
-        use(m, "packed_sdpa")
-        if (draft := mtp.get(m)) is not None:
-            draft.follow_attention(m)
+        _switch(m, "packed_sdpa")
+
+
+def _switch(model, name: str) -> None:
+    """`model` to attention `name`, its MTP layer following."""
+    from posttrain import mtp
+    use(model, name)
+    if (draft := mtp.get(model)) is not None:
+        draft.follow_attention(model)
 
 
 def reads_documents(model) -> bool:
