@@ -22,9 +22,11 @@ to the experimental IW-OPD / server-distillation configs. Should the installed c
 
 Beside (a): where a step's time goes. `full_step_*_s`, from the full-form run's history: seconds per step the
 trainer waited for rollouts, spent in the update, and pushing weights; `component_ms_*`: the rollout, the
-teacher's scoring and the update of one such batch, each alone on one thread; `floor_steps_per_s`: 2 cores
-divided by their sum (plus the push), the fastest this arrangement (each part on one core) can step, and
-`floor_ratio_vs_trl` that over TRL's steps/s.
+teacher's scoring and the update of one such batch (rolled out by the full-form run's final student, whose
+completions are as long as the loop's: `component_gen_tokens` against the run's mean `full_gen_tokens`), each alone
+on one thread; `floor_steps_per_s`: 2 cores divided by their sum (plus the push), the fastest this arrangement
+(each part on one core) can step, and `floor_ratio_vs_trl` that over TRL's steps/s. Ours places the teacher as
+the tiny profile does (`opd.teacher_placement`: inside the rollout worker), recorded in `ours_config`.
 
 (b) Token efficiency, per domain: the RL specialist trained from sft as the tiny profile trains it against
 single-teacher OPD from the same sft with that specialist as teacher (16 prompts a step), in the full
@@ -94,7 +96,7 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     import ray
     import torch
 
-    from posttrain.config import RuntimeConfig
+    from posttrain.config import RuntimeConfig, load_config
     from posttrain.data import load_tasks
     from posttrain.model import save_checkpoint
     from posttrain.raysupport import ensure_ray
@@ -107,7 +109,8 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
                      **({"max_staleness": max_staleness} if max_staleness is not None else {}))
     pool = load_tasks(art["curate"], "rl", domain)
     val = _val(domain) if val_every_tokens else pool[:2]
-    distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS, mode=loss)
+    placement = load_config("tiny").opd.teacher_placement  # the profile's: the teacher inside the rollout worker
+    distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS, mode=loss, teacher_placement=placement)
     policy, tok, st = train_policy(r, art["sft"], [], val, seed=SEED, label=f"bench opd {domain}", distill=distill)
     ray.shutdown()
     if save:
@@ -115,8 +118,8 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     h = st.history
     return {"wall_s": h["wall_s"][-1], "val": h["val_score"], "tokens": h["student_tokens"],
             "teacher_tokens": h["teacher_tokens"][-1], "reverse_kl": h["reverse_kl"],
-            "step_times": mean_step_times(h),
-            "temperature": r.temperature, "max_staleness": r.max_staleness}
+            "step_times": mean_step_times(h), "gen_tokens": sum(h["gen_tokens"]) / len(h["gen_tokens"]),
+            "temperature": r.temperature, "max_staleness": r.max_staleness, "teacher_placement": placement}
 
 
 def _ours_rl(domain: str, val_every_tokens: int) -> dict:
@@ -181,11 +184,14 @@ def _trl(steps: int, save: str) -> dict:
             "trl_config": config}
 
 
-def _components(reps: int = 5) -> dict:
+def _components(student: str, reps: int = 5) -> dict:
     """The three parts of an OPD step of (a), each alone in this process on one thread (median ms of `reps` after
-    two warm-ups): the student's rollout of PROMPTS prompts, the teacher's scoring of them (full vocabulary), and
-    the trainer's update on them. Together (plus the weight push) they bound how fast a step can be on 2 cores
-    when each part runs on one of them: half their sum."""
+    two warm-ups): the rollout of PROMPTS prompts drawn at random as the loop draws them, the teacher's scoring of
+    them (full vocabulary), and the trainer's update on them. Rollouts by `student`, the full-form run's final
+    student: its completions are as long as the loop's (the sft checkpoint's are half as long, and timing those
+    put the floor at 2.06x where it is about 1.5x). Together (plus the weight push) the parts bound how fast a step
+    can be on 2 cores when each part runs on one of them: half their sum."""
+    import random
     import statistics
 
     import torch
@@ -197,13 +203,16 @@ def _components(reps: int = 5) -> dict:
     from posttrain.rl.workers import RolloutWorker
     torch.set_num_threads(1)
     art = _inputs()
-    tasks = load_tasks(art["curate"], "rl", DOMAIN)[:PROMPTS]
-    worker, teacher = RolloutWorker(art["sft"]), Teacher(art[f"rl-{DOMAIN}"])
+    pool = load_tasks(art["curate"], "rl", DOMAIN)
+    worker, teacher = RolloutWorker(student), Teacher(art[f"rl-{DOMAIN}"])
     policy = train_engine("torch", art["sft"], lr=LR)
-    state: dict = {}
+    state: dict = {"i": 0}
 
     def generate():
-        state["samples"] = worker.rollout(tasks, 1, seed=0, temperature=TEMPERATURE, max_new_tokens=MAX_NEW)[0]
+        state["i"] += 1
+        tasks = random.Random(state["i"]).sample(pool, PROMPTS)
+        state["samples"] = worker.rollout(tasks, 1, seed=state["i"], temperature=TEMPERATURE,
+                                          max_new_tokens=MAX_NEW)[0]
 
     def score():
         items = [(s.prompt_ids, s.ids, s.gen_mask) for s in state["samples"]]
@@ -217,15 +226,16 @@ def _components(reps: int = 5) -> dict:
         policy.step(1.0)
         policy.eval()
 
-    out = {}
-    for name, fn in (("generate", generate), ("teacher", score), ("update", update)):
-        times = []
-        for i in range(reps + 2):
+    times: dict[str, list[float]] = {"generate": [], "teacher": [], "update": []}
+    tokens = []
+    for i in range(reps + 2):  # a fresh batch each round, its three parts timed in turn
+        for name, fn in (("generate", generate), ("teacher", score), ("update", update)):
             t = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t)
-        out[name] = 1000 * statistics.median(times[2:])
-    return out
+            times[name].append(time.perf_counter() - t)
+        tokens.append(sum(s.n_generated for s in state["samples"]) / PROMPTS)
+    return {**{name: 1000 * statistics.median(v[2:]) for name, v in times.items()},
+            "gen_tokens": statistics.mean(tokens[2:])}
 
 
 def reverse_kl_on_own_samples(student_dir: str, teacher_dir: str, n: int = 64) -> float:
@@ -287,7 +297,9 @@ def main() -> None:
     fig["steps_ratio_vs_trl_full"] = fig["steps_per_s_full"] / fig["steps_per_s_trl"]  # same loss on both sides
     fig |= {f"full_step_{k}": v for k, v in full["step_times"].items()}
     # the floor of this arrangement: the parts' single-thread CPU time (and the push) spread over 2 cores
-    parts = _child("components")
+    parts = _child("components", OUT / "opd-ours-full-student")
+    fig["component_gen_tokens"] = parts.pop("gen_tokens")  # per completion, beside the loop's own mean
+    fig["full_gen_tokens"] = full["gen_tokens"]
     fig |= {f"component_ms_{k}": v for k, v in parts.items()}
     fig["floor_steps_per_s"] = 2000 / (sum(parts.values()) + 1000 * full["step_times"]["push_s"])
     fig["floor_ratio_vs_trl"] = fig["floor_steps_per_s"] / fig["steps_per_s_trl"]
@@ -295,7 +307,8 @@ def main() -> None:
             "trl_top_p": trl["trl_config"]["top_p"], "trl_bf16": trl["trl_config"]["bf16"],
             "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
             "ours_config": {"bf16": False, "gradient_checkpointing": False, "top_p": 1.0,
-                            "temperature": ours["temperature"], "max_staleness": ours["max_staleness"]},
+                            "temperature": ours["temperature"], "max_staleness": ours["max_staleness"],
+                            "teacher_placement": ours["teacher_placement"]},
             "val_every_student_tokens": VAL_EVERY_TOKENS}
     curves = {}
     for d in EFF_DOMAINS:
@@ -351,7 +364,7 @@ if __name__ == "__main__":
     elif what == "rl":
         result = _ours_rl(rest[0], int(rest[1]))
     elif what == "components":
-        result = _components()
+        result = _components(rest[0])
     else:
         result = _trl(int(rest[0]), rest[1])
     (OUT / f"opd-{what}.json").write_text(json.dumps(result))

@@ -359,6 +359,9 @@ class OPDConfig(_Strict):
     route: dict[str, str] = Field(default_factory=dict)   # prompt domain -> teacher domain (default: itself)
     max_staleness: AtLeast0 = 1
     teacher_cpus: NonNegative = 0.2      # Ray CPUs each teacher actor reserves
+    # actor: one Ray actor per teacher, which every rollout worker calls (large teachers, GPUs); worker: each
+    # rollout worker loads every teacher into its own process and scores there (posttrain.rl.teachers)
+    teacher_placement: Literal["actor", "worker"] = "actor"
     val_every: AtLeast0 = 10
     checkpoint_every: AtLeast0 = 10
 

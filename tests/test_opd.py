@@ -137,3 +137,18 @@ def test_routing_picks_the_teacher_and_a_missing_one_is_named(models):
         pool.teacher_of("agentic")
     with pytest.raises(ConfigError, match=r"opd.route.general: prompts and teachers are domains of rl.domains"):
         load_config("smoke", ["opd.route={general: math}"])
+
+
+def test_teachers_placed_in_the_worker_travel_as_checkpoints_and_score_alike(models):
+    """`opd.teacher_placement: worker`: the pool reaches each rollout worker as checkpoint paths (no weights
+    through Ray), loads its teachers there, and they score exactly what the original teachers score."""
+    import pickle
+    pool = TeacherPool({"reasoning": models["teacher"]}, route={"general": "reasoning"}, placement="worker")
+    blob = pickle.dumps(pool)
+    assert len(blob) < 10_000  # paths and routes, not a model
+    moved = pickle.loads(blob)
+    assert moved.teacher_of("general") is not pool.teacher_of("general")  # loaded anew where it landed
+    items = [([1, 5, 7], [9, 4, 2, 6], [1, 1, 0, 1])]
+    want, got = (p.score({"general": items}, "full")["general"][0] for p in (pool, moved))
+    assert got.shape == (3, pool.teacher_of("general").engine.model.config.vocab_size)
+    assert torch.equal(torch.as_tensor(got), torch.as_tensor(want))

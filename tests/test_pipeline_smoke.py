@@ -106,7 +106,8 @@ def test_second_run_redoes_nothing_and_opd_change_redoes_only_downstream(first):
     posttrain(home, "run", "--profile", "smoke")
     again = json.loads((home / "latest" / "report.json").read_text())
     assert all(v["cached"] for v in again["stages"].values())
-    posttrain(home, "run", "--profile", "smoke", "--set", "opd.lr=1e-4")
+    # teachers as Ray actors (the smoke profile places them in the rollout worker): both placements run
+    posttrain(home, "run", "--profile", "smoke", "--set", "opd.lr=1e-4", "--set", "opd.teacher_placement=actor")
     changed = json.loads((home / "latest" / "report.json").read_text())
     redone = {s for s, v in changed["stages"].items() if not v["cached"]}
     assert redone == {"opd", "quantize", "evaluate"}

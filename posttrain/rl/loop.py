@@ -50,6 +50,7 @@ class Distill:
     coef: float = 1.0
     reward_weight: float = 0.0           # mix the task reward in as a sequence advantage
     teacher_cpus: float = 0.2
+    teacher_placement: str = "actor"     # Ray actors, or inside each rollout worker (posttrain.rl.teachers)
 
     def domains(self) -> list[str]:
         return sorted({t.domain for t in self.pool})
@@ -276,8 +277,8 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             hist.setdefault(f"val_score/{d}", []).append((step, scores[d]))
         hist["val_wall_s"].append((step, wall_s))
 
-    teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=r.rollout_engine) \
-        if distill else None
+    teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=r.rollout_engine,
+                           placement=distill.teacher_placement) if distill else None
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, r.worker_threads, teachers=teachers,
                          engine=r.rollout_engine)
     feed = Feed(r, pool, distill, workers, seed, st,

@@ -60,7 +60,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     pool = [t for d in domains for t in load_tasks(inputs["curate"], "rl", d)]
     val = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]
     distill = Distill({d: inputs[f"rl-{d}"] for d in domains}, pool, o.prompts_per_step, route=o.route,
-                      mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus)
+                      mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus,
+                      teacher_placement=o.teacher_placement)
     policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd",
                                  scratch=scratch, distill=distill)
     save_checkpoint(policy, tok, out)

@@ -5,8 +5,12 @@ needs: in the default sampled-token form one log-probability per token, so a few
 cross the process boundary instead of a vocabulary-sized distribution. `top_k` and `full` return the
 teacher's top-k (ids, log-probabilities) or its whole log-distribution per token.
 
-Teachers are Ray actors when Ray is up (the pipeline), else in-process objects (library use, tests); each
-scores through a rollout engine (posttrain.engines: a prefill with logprobs, as SGLang would serve it).
+Where Ray is up (the pipeline) a pool's teachers live by `placement`: `actor`, one Ray actor per teacher that every
+rollout worker calls (large teachers, GPUs); `worker`, a copy of every teacher inside each rollout worker's own
+process, which scores its samples itself (no Ray call and no transfer of the scores between processes: 13% more
+OPD steps/s on 2 CPU cores, tiny model, 8.8-8.9 against 10.0-10.1, two runs each; each worker holds every teacher).
+Without Ray they are in-process objects (library use, tests). Each scores through a rollout engine
+(posttrain.engines: a prefill with logprobs, as SGLang would serve it).
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ Mode = Literal["sampled", "topk", "full"]
 
 class Teacher:
     def __init__(self, checkpoint: str, threads: int = 1, engine: str = "torch"):
-        torch.set_num_threads(threads)
+        if threads:  # 0: keep the process's (a teacher inside a rollout worker)
+            torch.set_num_threads(threads)
         self.engine = rollout_engine(engine, checkpoint)
         if isinstance(getattr(self.engine, "model", None), torch.nn.Module):  # the torch engine scores the student's
             from posttrain.attention import padding_free  # completions as one row without padding (rl.batches)
@@ -40,19 +45,30 @@ class Teacher:
 
 class TeacherPool:
     """Named teachers and the routing of prompt domains to them (default: the teacher of the same name).
-    Picklable (Ray handles), so the rollout workers call their teachers themselves."""
+    Picklable, so the rollout workers call their teachers themselves: as Ray handles (`placement` actor), or,
+    `worker`, as checkpoints that each unpickling process loads into its own teachers."""
 
     def __init__(self, checkpoints: dict[str, str], route: dict[str, str] | None = None, num_cpus: float = 0.2,
-                 threads: int = 1, engine: str = "torch"):
+                 threads: int = 1, engine: str = "torch", placement: Literal["actor", "worker"] = "actor"):
         import ray
-        self.route = dict(route or {})
-        self.use_ray = ray.is_initialized()
+        self.route, self.checkpoints, self.engine = dict(route or {}), dict(checkpoints), engine
+        self.use_ray = ray.is_initialized() and placement == "actor"
         if self.use_ray:
             cls = ray.remote(Teacher).options(num_cpus=num_cpus, max_restarts=0)
             self.teachers = {d: cls.remote(c, threads, engine) for d, c in checkpoints.items()}
             ray.get([t.ready.remote() for t in self.teachers.values()], timeout=180)
+        elif ray.is_initialized():
+            self.teachers = {}  # loaded by each rollout worker that unpickles the pool (__setstate__)
         else:
             self.teachers = {d: Teacher(c, threads, engine) for d, c in checkpoints.items()}
+
+    def __getstate__(self) -> dict:
+        return self.__dict__ if self.use_ray else {**self.__dict__, "teachers": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if not self.use_ray:  # in-process teachers at the process's own torch threads
+            self.teachers = {d: Teacher(c, 0, self.engine) for d, c in self.checkpoints.items()}
 
     def teacher_of(self, domain: str):
         name = self.route.get(domain, domain)
