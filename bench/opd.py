@@ -190,7 +190,7 @@ def _components(student: str, reps: int = 5) -> dict:
     two warm-ups): the rollout of PROMPTS prompts drawn at random as the loop draws them, the teacher's scoring of
     them (full vocabulary), and the trainer's update on them. Rollouts by `student`, the full-form run's final
     student: its completions are as long as the loop's (the sft checkpoint's are half as long, and timing those
-    put the floor at 2.06x where it is about 1.5x). Together (plus the weight push) the parts bound how fast a step
+    put the floor at 2.06x TRL where it is 1.5-1.8x). Together (plus the weight push) the parts bound how fast a step
     can be on 2 cores when each part runs on one of them: half their sum."""
     import random
     import statistics
