@@ -8,6 +8,8 @@
   model) scoring 16 completions sampled and `full`, a GRPO update (`posttrain.rl.step.train_step`) and an OPD update
   (`posttrain.rl.opd_loss.distill_backward`, both forms); and, before any update, how far the trainer's log-probs
   are from the rollout's.
+- A GRPO update of a policy on plain sdpa with padded batches, cuDNN's SDPA kept and as posttrain trains (without
+  it on Hopper: `posttrain.device.cudnn_sdpa_trusted`): finite or not.
 
 Needs a CUDA device (a 0.5B model on 2 CPU cores would take hours): elsewhere it says so and measures nothing.
 Writes `.posttrain/bench/cuda_shapes.json`. The tiny model and its tokenizer (for the pad id) are the base
@@ -155,6 +157,41 @@ def rl(make, tok, dev: torch.device) -> dict:
     return out
 
 
+def padded_policy(make, tok, dev: torch.device) -> dict:
+    """A GRPO update of a policy left on plain sdpa (padded completion batches: prompts left-padded, so some
+    query rows see no key) with cuDNN's SDPA kept (POSTTRAIN_CUDNN_SDPA=1) and as posttrain trains by default
+    (`posttrain.device.cudnn_sdpa_trusted`): whether the gradient and the updated parameters are finite."""
+    from posttrain.config import RLConfig
+    from posttrain.device import CUDNN_SDPA
+    from posttrain.engines.torch_rollout import TorchRolloutEngine
+    from posttrain.engines.torch_train import TorchTrainEngine, policy_logits
+    from posttrain.rl.step import train_step
+    from posttrain.rl.workers import Sample
+    rng = random.Random(0)
+    vocab = make().config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(32)]
+    gens = TorchRolloutEngine(make().to(dev), tok).generate(prompts, max_new_tokens=64, temperature=1.0,
+                                                             stop_ids=set(), generator=torch.Generator().manual_seed(0))
+    samples = [Sample(f"t{i // 4}", i // 4, p, g.ids, [1] * len(g.ids), g.logprobs, float(rng.random() < 0.5), 0)
+               for i, (p, g) in enumerate(zip(prompts, gens))]
+    r = RLConfig(group_size=4, prompts_per_step=8, steps=1, val_every=0, stop_check=False, temperature=1.0)
+    out = {"capability": list(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None}
+    for name, keep in (("cudnn_kept", "1"), ("posttrain", None)):
+        os.environ.pop(CUDNN_SDPA, None) if keep is None else os.environ.__setitem__(CUDNN_SDPA, keep)
+        model = make()
+        assert model.config._attn_implementation == "sdpa"
+        policy = TorchTrainEngine(model, policy_logits(tok.pad_token_id or 0), lr=1e-5, device=dev,
+                                  pad_id=tok.pad_token_id or 0)
+        policy.train()
+        st = train_step(r, policy, samples)
+        out[name] = {"grad_norm": st["grad_norm"],
+                     "params_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+        del model, policy
+    os.environ.pop(CUDNN_SDPA, None)
+    print("padded_policy", out, flush=True)
+    return out
+
+
 def _timed(fn, dev: torch.device, reps: int = 3):
     fn()  # warm-up: a GPU's first calls load kernels
     _sync(dev)
@@ -180,7 +217,8 @@ def run(dev: torch.device, make=qwen05) -> dict:
     _, tok = load_checkpoint(base)
     fig = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "sft_qwen05_shape": sft(make, 16, 64, 1024, dev),
-           "sft_tiny": sft(lambda: load_checkpoint(base)[0], 32, 16, 256, dev), **rl(make, tok, dev)}
+           "sft_tiny": sft(lambda: load_checkpoint(base)[0], 32, 16, 256, dev), **rl(make, tok, dev),
+           "padded_policy": padded_policy(make, tok, dev)}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "cuda_shapes.json").write_text(json.dumps(fig, indent=1))
     return fig

@@ -32,5 +32,26 @@ def stage_gpus(setting: str, per_stage: float) -> float:
 
 
 def autocast(dev: torch.device):
-    """bf16 autocast on CUDA; nothing on CPU (the embedded default computes in fp32, as it always has)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
+    """What a training forward runs under: on CUDA bf16 autocast, and SDPA without cuDNN's kernel where its
+    backward is not trusted (`cudnn_sdpa_trusted`); nothing on CPU (the embedded default computes in fp32)."""
+    if dev.type != "cuda":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+    if not cudnn_sdpa_trusted(torch.cuda.get_device_capability(dev)):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        # the backward follows the kernel the forward picked, so the forward's choice is enough
+        stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+    return stack
+
+
+CUDNN_SDPA = "POSTTRAIN_CUDNN_SDPA"  # 1: train through cuDNN's SDPA on Hopper anyway
+
+
+def cudnn_sdpa_trusted(capability: tuple[int, int]) -> bool:
+    """Whether training may use cuDNN's SDPA kernel on a GPU of this compute capability. Not on Hopper (9.x):
+    there, with a mask, its backward returns NaN gradients for a query row whose logsumexp is below about -88.7
+    (pytorch#196678; TRL's DPO hit it as huggingface/trl#7181): a fully masked row, such as the left padding of
+    an RL batch's prompts, is one. On an H200 this turned GRPO and OPD updates of a padded sdpa policy to NaN
+    (bench/cuda_shapes); without cuDNN they are finite. The memory-efficient kernel takes the masked calls."""
+    return capability[0] != 9 or os.environ.get(CUDNN_SDPA) == "1"

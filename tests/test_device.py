@@ -18,3 +18,12 @@ def test_asking_for_cuda_without_one_fails_naming_the_setting(monkeypatch):
     monkeypatch.setenv(ENV, "cuda")
     with pytest.raises(RuntimeError, match=r"runtime\.device"):
         device()
+
+
+def test_training_leaves_cudnn_attention_off_on_hopper_unless_asked(monkeypatch):
+    # its backward returns NaN for masked rows there (posttrain.device.cudnn_sdpa_trusted); other GPUs keep it
+    from posttrain.device import CUDNN_SDPA, cudnn_sdpa_trusted
+    monkeypatch.delenv(CUDNN_SDPA, raising=False)
+    assert not cudnn_sdpa_trusted((9, 0)) and cudnn_sdpa_trusted((8, 0)) and cudnn_sdpa_trusted((10, 0))
+    monkeypatch.setenv(CUDNN_SDPA, "1")
+    assert cudnn_sdpa_trusted((9, 0))
