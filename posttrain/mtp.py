@@ -85,14 +85,18 @@ class MTP(nn.Module):
         self.config._attn_implementation = name if name in ("eager", "packed_sdpa", "varlen_sdpa") else "sdpa"
 
     def step(self, model, state: torch.Tensor, next_ids: torch.Tensor, position_ids: torch.Tensor,
-             attention_mask: torch.Tensor | None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step over [B, T] positions: (its state, its logits)."""
+             attention_mask: torch.Tensor | None, cache=None) -> torch.Tensor:
+        """One draft step over [B, T] positions: its state (`logits` turns the positions that need them into the
+        next token's logits: at a real vocabulary the head costs more than the layer)."""
         x = self.proj(torch.cat([self.norm_h(state), self.norm_e(model.get_input_embeddings()(next_ids))], -1))
         out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
                          position_embeddings=model.base_model.rotary_emb(x, position_ids), past_key_values=cache,
                          use_cache=cache is not None)
-        out = out[0] if isinstance(out, tuple) else out
-        return out, model.get_output_embeddings()(self.norm_out(out))
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, model, state: torch.Tensor) -> torch.Tensor:
+        """The draft's next-token logits from a step's state, through the model's own head."""
+        return model.get_output_embeddings()(self.norm_out(state))
 
     def __repr__(self) -> str:
         return f"MTP(depth={self.depth}, layer={type(self.layer).__name__})"
@@ -169,10 +173,10 @@ def loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[floa
         nxt = F.pad(ids[:, k:], (0, k))                       # token i + k at position i
         target, tmask = F.pad(ids[:, k + 1:], (0, k + 1)), F.pad(mask[:, k + 1:], (0, k + 1)) != 0
         tmask &= F.pad(pos[:, k + 1:] - pos[:, :-k - 1], (0, k + 1)) == k + 1  # not a packed row's next document
-        state, logits = mtp.step(m, state, nxt, pos, seen["mask"])
+        state = mtp.step(m, state, nxt, pos, seen["mask"])
         if not tmask.any():
             continue
-        lg = logits[tmask].float()
+        lg = mtp.logits(m, state[tmask]).float()  # only where a target trains (not over prompts or padding)
         losses.append(F.cross_entropy(lg, target[tmask]))
         accs.append((lg.argmax(-1) == target[tmask]).float().mean().item())
     seen.clear()

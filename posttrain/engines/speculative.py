@@ -99,9 +99,9 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
     pos = attn.sum(-1)                                     # where each row's next token goes
     # the MTP layer over the prompt: slot j holds (hidden state at j, token j + 1)
     dcache, dattn = decode_cache(reserve), attn.clone()
-    g, lg = mtp.step(model, h, torch.cat([ids[:, 1:], x[:, None]], 1), (attn.cumsum(-1) - 1).clamp(min=0),
-                     _mask(dattn, L), dcache)
-    g, lg = g[:, -1:], lg[:, -1]
+    g = mtp.step(model, h, torch.cat([ids[:, 1:], x[:, None]], 1), (attn.cumsum(-1) - 1).clamp(min=0),
+                 _mask(dattn, L), dcache)[:, -1:]
+    lg = mtp.logits(model, g[:, 0])
     ar, V = torch.arange(n + 1, device=dev), lg.shape[-1]
     while True:
         live = [i for i, r in enumerate(rows) if not stopped[r] and len(out_ids[r]) < max_new_tokens]
@@ -120,8 +120,8 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
         drafts, q = [tok], [probs]
         for s in range(1, n):
             dattn = torch.cat([dattn, torch.ones_like(dattn[:, :1])], 1)
-            g, lgs = mtp.step(model, g, drafts[-1][:, None], (pos - 1 + s)[:, None], _mask(dattn, 1), dcache)
-            lg = lgs[:, -1]
+            g = mtp.step(model, g, drafts[-1][:, None], (pos - 1 + s)[:, None], _mask(dattn, 1), dcache)
+            lg = mtp.logits(model, g[:, 0])
             tok, probs = draft(lg, None if noise is None else noise[:, s * V:(s + 1) * V])
             drafts.append(tok)
             q.append(probs)
@@ -142,8 +142,9 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
             dattn[:, -(n - 1):] = 0                        # the draft steps' slots
         # catch up the MTP layer on the accepted positions: slot j = (hidden state at pos + j, token pos + j + 1)
         dattn = torch.cat([dattn, valid], 1)
-        g, lgs = mtp.step(model, hid, new, pos[:, None] + ar, _mask(dattn, n + 1), dcache)
-        g, lg = g.gather(1, kept[:, None, None].expand(-1, 1, g.shape[-1])), lgs[torch.arange(len(kept)), kept]
+        g = mtp.step(model, hid, new, pos[:, None] + ar, _mask(dattn, n + 1), dcache)
+        g = g.gather(1, kept[:, None, None].expand(-1, 1, g.shape[-1]))   # the head runs at the kept slot only
+        lg = mtp.logits(model, g[:, 0])
         x, pos = y, pos + kept + 1
         # the host reads the verification once, after the catch-up is queued (on a GPU a read waits for it all)
         got, got_lp = torch.cat([kept[:, None], new], 1).tolist(), new_lp.tolist()
