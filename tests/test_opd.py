@@ -1,3 +1,4 @@
+import json
 import pytest
 import torch
 
@@ -152,3 +153,13 @@ def test_teachers_placed_in_the_worker_travel_as_checkpoints_and_score_alike(mod
     want, got = (p.score({"general": items}, "full")["general"][0] for p in (pool, moved))
     assert got.shape == (3, pool.teacher_of("general").engine.model.config.vocab_size)
     assert torch.equal(torch.as_tensor(got), torch.as_tensor(want))
+
+
+def test_full_form_at_a_real_vocabulary_says_what_it_costs(tmp_path, capsys):
+    from posttrain.rl.loop import warn_full_at_large_vocab
+    for name, vocab in (("small", 512), ("qwen", 151936)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"vocab_size": vocab}))
+    assert warn_full_at_large_vocab({"a": str(tmp_path / "small")}) is None
+    msg = warn_full_at_large_vocab({"a": str(tmp_path / "small"), "b": str(tmp_path / "qwen")})
+    assert "151,936" in msg and "sampled" in msg and "b)" in msg and msg in capsys.readouterr().out

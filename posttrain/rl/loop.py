@@ -9,6 +9,7 @@ rollout buffer, curves) goes to the scratch dir; a rerun after a crash continues
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -37,6 +38,30 @@ from posttrain.rl.teachers import TeacherPool
 COUNTS = ("verifications", "accepted", "judge_tokens", "episodes")  # summed over a step's rollout requests
 
 
+FULL_VOCAB_WARN = 32768
+
+
+def warn_full_at_large_vocab(teachers: dict[str, str]) -> str | None:
+    """The `full` form ships each scored token's whole teacher distribution ([tokens, vocab] fp32) from the
+    teacher to the trainer: at 151,936 tokens that is 622 MB for 16 samples of 64 tokens (an H200, bench/cuda_shapes),
+    where `sampled` ships one float a token. Not an error (it is the exact reverse KL), but worth saying before
+    a long run; returns the warning printed, if any."""
+    vocabs = {}
+    for name, ck in teachers.items():
+        cfg = Path(ck) / "config.json"
+        if cfg.is_file():
+            vocabs[name] = json.loads(cfg.read_text()).get("vocab_size", 0)
+    big = {n: v for n, v in vocabs.items() if v >= FULL_VOCAB_WARN}
+    if not big:
+        return None
+    v = max(big.values())
+    msg = (f"[opd] loss=full at a {v:,}-token vocabulary (teachers {', '.join(sorted(big))}): every scored token "
+           f"carries {4 * v / 2**20:.1f} MiB of teacher log-probabilities to the trainer; `sampled` (one float a "
+           f"token) or `topk` cost a fraction of that")
+    print(msg, flush=True)
+    return msg
+
+
 @dataclass
 class Distill:
     """On-policy distillation in the same loop: the student samples prompts of the teachers' domains and
@@ -51,6 +76,10 @@ class Distill:
     reward_weight: float = 0.0           # mix the task reward in as a sequence advantage
     teacher_cpus: float = 0.2
     teacher_placement: str = "actor"     # Ray actors, or inside each rollout worker (posttrain.rl.teachers)
+
+    def __post_init__(self) -> None:
+        if self.mode == "full":
+            warn_full_at_large_vocab(self.teachers)
 
     def domains(self) -> list[str]:
         return sorted({t.domain for t in self.pool})
