@@ -12,6 +12,7 @@ both modes); acceptance length is tokens per model forward after the first token
 
     python -m bench.mtp [--seed 0]     (make bench B=mtp)
     python -m bench.mtp --checkpoint DIR --curate DIR     (an existing MTP checkpoint, e.g. on a GPU machine)
+    python -m bench.mtp ... --sweep     (also greedy evaluation at batch sizes 1-64, plain and with drafts)
     BENCH_MTP_REPEATS=N     (default 2)
 """
 from __future__ import annotations
@@ -88,7 +89,28 @@ def compare(engine, tok, tasks, **kw) -> dict:
             "episodes": len(tasks), "generated_tokens": runs[True][0][2]}
 
 
-def measure(seed: int, checkpoint: Path | None = None, curate: Path | None = None) -> dict:
+SWEEP = (1, 2, 4, 8, 16, 32, 64)
+
+
+def sweep(engine, tok, tasks, **kw) -> list[dict]:
+    """Greedy tokens/s plain and with drafts at each batch size of SWEEP over `tasks`: where drafting pays on this
+    device (best of two alternating runs each; episodes' environment steps included, as in `compare`)."""
+    rows = []
+    for bs in SWEEP:
+        best = {False: 0.0, True: 0.0}
+        for spec in (True, False, True, False):
+            engine.speculative = spec
+            _, s, n, _ = _measure(engine, tok, tasks, temperature=0.0, batch_size=bs, **kw)
+            best[spec] = max(best[spec], n / s)
+        rows.append({"batch_size": bs, "tokens_per_s_plain": round(best[False], 1),
+                     "tokens_per_s_mtp": round(best[True], 1), "speedup": round(best[True] / best[False], 3)})
+        print("sweep", rows[-1], flush=True)
+    engine.speculative = True
+    return rows
+
+
+def measure(seed: int, checkpoint: Path | None = None, curate: Path | None = None, batch_sweep: bool = False
+            ) -> dict:
     """Plain against speculative decoding on the tiny sft checkpoint trained with MTP for `seed`, or on
     `checkpoint` (an MTP checkpoint, e.g. bench/mtp's own carried to a GPU machine) with `curate`'s test tasks."""
     import torch
@@ -115,6 +137,8 @@ def measure(seed: int, checkpoint: Path | None = None, curate: Path | None = Non
     fig["rl_rollouts"] = compare(engine, tok, [t for t in prompts for _ in range(cfg.rl.group_size)],
                                  temperature=cfg.rl.temperature, batch_size=len(prompts) * cfg.rl.group_size,
                                  **{**common, "max_new_tokens": cfg.rl.max_new_tokens})
+    if batch_sweep:
+        fig["batch_sweep"] = sweep(engine, tok, test, **common)
     e = fig["evaluate"]
     fig.update(acceptance_length=e["acceptance_length"], tokens_per_s_plain=e["tokens_per_s_plain"],
                tokens_per_s_mtp=e["tokens_per_s_mtp"],
@@ -127,10 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", type=Path, help="measure this MTP checkpoint instead of training one")
     ap.add_argument("--curate", type=Path, help="with --checkpoint: the curated data whose test tasks it decodes")
+    ap.add_argument("--sweep", action="store_true",
+                    help=f"also greedy evaluation at batch sizes {', '.join(map(str, SWEEP))}: where drafting pays")
     args = ap.parse_args(argv if argv is not None else [])
     if bool(args.checkpoint) != bool(args.curate):
         ap.error("--checkpoint and --curate go together")
-    fig = measure(args.seed, args.checkpoint, args.curate)
+    fig = measure(args.seed, args.checkpoint, args.curate, args.sweep)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "mtp.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
