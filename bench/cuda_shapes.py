@@ -176,8 +176,12 @@ def padded_policy(make, tok, dev: torch.device) -> dict:
                for i, (p, g) in enumerate(zip(prompts, gens))]
     r = RLConfig(group_size=4, prompts_per_step=8, steps=1, val_every=0, stop_check=False, temperature=1.0)
     out = {"capability": list(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None}
-    for name, keep in (("cudnn_kept", "1"), ("posttrain", None)):
-        os.environ.pop(CUDNN_SDPA, None) if keep is None else os.environ.__setitem__(CUDNN_SDPA, keep)
+    before = os.environ.pop(CUDNN_SDPA, None)
+    for name in ("cudnn_kept", "posttrain"):
+        if name == "cudnn_kept":
+            os.environ[CUDNN_SDPA] = "1"
+        else:
+            os.environ.pop(CUDNN_SDPA, None)
         model = make()
         assert model.config._attn_implementation == "sdpa"
         policy = TorchTrainEngine(model, policy_logits(tok.pad_token_id or 0), lr=1e-5, device=dev,
@@ -187,7 +191,8 @@ def padded_policy(make, tok, dev: torch.device) -> dict:
         out[name] = {"grad_norm": st["grad_norm"],
                      "params_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
         del model, policy
-    os.environ.pop(CUDNN_SDPA, None)
+    if before is not None:
+        os.environ[CUDNN_SDPA] = before
     print("padded_policy", out, flush=True)
     return out
 
