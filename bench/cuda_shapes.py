@@ -91,7 +91,8 @@ def sft(make, batch: int, lo: int, hi: int, dev: torch.device) -> dict:
     return res
 
 
-def rl(make, tok, dev: torch.device) -> dict:
+def rl(make, tok, dev: torch.device) -> tuple[dict, list]:
+    """The figures, and the 32 rollout samples they trained on (for `padded_policy`)."""
     from posttrain import attention
     from posttrain.config import RLConfig
     from posttrain.engines.torch_rollout import TorchRolloutEngine
@@ -154,27 +155,20 @@ def rl(make, tok, dev: torch.device) -> dict:
         st, s = _timed(opd, dev)
         out[f"opd_{mode}"] = {"seconds": s, **{k: v for k, v in st.items() if isinstance(v, float)}}
     print(out, flush=True)
-    return out
+    return out, samples
 
 
-def padded_policy(make, tok, dev: torch.device) -> dict:
-    """A GRPO update of a policy left on plain sdpa (padded completion batches: prompts left-padded, so some
-    query rows see no key) with cuDNN's SDPA kept (POSTTRAIN_CUDNN_SDPA=1) and as posttrain trains by default
-    (`posttrain.device.cudnn_sdpa_trusted`): whether the gradient and the updated parameters are finite."""
+def padded_policy(make, tok, dev: torch.device, samples: list) -> dict:
+    """A GRPO update on `samples` (rl's) of a policy left on plain sdpa (padded completion batches: prompts
+    left-padded, so some query rows see no key) with cuDNN's SDPA kept (POSTTRAIN_CUDNN_SDPA=1) and as posttrain
+    trains by default (`posttrain.device.cudnn_sdpa_trusted`): whether the gradient and the updated parameters are
+    finite."""
     from posttrain.config import RLConfig
     from posttrain.device import CUDNN_SDPA
-    from posttrain.engines.torch_rollout import TorchRolloutEngine
     from posttrain.engines.torch_train import TorchTrainEngine, policy_logits
     from posttrain.rl.step import train_step
-    from posttrain.rl.workers import Sample
-    rng = random.Random(0)
-    vocab = make().config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(32)]
-    gens = TorchRolloutEngine(make().to(dev), tok).generate(prompts, max_new_tokens=64, temperature=1.0,
-                                                             stop_ids=set(), generator=torch.Generator().manual_seed(0))
-    samples = [Sample(f"t{i // 4}", i // 4, p, g.ids, [1] * len(g.ids), g.logprobs, float(rng.random() < 0.5), 0)
-               for i, (p, g) in enumerate(zip(prompts, gens))]
     r = RLConfig(group_size=4, prompts_per_step=8, steps=1, val_every=0, stop_check=False, temperature=1.0)
+    pad = tok.pad_token_id or 0
     out = {"capability": list(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None}
     before = os.environ.pop(CUDNN_SDPA, None)
     for name in ("cudnn_kept", "posttrain"):
@@ -184,8 +178,7 @@ def padded_policy(make, tok, dev: torch.device) -> dict:
             os.environ.pop(CUDNN_SDPA, None)
         model = make()
         assert model.config._attn_implementation == "sdpa"
-        policy = TorchTrainEngine(model, policy_logits(tok.pad_token_id or 0), lr=1e-5, device=dev,
-                                  pad_id=tok.pad_token_id or 0)
+        policy = TorchTrainEngine(model, policy_logits(pad), lr=1e-5, device=dev, pad_id=pad)
         policy.train()
         st = train_step(r, policy, samples)
         out[name] = {"grad_norm": st["grad_norm"],
@@ -222,8 +215,9 @@ def run(dev: torch.device, make=qwen05) -> dict:
     _, tok = load_checkpoint(base)
     fig = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "sft_qwen05_shape": sft(make, 16, 64, 1024, dev),
-           "sft_tiny": sft(lambda: load_checkpoint(base)[0], 32, 16, 256, dev), **rl(make, tok, dev),
-           "padded_policy": padded_policy(make, tok, dev)}
+           "sft_tiny": sft(lambda: load_checkpoint(base)[0], 32, 16, 256, dev)}
+    figures, samples = rl(make, tok, dev)
+    fig |= {**figures, "padded_policy": padded_policy(make, tok, dev, samples)}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "cuda_shapes.json").write_text(json.dumps(fig, indent=1))
     return fig
