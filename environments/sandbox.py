@@ -76,8 +76,17 @@ class Workspace:
         shutil.rmtree(self.root.parent, ignore_errors=True)
 
     def resolve(self, arg: str) -> Path | None:
-        """The real path of `arg` if it is a plain file or folder inside the workspace, else None."""
-        if "\x00" in arg:
+        """The real path of `arg` if it is a plain file or folder inside the workspace, else None. Any argument
+        the OS cannot take (a NUL, a lone surrogate, a name over NAME_MAX bytes, a path over PATH_MAX) is None,
+        not an exception: a tool call must never end the episode it belongs to."""
+        try:
+            return self._resolve(arg)
+        except (OSError, ValueError):  # UnicodeEncodeError is a ValueError
+            return None
+
+    def _resolve(self, arg: str) -> Path | None:
+        encoded = arg.encode("utf-8")  # a lone surrogate raises here, before any system call sees it
+        if b"\x00" in encoded or len(encoded) > 4096 or any(len(c) > 255 for c in encoded.split(b"/")):
             return None
         root = self.root.resolve()
         candidate = root / arg if arg else root
@@ -90,8 +99,10 @@ class Workspace:
             if p.is_symlink():
                 return None
         if candidate.exists():
-            mode = candidate.lstat().st_mode
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            st = candidate.lstat()
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                return None
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:  # a hard link may be the grader's file under a new name
                 return None
         return candidate
 
@@ -106,7 +117,8 @@ class Workspace:
         # O_NOFOLLOW + fstat: a file swapped for a link or device after the check is still refused
         fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
                 return "error: not a regular file"
             return os.read(fd, MAX_OUTPUT).decode("utf-8", "replace")
         finally:
@@ -132,5 +144,7 @@ class Workspace:
             return "error: time limit"
         except OSError as e:
             return f"error: {e.strerror or 'io error'}"
+        except ValueError:  # an argument the path check let through but the OS cannot encode
+            return "error: invalid path"
         finally:
             pool.shutdown(wait=False, cancel_futures=True)

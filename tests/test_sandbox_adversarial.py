@@ -100,3 +100,43 @@ def test_output_is_capped_and_unknown_tools_refused():
         assert ws.call("exec", "rm -rf /").startswith("error: unknown tool")
     finally:
         ws.close()
+
+
+# arguments the OS cannot take: each must come back as a tool error or [blocked], never raise out of call()
+CRASHERS = [("read", "a" * 256), ("read", "a/" * 3000), ("ls", "b" * 300 + "/x"), ("read", "\ud800"),
+            ("read", "data\udcff.txt"), ("read", "x" * 5000)]
+JSON_CRASHERS = ['{"name": "read", "arguments": {"path": "%s"}}' % ("a" * 256),
+                 '{"name": "read", "arguments": {"path": "%s"}}' % ("a/" * 3000),
+                 '{"name": "read", "arguments": {"path": "\\ud800"}}']
+
+
+def test_arguments_the_os_cannot_take_are_tool_errors_not_exceptions(workspace):
+    _, ws = workspace
+    for tool, arg in CRASHERS:
+        out = ws.call(tool, arg)
+        assert out == BLOCKED_OUTPUT or out.startswith("error:"), (tool, arg[:20], out)
+    for body in JSON_CRASHERS:
+        out = ws.call(*agentic.parse_tool_call(f"<tool_call>{body}</tool_call>"))
+        assert out == BLOCKED_OUTPUT or out.startswith("error:"), (body[:40], out)
+
+
+def test_a_hard_link_to_the_grader_is_refused(workspace):
+    _, ws = workspace
+    os.link(ws.grader_dir / "grader.txt", ws.root / "notes.txt")
+    assert ws.call("read", "notes.txt") == BLOCKED_OUTPUT
+    assert ws.blocked[-1]["stage"] == "path"
+
+
+def test_crashing_arguments_leave_the_episode_running(tok):
+    from environments.episode import Episode
+    end = tok.convert_tokens_to_ids("<|end|>")
+    bodies = [f"read {arg}" for _, arg in CRASHERS if arg.isascii()] + JSON_CRASHERS
+    for body in bodies:
+        task = agentic.generate("test", 1, 0)[0]
+        ep = Episode(task, tok)
+        ep.reset()
+        ids = tok(f"<think>x</think><tool_call>{body}</tool_call>", add_special_tokens=False)["input_ids"]
+        step = ep.step(ids + [end])
+        assert not step.done and ep.calls, body[:40]  # the call was answered and the episode goes on
+        assert ep.calls[-1][2] == BLOCKED_OUTPUT or ep.calls[-1][2].startswith("error:")
+        ep.close()
