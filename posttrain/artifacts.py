@@ -106,7 +106,13 @@ def read_manifest(folder: Path | str) -> dict:
     path = Path(folder) / MANIFEST
     if not path.exists():
         raise DigestMismatch(f"{folder}: no {MANIFEST}; not a posttrain artifact (or a half-written one)")
-    return json.loads(path.read_text())
+    try:
+        m = json.loads(path.read_text())
+        if all(k in m for k in ("stage", "files", "parents", "config_digest", "code_digest", "sha256")):
+            return m
+    except (ValueError, TypeError):
+        pass
+    raise DigestMismatch(f"{path}: not a readable manifest (modified after it was written)")
 
 
 def verify(folder: Path | str, expected: str | None = None) -> dict:
@@ -136,23 +142,36 @@ def verify_ref(ref: ArtifactRef) -> dict:
 
 
 @contextlib.contextmanager
-def atomic_dir(target: Path) -> Iterator[Path]:
-    """Yield a temp folder; on success rename it to `target` (replacing an old one), else delete it."""
+def staging_dir(target: Path) -> Iterator[Path]:
+    """Yield a temp folder beside `target`, deleted on exit unless the caller moved it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         yield tmp
-        if target.exists():
-            old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(tmp: Path, target: Path) -> None:
+    """Rename `tmp` to `target`, replacing an old one (only for caches such as a remote store's local mirror:
+    a published artifact is never replaced, see posttrain.store.publish_local)."""
+    if target.exists():
+        old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(target, old)
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """Yield a temp folder; on success rename it to `target` (replacing an old one), else delete it."""
+    with staging_dir(target) as tmp:
+        yield tmp
+        replace_dir(tmp, target)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -163,12 +182,21 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def find_by_digest(root: Path, digest: str) -> Path | None:
+    """The artifact folder under `root` with this digest; one that verifies before one that does not (a
+    corrupted version is kept beside its recomputed twin, posttrain.store)."""
+    found = []
     for m in root.rglob(MANIFEST):
         if ".tmp-" in str(m) or ".old-" in str(m):
             continue
         try:
             if json.loads(m.read_text()).get("sha256") == digest:
-                return m.parent
-        except (OSError, json.JSONDecodeError):
+                found.append(m.parent)
+        except (OSError, ValueError):
             continue
-    return None
+    for folder in found:
+        try:
+            verify(folder, digest)
+            return folder
+        except DigestMismatch:
+            continue
+    return found[0] if found else None

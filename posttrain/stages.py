@@ -15,13 +15,15 @@ from pathlib import Path
 
 from environments import ENV_VAR
 from posttrain import tracking
-from posttrain.artifacts import ArtifactRef, DigestMismatch, atomic_dir, dir_digest, git_sha, sha256_json, verify, verify_ref, write_manifest
+from posttrain.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sha, read_manifest, replace_dir, sha256_json,
+                                 staging_dir, verify, verify_ref, write_manifest)
 from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
 from posttrain.device import ENV as DEVICE_VAR
 from posttrain.device import stage_gpus
+from posttrain.lease import hold
 from posttrain.rl import alarms
-from posttrain.store import SCRATCH_VAR, Store, drop_scratch
+from posttrain.store import SCRATCH_VAR, Store, Versions, drop_scratch, local_versions, publish_local
 
 
 @dataclass(frozen=True)
@@ -164,9 +166,8 @@ def _small_files(folder: Path) -> list[Path]:
 
 
 async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
-    """Run one node (or take it from the cache) and return its verified artifact."""
-    from posttrain.raysupport import ensure_ray, submit
-
+    """Run one node (or take it from the cache, or from another run computing it now) and return its verified
+    artifact."""
     cfg, t0 = ctx.cfg(), time.time()
     stage = graph(cfg)[name]
     tracking.configure(cfg.tracking.uri)  # a remote task's pod starts with only the config
@@ -185,9 +186,25 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     tags = {"posttrain.stage": name, "posttrain.run_id": ctx.run_id, "git_sha": git_sha(),
             "config_digest": cfg.digest(), "cache_key": key, **ctx.tags}
     datasets = [(k, v.sha256, v.path) for k, v in inputs.items()]
-    hit = None if name in ctx.force else _cached(store, name, key, target)
-    if hit:
-        uri, manifest = hit
+    forced = name in ctx.force
+    versions = _cached(store, name, key, target)
+
+    def published() -> bool:
+        nonlocal versions
+        versions = _cached(store, name, key, target)
+        return versions.valid is not None and not forced
+
+    lease = None
+    if versions.valid is None or forced:  # one run computes a node at a time; the others wait for its artifact
+        lease = await hold(store, ctx.home, name, key, ctx.run_id, published)
+        if lease is not None and published():  # published while this run took the lease
+            lease.release()
+            lease = None
+    for problem in versions.corrupted:  # kept as evidence: a registered model's lineage may point at it
+        print(f"[{name}] a cached version failed verification and is kept as evidence; this run publishes a new "
+              f"version: {problem}", flush=True)
+    if lease is None:
+        uri, manifest = versions.valid
         run_id = tracking.start_run(ctx.home, name, {**tags, "posttrain.cache_hit": "true", "artifact_uri": uri,
                                                      "artifact_sha256": manifest["sha256"],
                                                      "produced_by_run": manifest["mlflow_run_id"]},
@@ -196,6 +213,17 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         tracking.end_run(ctx.home, run_id)
         return ArtifactRef(name, uri, manifest["sha256"], run_id, round(time.time() - t0, 2), True,
                            manifest.get("metrics", {}))
+    try:
+        return await _compute(name, ctx, stage, cfg, code, key, inputs, store, versions, tags, datasets, t0)
+    finally:
+        lease.release()
+
+
+async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig, code: str, key: str,
+                   inputs: dict[str, ArtifactRef], store: Store | None, versions: Versions, tags: dict,
+                   datasets: list, t0: float) -> ArtifactRef:
+    """The node's work on Ray under its MLflow child run, published as a new version of its cache key."""
+    from posttrain.raysupport import ensure_ray, submit
     run_id = tracking.start_run(ctx.home, name, tags, ctx.parent_run_id)
     scratch_url = store.url(f"scratch/{name}/{key[:16]}") if store and stage.resumable else ""
     try:
@@ -212,8 +240,12 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
                     "config_digest": cfg.digest(*stage.sections), "code_digest": code, "mlflow_run_id": run_id}
         result = await submit("posttrain.stages:produce", stage.num_cpus, stage.threads, stage.fn, cfg,
                               {k: (v.path, v.sha256) for k, v in inputs.items()}, ctx.home, ctx.store, key,
-                              manifest, dict(stage.params), env_vars=env_vars or None, num_gpus=gpus, **extra)
+                              manifest, dict(stage.params), frozenset(versions.seen), env_vars=env_vars or None,
+                              num_gpus=gpus, **extra)
         uri, digest, metrics = result["uri"], result["digest"], result["metrics"]
+        if result.get("adopted_from"):
+            print(f"[{name}] another run published this node first (MLflow run {result['adopted_from']}): "
+                  f"this run continues from that artifact, {uri}", flush=True)
         with tempfile.TemporaryDirectory() as d:  # the worker's tables and plots, for the MLflow run
             files = [Path(d) / f for f in result["files"]]
             for path, data in zip(files, result["files"].values()):
@@ -222,7 +254,9 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
                                                           **dict(stage.params)},
                                 metrics=metrics, history=result.get("history"), datasets=datasets, files=files,
                                 tags={**result.get("tags", {}), "artifact_sha256": digest, "artifact_uri": uri,
-                                      "ray_node": result.get("ray_node", "")})
+                                      "ray_node": result.get("ray_node", ""),
+                                      **({"posttrain.adopted_from": result["adopted_from"]}
+                                         if result.get("adopted_from") else {})})
         for child in result.get("children", []):
             _log_child(ctx.home, run_id, tags, child, uri)
     except BaseException as e:
@@ -240,11 +274,12 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
 
 
 def produce(fn: str, cfg: PipelineConfig, inputs: dict[str, tuple[str, str]], home: str, store_root: str,
-            key: str, manifest: dict, params: dict, scratch: str = "") -> dict:
+            key: str, manifest: dict, params: dict, skip: frozenset[str] = frozenset(), scratch: str = "") -> dict:
     """A stage's work, on the machine Ray placed it: fetch and verify its inputs (from the store into this
-    machine's mirror), run `fn` into a temp folder, write the manifest, publish (a remote store: upload,
-    manifest last, then the commit that makes it visible). Returns the stage's result with the artifact's
-    URI, digest, metrics and small files (tables, plots) for the driver's MLflow run."""
+    machine's mirror), run `fn` into a temp folder, write the manifest, publish on a version name nobody holds
+    (a remote store: upload, manifest last, then the commit that makes it visible). `skip`: the versions the
+    driver already judged. Returns the stage's result with the artifact's URI, digest, metrics and small files
+    (tables, plots) for the driver's MLflow run; `adopted_from` when another run published the node first."""
     import importlib
     store = Store(store_root, Path(home)) if store_root else None
     local: dict[str, Path] = {}
@@ -261,39 +296,48 @@ def produce(fn: str, cfg: PipelineConfig, inputs: dict[str, tuple[str, str]], ho
     saved = {k: os.environ.get(k) for k in live}
     os.environ.update(live)
     try:
-        with atomic_dir(target) as tmp:
+        with staging_dir(target) as tmp:
             result = work(cfg, {k: str(v) for k, v in local.items()}, tmp, **params,
                           **({"scratch": scratch} if scratch else {}))
             metrics = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float))}
             digest = write_manifest(tmp, **manifest, extra={"metrics": metrics})
             files = {p.name: p.read_bytes() for p in _small_files(tmp)}
+            if store:  # the local mirror is a cache: replaced; the store decides what is published
+                replace_dir(tmp, target)
+                uri, published = store.publish(target, name, key, digest, skip)
+                theirs = store.manifest(uri, published) if published != digest else None
+            else:
+                folder = publish_local(tmp, target, skip)
+                uri, theirs = str(folder), read_manifest(folder)
+                theirs = theirs if theirs["sha256"] != digest else None
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    uri = store.publish(target, name, key, digest) if store else str(target)
     if scratch:
         shutil.rmtree(scratch, ignore_errors=True)
+    if theirs is not None:
+        return {**result, "metrics": theirs.get("metrics", {}), "digest": theirs["sha256"], "uri": uri, "files": files,
+                "adopted_from": theirs.get("mlflow_run_id", "")}
     return {**result, "metrics": metrics, "digest": digest, "uri": uri, "files": files}
 
 
-def _cached(store: Store | None, name: str, key: str, target: Path) -> tuple[str, dict] | None:
-    """The artifact already made for this cache key: (its URI, its verified manifest). A corrupted cache
-    entry is recomputed, never served; a local one whose upload failed is published now."""
-    try:
-        if store is None:
-            return (str(target), verify(target)) if target.exists() else None
-        committed = store.committed(name, key)
-        if committed:  # its manifest only: whoever consumes it downloads and verifies every file
-            return committed[0], store.manifest(*committed)
-        if target.exists():
+def _cached(store: Store | None, name: str, key: str, target: Path) -> Versions:
+    """The versions already made for this cache key: the newest that verifies is served; a corrupted one is
+    never served nor replaced. A local artifact whose upload failed is published now."""
+    if store is None:
+        return local_versions(target)
+    versions = store.committed(name, key)
+    if versions.valid is None and target.exists():
+        try:
             manifest = verify(target)
-            return store.publish(target, name, key, manifest["sha256"]), manifest
-    except DigestMismatch:
-        return None  # corrupted: recomputed, never served
-    return None
+        except DigestMismatch:
+            return versions
+        uri, sha = store.publish(target, name, key, manifest["sha256"], frozenset(versions.seen))
+        versions.valid = uri, store.manifest(uri, sha)
+    return versions
 
 
 def _log_child(home: str, parent: str, tags: dict, child: dict, uri: str) -> None:

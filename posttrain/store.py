@@ -11,14 +11,27 @@ abfs://, ...). With a URL, every node works in a local mirror (`home_dir()`) and
 A half-uploaded artifact has no COMMIT (or an older one), so no consumer ever sees it; a consumer downloads
 the committed version into its mirror and verifies every file against the manifest before using it.
 Object stores have no rename, hence the commit object instead of the local store's atomic folder rename.
+
+Nothing published is ever replaced, so every registered model's lineage stays verifiable:
+- Two runs that compute the same node at once: the first publication wins (a local folder is claimed by an
+  atomic rename onto a free name; a COMMIT object by a conditional PUT, If-None-Match: *), and the other run
+  takes the winner's artifact instead of its own.
+- A cache entry that fails verification is reported by name and kept as evidence; the recomputed result goes
+  to the next version: `<key16>.2`, `.3`, ... locally, `COMMIT.2`, `.3`, ... in an object store.
+A cache lookup serves the newest version that verifies.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
+import itertools
 import json
 import os
+import shutil
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from posttrain.artifacts import MANIFEST, ArtifactRef, DigestMismatch, atomic_dir, sha256_json, verify
 
@@ -88,34 +101,70 @@ class Store:
             self.fs.put_file(str(p), self._path(f"{rel}/{p.relative_to(local).as_posix()}"))
 
     # artifacts
-    def publish(self, folder: Path, stage: str, key: str, sha256: str) -> str:
-        """Upload a finished local artifact (manifest last), then commit it; returns its URI."""
+    def _commits(self, stage: str, key: str) -> Iterator[str]:
+        return (f"artifacts/{stage}/{key[:16]}/{COMMIT}" + (f".{n}" if n > 1 else "") for n in itertools.count(1))
+
+    def publish(self, folder: Path, stage: str, key: str, sha256: str, skip: frozenset[str] = frozenset()
+                ) -> tuple[str, str]:
+        """Upload a finished local artifact (manifest last), then commit it with a conditional PUT on the first
+        free COMMIT name. Returns (URI, sha256) of the published version: ours, or the one another run committed
+        first (then ours is deleted). `skip`: commit names the caller already judged (corrupted, or forced past)."""
         rel = f"artifacts/{stage}/{key[:16]}"
         version = f"{sha256[:16]}-{uuid.uuid4().hex[:8]}"
         try:
             self.put_dir(folder, f"{rel}/{version}", last=MANIFEST)
-            self.put_text(f"{rel}/{COMMIT}", json.dumps({"version": version, "sha256": sha256}))
+            for name in self._commits(stage, key):
+                try:
+                    self.fs.pipe_file(self._path(name), json.dumps({"version": version, "sha256": sha256}).encode(),
+                                      mode="create")
+                    return self.url(f"{rel}/{version}"), sha256
+                except FileExistsError:
+                    if name in skip:
+                        continue
+                    try:  # another run committed this key first: its artifact is the one
+                        uri, sha = self._commit(name)
+                        self.manifest(uri, sha)
+                    except DigestMismatch:
+                        continue
+                    self.fs.rm(self._path(f"{rel}/{version}"), recursive=True)
+                    return uri, sha
         except Exception as e:  # the store went away mid-upload (s3fs and botocore raise many kinds)
             raise OSError(f"publishing {stage} to {self.url(rel)} failed ({type(e).__name__}: {e}); nothing was "
                           f"committed, so no consumer sees a partial upload. The finished artifact stays in "
                           f"{folder}: rerun once the store answers and it is published from there") from e
-        return self.url(f"{rel}/{version}")
+        raise AssertionError("unreachable")
 
-    def committed(self, stage: str, key: str) -> tuple[str, str] | None:
-        """(URI, sha256) of the committed version of `stage` at cache key `key`, if any."""
-        text = self.get_text(f"artifacts/{stage}/{key[:16]}/{COMMIT}")
-        if text is None:
-            return None
-        c = json.loads(text)
-        return self.url(f"artifacts/{stage}/{key[:16]}/{c['version']}"), c["sha256"]
+    def _commit(self, name: str) -> tuple[str, str]:
+        c = json.loads(self.get_text(name) or "{}")
+        if "version" not in c:
+            raise DigestMismatch(f"{self.url(name)}: not a commit record")
+        return self.url(f"{name.rsplit('/', 1)[0]}/{c['version']}"), c["sha256"]
+
+    def committed(self, stage: str, key: str) -> "Versions":
+        """Every committed version of `stage` at cache key `key`, judged by its manifest (whoever consumes it
+        downloads and verifies every file)."""
+        out = Versions()
+        for name in self._commits(stage, key):
+            if not self.fs.exists(self._path(name)):
+                return out
+            out.seen.add(name)
+            try:
+                uri, sha = self._commit(name)
+                out.valid = (uri, self.manifest(uri, sha))
+            except DigestMismatch as e:
+                out.corrupted.append(str(e))
+        raise AssertionError("unreachable")
 
     def manifest(self, uri: str, sha256: str) -> dict:
         """The manifest of the artifact at `uri`, checked to be the one with digest `sha256`."""
         text = self.get_text(f"{self._rel(uri)}/{MANIFEST}")
         if text is None:
             raise DigestMismatch(f"{uri}: no {MANIFEST} in the store")
-        m = json.loads(text)
-        body = {k: m[k] for k in ("stage", "files", "parents", "config_digest", "code_digest")}
+        try:
+            m = json.loads(text)
+            body = {k: m[k] for k in ("stage", "files", "parents", "config_digest", "code_digest")}
+        except (ValueError, KeyError, TypeError):
+            m, body = {}, None
         if m.get("sha256") != sha256 or sha256_json(body) != sha256:
             raise DigestMismatch(f"{uri}/{MANIFEST}: does not hash to the committed digest {sha256[:12]}")
         return m
@@ -148,13 +197,73 @@ class Store:
         return target
 
     def find_by_digest(self, sha256: str) -> str | None:
-        for commit in self.fs.glob(self._path(f"artifacts/*/*/{COMMIT}")):
-            with self.fs.open(commit, "r") as f:
-                c = json.loads(f.read())
-            if c["sha256"] == sha256:
-                rel = commit[len(self.base.rstrip("/")) + 1:].rsplit("/", 1)[0]
-                return self.url(f"{rel}/{c['version']}")
-        return None
+        """The committed artifact with this digest; one whose manifest checks out first."""
+        found = []
+        for commit in self.fs.glob(self._path(f"artifacts/*/*/{COMMIT}*")):
+            try:
+                uri, sha = self._commit(commit[len(self.base.rstrip("/")) + 1:])
+            except (DigestMismatch, ValueError):
+                continue
+            if sha == sha256:
+                found.append(uri)
+        for uri in found:
+            try:
+                self.manifest(uri, sha256)
+                return uri
+            except DigestMismatch:
+                continue
+        return found[0] if found else None
+
+
+@dataclass
+class Versions:
+    """What a cache lookup found for one key: the newest version that verifies (URI, manifest), the names it
+    looked at, and what was wrong with the ones that did not verify."""
+    valid: tuple[str, dict] | None = None
+    seen: set[str] = field(default_factory=set)
+    corrupted: list[str] = field(default_factory=list)
+
+
+def _slots(target: Path) -> Iterator[Path]:
+    return (target if n == 1 else target.with_name(f"{target.name}.{n}") for n in itertools.count(1))
+
+
+def local_versions(target: Path) -> Versions:
+    """Every version of a local store's artifact folder `target` (`target`, `target.2`, ...), each verified."""
+    out = Versions()
+    for slot in _slots(target):
+        if not slot.exists():
+            return out
+        out.seen.add(str(slot))
+        try:
+            out.valid = (str(slot), verify(slot))
+        except DigestMismatch as e:
+            out.corrupted.append(str(e))
+    raise AssertionError("unreachable")
+
+
+def publish_local(tmp: Path, target: Path, skip: frozenset[str] = frozenset()) -> Path:
+    """Move the finished artifact folder `tmp` onto the first free version name of `target` (a rename onto a
+    name that exists fails, so of two runs the first wins). A version that appeared since the caller looked
+    (`skip`: the ones it saw) and verifies was published by a run computing the same node: it is returned and
+    `tmp` deleted. Returns the published folder."""
+    for slot in _slots(target):
+        if not slot.exists():
+            try:
+                os.rename(tmp, slot)
+                return slot
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+        if str(slot) in skip:
+            continue
+        try:
+            verify(slot)
+        except DigestMismatch:
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        return slot
+    raise AssertionError("unreachable")
 
 
 def _filesystem(root: str):

@@ -97,10 +97,15 @@ def end_run(home: str, run_id: str, status: str = "FINISHED") -> None:
 
 def register_model(home: str, name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
     c = client(home)
+    from mlflow.exceptions import MlflowException
     try:
         c.get_registered_model(name)
-    except Exception:
-        c.create_registered_model(name, description="posttrain pipeline output; lineage: `posttrain lineage`")
+    except MlflowException:
+        try:
+            c.create_registered_model(name, description="posttrain pipeline output; lineage: `posttrain lineage`")
+        except MlflowException as e:  # a run finishing beside this one created it first
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
     tags = {"posttrain.artifact": source, **tags}  # where lineage finds the artifact and its manifest
     if server_uri():  # a server takes only sources inside a run's artifacts: the model goes to its store
         c.log_artifacts(run_id, source, "model")

@@ -130,9 +130,20 @@ def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_serv
     mirror = tmp_path / "mirror"
     env = {**os.environ, **aws, "POSTTRAIN_HOME": "s3://posttrain-test/home", "POSTTRAIN_LOCAL": str(mirror),
            "RAY_AUTH_MODE": "disabled", "MLFLOW_TRACKING_URI": uri}
-    p = _cli(["run", "--profile", "smoke"], {**env, "RAY_ADDRESS": address}, ROOT)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    # two runs at once, as two machines of a team would start them (each its own mirror): one computes each node
+    # (conditional PUTs on the lease and the commit), the other waits for it; both models' lineage verifies
+    racing = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], cwd=ROOT,
+                               env={**env, "RAY_ADDRESS": address, "POSTTRAIN_LOCAL": str(tmp_path / m)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for m in ("mirror", "mirror-b")]
+    outs = [p.communicate(timeout=900)[0] for p in racing]
+    assert [p.returncode for p in racing] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert "is computing this node now" in "".join(outs)
     assert not (mirror / "mlflow.db").exists() and not (mirror / "mlruns").exists()  # nothing tracked locally
+    for version in ("1", "2"):
+        audit = _cli(["lineage", f"posttrain-smoke@{version}"], {**env, "POSTTRAIN_LOCAL": str(tmp_path / "m-audit")},
+                     ROOT, 300)
+        assert audit.returncode == 0 and "lineage verified" in audit.stdout, (audit.stdout + audit.stderr)[-2000:]
     report = json.loads(s3.get_object(Bucket="posttrain-test", Key="home/latest/report.json")["Body"].read())
     keys = {o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="posttrain-test")
             for o in page.get("Contents", [])}

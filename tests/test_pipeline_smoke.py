@@ -32,10 +32,28 @@ def stage_runs(home: Path, parent: str) -> dict:
 
 @pytest.fixture(scope="module")
 def first(tmp_path_factory):
+    """Two runs started at once on one home (a team sharing a store): the module's tests use the first."""
     home = tmp_path_factory.mktemp("home")
-    p = posttrain(home, "run", "--profile", "smoke")
-    (home / "console.txt").write_text(p.stdout + p.stderr)
-    return home, json.loads((home / "latest" / "report.json").read_text())
+    env = {**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
+    procs = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    (home / "console.txt").write_text(outs[0])
+    (home / "console2.txt").write_text(outs[1])
+    run_id = next(line.split()[-1] for line in outs[0].splitlines() if line.startswith("HTML report:")).split("/")[-2]
+    return home, json.loads((home / "runs" / run_id / "report.json").read_text())
+
+
+def test_two_runs_at_once_on_one_home_compute_each_node_once_and_both_verify(first):
+    home, _ = first
+    waited = (home / "console.txt").read_text() + (home / "console2.txt").read_text()
+    assert "is computing this node now: waiting for its artifact" in waited
+    for stage in ("raw", "curate", "sft", "rl-agentic", "opd", "quantize"):
+        assert len(_published(home, stage)) == 1, stage  # one publication, shared
+    for version in ("1", "2"):
+        out = posttrain(home, "lineage", f"posttrain-smoke@{version}").stdout
+        assert "lineage verified" in out and "MISSING" not in out
 
 
 def test_console_shows_progress_but_not_rays_internals(first):
@@ -136,6 +154,27 @@ def test_tampered_artifact_is_refused_and_lineage_fails(first):
         assert p.returncode != 0 and "model.safetensors" in p.stderr
         p = posttrain(home, "lineage", report["registered_model"], check=False)
         assert p.returncode == 1 and "FAILED" in p.stdout
+    finally:
+        weights.write_bytes(original)
+
+
+def test_a_corrupted_cache_entry_is_reported_kept_and_recomputed_beside_it(first):
+    home, report = first
+    opd = Path(report["stages"]["opd"]["artifact"])
+    weights = opd / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        weights.write_bytes(bytes([original[0] ^ 1]) + original[1:])
+        p = posttrain(home, "run", "--profile", "smoke")
+        out = p.stdout + p.stderr
+        assert "[opd] a cached version failed verification and is kept as evidence" in out
+        assert "model.safetensors" in out
+        new = json.loads((home / "latest" / "report.json").read_text())
+        assert Path(new["stages"]["opd"]["artifact"]) == opd.with_name(opd.name + ".2")
+        assert weights.read_bytes()[1:] == original[1:]  # not overwritten: the evidence stays
+        audit = posttrain(home, "lineage", report["registered_model"], check=False).stdout
+        assert "FAILED" in audit and "model.safetensors" in audit  # the old version names what is wrong
+        assert "lineage verified" in posttrain(home, "lineage", new["registered_model"]).stdout
     finally:
         weights.write_bytes(original)
 
