@@ -5,18 +5,43 @@ from pathlib import Path
 
 import torch
 
-from posttrain.chat import doc_end_id, train_tokenizer
+from posttrain.chat import ChatFormatError, chat_format, doc_end_id, train_tokenizer
 from posttrain.config import PipelineConfig
 from posttrain.data import load_pretrain_texts
 from posttrain.model import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
 from posttrain.train import eval_loss, pack_stream, row_sampler, summarize, train
 
 
+def check_checkpoint(cfg: PipelineConfig):
+    """Everything about base.init_from that needs only the checkpoint, checked before the first stage: a loadable
+    folder, a usable chat template (base.chat_template's when given) and, where a domain calls tools, one that
+    renders tool calls. Returns the tokenizer with its template in place."""
+    from transformers import AutoTokenizer
+
+    import environments
+    b = cfg.base
+    check_folder(b.init_from)
+    tok = AutoTokenizer.from_pretrained(b.init_from)
+    if b.chat_template:
+        if not Path(b.chat_template).is_file():
+            raise ChatFormatError(f"base.chat_template: no such file {b.chat_template}")
+        tok.chat_template = Path(b.chat_template).read_text()
+    fmt = chat_format(tok)
+    tooled = [d for d in environments.names(cfg.world.environments)
+              if hasattr(environments.get(d), "open_workspace")]
+    if tooled and fmt.tool_format == "none":
+        where = b.chat_template or f"{b.init_from}'s template ({fmt.template})"
+        raise ChatFormatError(f"base.chat_template: {where} renders no tool calls, and the {', '.join(tooled)} "
+                              f"domain calls tools: pass --set base.chat_template=<a .jinja file that renders "
+                              f"`tool_calls`>, e.g. configs/templates/chatml-tools.jinja for a ChatML model")
+    return tok
+
+
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     seed_all(cfg.seed)
     if cfg.base.init_from:  # a real model: take the user's local HF checkpoint as the base
-        check_folder(cfg.base.init_from)
-        model, tok = load_checkpoint(cfg.base.init_from)
+        tok = check_checkpoint(cfg)
+        model, _ = load_checkpoint(cfg.base.init_from)
         save_checkpoint(model, tok, out)
         return {"metrics": {"params": n_params(model)}, "params": {"init_from": cfg.base.init_from}}
     texts = load_pretrain_texts(inputs["curate"])

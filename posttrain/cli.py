@@ -85,30 +85,42 @@ def print_report(report: dict) -> None:
         print(f"\nregistered model: {report['registered_model']}  (audit: posttrain lineage {report['registered_model']})")
 
 
-def _check_stages(names: list[str], flag: str, cfg) -> None:
-    """Refuse an unknown stage name before any work (an unknown --force would otherwise be ignored)."""
+def _check_stages(names: list[str], flag: str, cfg, workflow: str = "cross_stage") -> None:
+    """Refuse an unknown stage name before any work (an unknown --force would otherwise be ignored): stages of
+    `workflow` (cross_stage runs the post_train DAG too)."""
     from posttrain.stages import graph
-    stages = graph(cfg)
+    stages = [s.name for s in graph(cfg).values() if workflow == "cross_stage" or s.workflow == workflow]
     unknown = [n for n in names if n not in stages]
     if unknown:
         raise ConfigError(f"{flag}: unknown stage {', '.join(map(repr, unknown))}; stages: {', '.join(stages)}")
 
 
-def _check_init_from(cfg) -> None:
-    """A local base.init_from that could not be loaded fails here, not in a stage minutes later."""
-    from posttrain.model import CheckpointError, check_folder
+def _check_local_inputs(cfg) -> None:
+    """What a local run reads from this machine, checked here rather than in a stage minutes later: the
+    checkpoint (and its template) of base.init_from, the files of curate.inputs."""
+    from posttrain.chat import ChatFormatError
+    from posttrain.curate.read import BadRow, check_inputs
+    from posttrain.model import CheckpointError
     if cfg.base.init_from:
+        from posttrain.base import check_checkpoint
         try:
-            check_folder(cfg.base.init_from)
+            check_checkpoint(cfg)
         except CheckpointError as e:
             raise ConfigError(f"base.init_from: {e}") from None
+        except ChatFormatError as e:
+            raise ConfigError(str(e) if str(e).startswith("base.") else f"base.init_from: {e}") from None
+    if cfg.curate.inputs:
+        try:
+            check_inputs(cfg.curate.inputs)
+        except BadRow as e:
+            raise ConfigError(str(e)) from None
 
 
 def cmd_run(a: argparse.Namespace) -> int:
     cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
-    _check_stages(a.force, "--force", cfg)
-    if not a.remote:  # a remote run's path is the cluster's
-        _check_init_from(cfg)
+    _check_stages(a.force, f"--force (workflow {a.workflow})", cfg, a.workflow)
+    if not a.remote:  # a remote run's paths are the cluster's
+        _check_local_inputs(cfg)
     from posttrain.pipeline import check_domains
     check_domains(cfg)
     if a.workflow == "cross_stage":
@@ -124,6 +136,10 @@ def cmd_run(a: argparse.Namespace) -> int:
 def cmd_rerun(a: argparse.Namespace) -> int:
     from posttrain.config import apply_overrides, config_from_dict
     from posttrain.pipeline import load_run
+    fixed = ("raw", "curate", "base", "ramp", "sft", "opd", "quantize", "evaluate", "consolidation")
+    if a.stage not in fixed and not re.fullmatch(r"(rl|xs|seq)-[a-z][a-z0-9_]*", a.stage):  # before reading any run
+        raise ConfigError(f"rerun: unknown stage {a.stage!r}; stages: {', '.join(fixed)}, rl-<domain>, xs-<domain>, "
+                          f"seq-<domain>")
     _, old = load_run(a.from_run)
     cfg = config_from_dict(apply_overrides(old.model_dump(mode="json"), a.set), f"--set {a.set}")
     _check_stages([a.stage], "rerun", cfg)

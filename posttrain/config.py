@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
+import typing
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = ROOT / "configs"
@@ -18,7 +20,20 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf and nan are refused where they are read ("sft.lr: must be a finite number"), not deep in a stage
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """pydantic takes `true` for 1: a number field given a boolean is a mistake, not a count."""
+        if isinstance(v, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            kinds = set(typing.get_args(ann)) if typing.get_origin(ann) in (typing.Union, getattr(
+                __import__("types"), "UnionType", None)) else {ann}
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"must be a number (got {v!r})")
+        return v
 
 
 # Ranges, checked when a profile or override loads: a bad value fails before any stage runs, not in the stage
@@ -121,9 +136,18 @@ class TrainConfig(_Strict):
     weight_decay: NonNegative = 0.01
     grad_clip: Positive = 1.0
 
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "TrainConfig":
+        if self.warmup > self.steps:  # the schedule would never reach its peak learning rate
+            raise ValueError(f"warmup: must be <= steps (got {self.warmup} > {self.steps})")
+        return self
+
 
 class BaseConfig(TrainConfig):
     init_from: str = ""  # a local Hugging Face checkpoint dir; empty: build and pretrain the tiny preset
+    # a Jinja file that replaces the checkpoint's chat template without editing the checkpoint: for a template
+    # that renders no tool calls or no thinking switch (configs/templates/chatml-tools.jinja: ChatML + Hermes)
+    chat_template: str = ""
 
 
 class RampStage(_Strict):
@@ -446,11 +470,23 @@ class PipelineConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
     registered_model: str = "posttrain-tiny"
 
+    @field_validator("registered_model")
+    @classmethod
+    def _registry_name(cls, v: str) -> str:
+        """MLflow refuses '/' and ':' only after the whole DAG trained; `posttrain lineage NAME@VERSION` needs no @."""
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", v):
+            raise ValueError(f"must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit "
+                             f"(got {v!r})")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> "PipelineConfig":
         """Rules across sections, checked at load so a run does not fail stages later. Each message starts with
         the key to change."""
         m, errors = self.model, []
+        if self.base.chat_template and not self.base.init_from:
+            errors.append("base.chat_template: replaces a checkpoint's template, so it needs base.init_from (the "
+                          "tiny preset's own template renders every feature)")
         if not self.base.init_from:  # the model is built from `model` (a checkpoint brings its own shapes)
             if self.base.seq_len > m.max_position_embeddings:
                 errors.append(f"base.seq_len: must be <= model.max_position_embeddings (got {self.base.seq_len} > "
@@ -549,7 +585,11 @@ def _error_line(e: dict, prefix: str = "") -> str:
         return f"{key}: unknown key"
     if e["type"] == "value_error":  # a validator's own message; ours start with their key path and say what they got
         msg = e["msg"].removeprefix("Value error, ")
-        return msg if msg.startswith(key) else f"{key}: {msg}"
+        if msg.startswith(key):
+            return msg
+        return f"{key}.{msg}" if key and re.match(r"[a-z_]+: ", msg) else f"{key}: {msg}"
+    if e["type"] == "finite_number":
+        return f"{key}: must be a finite number (got {e.get('input')!r})"
     rule, bound = _RULES.get(e["type"]), next(iter(e.get("ctx", {}).values()), None)
     msg = f"must be {rule} {f'{bound:g}' if isinstance(bound, float) else bound}" if rule else e["msg"]
     return f"{key}: {msg} (got {e.get('input')!r})"
@@ -581,8 +621,13 @@ def _format_validation(err: ValidationError, source: str) -> str:
 
 
 def profile_path(profile: str) -> Path:
+    """A profile name (configs/<name>.yaml) or a path to a YAML file."""
     p = Path(profile)
-    if p.suffix in (".yaml", ".yml") and p.exists():
+    if p.suffix in (".yaml", ".yml") or "/" in profile or p.is_dir():  # meant as a path
+        if p.is_dir():
+            raise ConfigError(f"--profile {profile}: is a directory; expected a YAML file or a profile name")
+        if not p.is_file():
+            raise ConfigError(f"--profile {profile}: no such file")
         return p
     path = PROFILES_DIR / f"{profile}.yaml"
     if not path.exists():

@@ -3,19 +3,33 @@ from __future__ import annotations
 
 from typing import Callable
 
+from mlflow.exceptions import MlflowException
+
 from posttrain import store, tracking
 from posttrain.artifacts import DigestMismatch, find_by_digest, verify
+from posttrain.config import ConfigError
 from posttrain.pipeline import home_dir
 
 
 def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
     """Print the chain for NAME@VERSION; False if any artifact is missing or fails verification."""
-    if "@" not in spec:
-        raise ValueError(f"expected NAME@VERSION, got {spec!r}")
-    name, version = spec.rsplit("@", 1)
+    name, _, version = spec.rpartition("@")
+    if not name or not version.isdigit():
+        raise ConfigError(f"lineage: expected NAME@VERSION with a version number, e.g. posttrain-tiny@1 (got {spec!r})")
     home, remote = home_dir(), store.store()
+    if not tracking.server_uri() and not (home / "mlflow.db").exists():  # MlflowClient would create an empty one
+        raise ConfigError(f"lineage: no runs are tracked under {home} (no mlflow.db): set POSTTRAIN_HOME to the "
+                          f"store the model was registered from, or MLFLOW_TRACKING_URI to its server")
     c = tracking.client(home)
-    mv = c.get_model_version(name, version)
+    try:
+        mv = c.get_model_version(name, version)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        known = [f"{m.name}@{m.latest_versions[-1].version}" if m.latest_versions else m.name
+                 for m in c.search_registered_models(max_results=20)]
+        raise ConfigError(f"lineage: no registered model {name!r} version {version} (registered: "
+                          f"{', '.join(known) or 'none'})") from None
     say(f"{name} version {version}: {mv.source} (run {mv.run_id})")
     ok = True
     seen: set[str] = set()

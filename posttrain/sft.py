@@ -187,8 +187,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     tooled = [d for d in domains if hasattr(environments.get(d), "open_workspace")]
     if tooled and chat_format(tok).tool_format == "none":
         raise ChatFormatError(f"sft: the chat template of {inputs['ramp']} ({chat_format(tok).template}) renders no "
-                              f"tool calls, and {', '.join(tooled)} need them: use a checkpoint whose template renders "
-                              f"`tool_calls` (Hermes <tool_call> or Llama-3 JSON)")
+                              f"tool calls, and {', '.join(tooled)} need them: set base.chat_template to a template "
+                              f"that renders `tool_calls` (Hermes <tool_call> or Llama-3 JSON), e.g. "
+                              f"configs/templates/chatml-tools.jinja")
     examples = build_examples(cfg, tok, train_tasks, cfg.seed)
     check_masks(examples, tok)
     val = build_examples(cfg, tok, val_tasks, cfg.seed + 1)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from environments import ENV_VAR
 from posttrain import tracking
-from posttrain.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sha, read_manifest, replace_dir, sha256_json,
+from posttrain.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sha, read_manifest, replace_dir, sha256_file, sha256_json,
                                  staging_dir, verify, verify_ref, write_manifest)
 from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
@@ -157,6 +157,8 @@ def cache_key(stage: Stage, cfg: PipelineConfig, code: str, inputs: dict[str, Ar
             raise StageFailed(f"{stage.name}: base.init_from {cfg.base.init_from!r} is not a directory "
                               f"(expected a local Hugging Face checkpoint dir)")
         body["init_from"] = dir_digest(cfg.base.init_from)
+        if cfg.base.chat_template and Path(cfg.base.chat_template).is_file():
+            body["chat_template"] = sha256_file(Path(cfg.base.chat_template))
     return sha256_json(body)
 
 

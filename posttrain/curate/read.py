@@ -1,6 +1,7 @@
 """Streaming reader for curate inputs: JSONL, JSONL.gz and Parquet, one row at a time, problems named by file:line."""
 from __future__ import annotations
 
+import glob
 import gzip
 import json
 from pathlib import Path
@@ -14,6 +15,22 @@ DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
 class BadRow(ValueError):
     """A row or file that curate cannot read; the message names file and line."""
+
+
+def check_inputs(patterns: list[str]) -> list[Path]:
+    """The files `curate.inputs` names, refused before any work when a pattern matches nothing, a file is not a
+    supported format, or every file is empty."""
+    files: set[Path] = set()
+    for pattern in patterns:
+        matched = [Path(f) for f in glob.glob(pattern) if Path(f).is_file()]
+        if not matched:
+            raise BadRow(f"curate.inputs: {pattern!r} matches no file")
+        if bad := [f.name for f in matched if not f.name.endswith(DATA_SUFFIXES)]:
+            raise BadRow(f"curate.inputs: {bad[0]} is not {', '.join(DATA_SUFFIXES)}")
+        files.update(matched)
+    if all(f.stat().st_size == 0 for f in files):
+        raise BadRow(f"curate.inputs: every file is empty ({', '.join(sorted(f.name for f in files))})")
+    return sorted(files)
 
 
 def data_files(folder: Path) -> list[Path]:

@@ -10,7 +10,6 @@ quarantine.parquet with its reason.
 """
 from __future__ import annotations
 
-import glob
 import json
 import shutil
 from collections import Counter
@@ -27,7 +26,7 @@ from posttrain.config import PipelineConfig
 from posttrain.curate.corpus import generate_raw
 from posttrain.curate.dedup import MinHasher, WordHashes, contains_windows, flat_ids, global_dedup, hash64, \
     sorted_member, target_windows, tokenize, window_hashes
-from posttrain.curate.read import BadRow, data_files, read_rows
+from posttrain.curate.read import BadRow, check_inputs, data_files, read_rows
 from posttrain.curate.text import normalise, quality, scrub_pii
 from posttrain.raysupport import map_tasks
 
@@ -46,9 +45,7 @@ def make_raw(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     """The raw corpus artifact: the user's files copied in, or the generated default corpus."""
     c = cfg.curate
     if c.inputs:
-        files = sorted({f for pattern in c.inputs for f in glob.glob(pattern)})
-        if not files:
-            raise FileNotFoundError(f"curate.inputs matched no file: {c.inputs}")
+        files = check_inputs(c.inputs)
         for f in files:
             shutil.copy(f, out / Path(f).name)
         return {"metrics": {"files": len(files)}}
@@ -235,6 +232,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     work = out / ".work"
     shards = [work / f"file-{i:05d}" for i in range(len(files))]
     scans = map_tasks(scan_file, [(cfg, f, i, s, targets) for i, (f, s) in enumerate(zip(files, shards))], "curate scan")
+    if not sum(s["rows_in"] for s in scans):
+        raise BadRow(f"{inputs['raw']}: no rows in {', '.join(f.name for f in files)} (every file is empty)")
     bands = MinHasher(c.num_perm, c.near_dup_threshold, cfg.world.seed).bands
     removed, reason, dup_of = global_dedup(shards, bands, c.num_perm, c.near_dup_threshold)
     file_of = (removed >> np.uint64(ROW_BITS)).astype(np.int64)
