@@ -158,7 +158,10 @@ def cmd_lineage(a: argparse.Namespace) -> int:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    from posttrain.pipeline import load_run
+    from posttrain.pipeline import home_dir, load_run
+    from posttrain.tracking import close_killed_runs
+    for killed in close_killed_runs(home_dir()):
+        print(f"MLflow run {killed} was left RUNNING by a driver that is gone: marked KILLED", file=sys.stderr)
     report, _ = load_run(a.run)
     if a.json:
         print(json.dumps(report, indent=1))

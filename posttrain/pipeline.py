@@ -47,12 +47,14 @@ def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None 
     check_domains(cfg)
     tracking.configure(cfg.tracking.uri)
     home = home_dir()
+    for killed in tracking.close_killed_runs(home):
+        print(f"[pipeline] MLflow run {killed} was left RUNNING by a driver that is gone: marked KILLED", flush=True)
     run_id = run_id or new_run_id()
     run_dir = home / "runs" / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
     tags = {"posttrain.run_id": run_id, "profile": cfg.profile, "git_sha": git_sha(),
-            "config_digest": cfg.digest(), **(tags or {})}
+            "config_digest": cfg.digest(), **tracking.driver_tags(), **(tags or {})}
     parent = tracking.start_run(str(home), f"pipeline-{run_id}", tags)
     tracking.log_result(str(home), parent, params={"profile": cfg.profile}, metrics={},
                         files=[run_dir / "config.json"])
@@ -162,6 +164,8 @@ def load_run(run: str) -> tuple[dict, PipelineConfig]:
     home = home_dir()
     run_dir = home / "runs" / run if run != "latest" else None
     if run_dir is None:
+        if not (home / "latest" / "report.json").exists():
+            raise FileNotFoundError(f"no finished run under {home} yet (POSTTRAIN_HOME): `posttrain run` first")
         run = json.loads((home / "latest" / "report.json").read_text())["run_id"]
         run_dir = home / "runs" / run
     report_path = run_dir / "report.json"

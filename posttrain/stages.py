@@ -245,6 +245,8 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
                               manifest, dict(stage.params), frozenset(versions.seen), env_vars=env_vars or None,
                               num_gpus=gpus, **extra)
         uri, digest, metrics = result["uri"], result["digest"], result["metrics"]
+        for notice in result.get("notices", []):
+            print(f"[{name}] {notice.replace('{artifact}', uri)}", flush=True)
         if result.get("adopted_from"):
             print(f"[{name}] another run published this node first (MLflow run {result['adopted_from']}): "
                   f"this run continues from that artifact, {uri}", flush=True)

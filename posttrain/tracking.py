@@ -111,3 +111,44 @@ def register_model(home: str, name: str, source: str, run_id: str, tags: dict[st
         c.log_artifacts(run_id, source, "model")
         source = f"runs:/{run_id}/model"
     return str(c.create_model_version(name, source=source, run_id=run_id, tags=tags).version)
+
+
+DRIVER_TAGS = ("posttrain.host", "posttrain.pid")
+
+
+def driver_tags() -> dict[str, str]:
+    """Which process drives a pipeline run: how a later run tells a killed one from one still going."""
+    import socket
+    return {"posttrain.host": socket.gethostname(), "posttrain.pid": str(os.getpid())}
+
+
+def close_killed_runs(home: str | Path) -> list[str]:
+    """Pipeline runs left RUNNING by a driver that died (`kill -9`, a lost machine) on this host, with their
+    stage runs: marked KILLED. Runs whose driver is alive, or on another host, are left alone. Returns the
+    parent run ids closed."""
+    import socket
+    if not server_uri() and not (Path(home) / "mlflow.db").exists():
+        return []
+    c = client(home)
+    exp = c.get_experiment_by_name(EXPERIMENT)
+    if exp is None:
+        return []
+    running = c.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'", max_results=1000)
+    host = socket.gethostname()
+    dead = set()
+    for r in running:
+        t = r.data.tags
+        if t.get("posttrain.host") == host and t.get("posttrain.pid", "").isdigit():
+            try:
+                os.kill(int(t["posttrain.pid"]), 0)
+            except ProcessLookupError:
+                dead.add(r.info.run_id)
+            except PermissionError:
+                pass
+    closed, frontier = set(), set(dead)
+    while frontier:  # the pipeline run, its stage runs, their sub-step runs
+        closed |= frontier
+        frontier = {r.info.run_id for r in running if r.data.tags.get("mlflow.parentRunId") in frontier} - closed
+    for run_id in closed:
+        c.set_terminated(run_id, status="KILLED")
+    return sorted(dead)

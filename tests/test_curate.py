@@ -53,6 +53,9 @@ def test_bad_row_is_quarantined_or_fails_naming_file_and_line(kind, tmp_path):
     assert [r["id"] for r in q if r["reason"] == "bad_row"] == ["corpus.jsonl:6"]
     m = res["metrics"]
     assert m["rows_in"] == 6 == m["rows_kept"] + sum(v for k, v in m.items() if k.startswith("rejected_"))
+    # the console says it too (execute prints each notice with the artifact's final place)
+    assert any("quarantined" in n and "1 bad_row" in n and "{artifact}/quarantine.parquet" in n
+               for n in res["notices"])
     with pytest.raises(curate.BadRow, match=r"corpus\.jsonl:6"):
         _run(_cfg("curate.on_bad_row=fail"), raw, tmp_path / "f")
 

@@ -267,3 +267,24 @@ def test_cross_stage_workflow_compares_three_consolidations(first):
     assert c["compute"]["cross_stage"]["teacher_tokens"] > 0 == c["compute"]["sequential_rl"]["teacher_tokens"]
     assert set(c["forgetting"]["sequential_rl"]) == {"reasoning", "agentic"}
     assert (home / "runs" / report["run_id"] / "consolidation.md").exists()
+
+
+def test_a_killed_run_is_marked_killed_in_mlflow_by_the_next_command(tmp_path):
+    """kill -9 the driver (and its Ray workers) mid-run: `posttrain report` closes its runs as KILLED."""
+    import signal
+    import time
+    env = {**os.environ, "POSTTRAIN_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
+    p = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    deadline = time.time() + 300
+    while time.time() < deadline and not (tmp_path / "artifacts" / "curate").exists():
+        time.sleep(1)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    exp = c.get_experiment_by_name("posttrain")
+    assert any(r.info.status == "RUNNING" for r in c.search_runs([exp.experiment_id]))
+    out = posttrain(tmp_path, "report", check=False)
+    assert "marked KILLED" in out.stderr and "no finished run" in out.stderr
+    statuses = {r.info.run_name: r.info.status for r in c.search_runs([exp.experiment_id])}
+    assert "RUNNING" not in statuses.values() and statuses[next(n for n in statuses if n.startswith("pipeline-"))] == "KILLED"

@@ -285,7 +285,12 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     metrics = {"rows_in": n_in, "rows_kept": card["rows_kept"], "empty_files": empty, "tokens_kept": card["tokens_kept"],
                "mojibake_repaired": card["mojibake_repaired"], **{f"rejected_{k}": v for k, v in reasons.items()},
                **{f"pii_{k.strip('<>').lower()}": v for k, v in pii.items()}}
-    return {"metrics": metrics, "datasets": [("raw", inputs["raw"])]}
+    out_rows = {"metrics": metrics, "datasets": [("raw", inputs["raw"])]}
+    if reasons:  # the user's own rows left out: say how many and where, not only in the data card
+        why = ", ".join(f"{n} {r}" for r, n in reasons.most_common())
+        out_rows["notices"] = [f"quarantined {sum(reasons.values())} of {n_in} rows ({why}): rows and reasons in "
+                               f"{{artifact}}/quarantine.parquet, counts in {{artifact}}/data_card.json"]
+    return out_rows
 
 
 def _global_id_gate(shards: list[Path], out: Path) -> dict:
