@@ -7,7 +7,7 @@ PROFILE ?= tiny
 B       ?=
 SEEDS   ?= 0 1 2
 
-.PHONY: install run test test-cluster bench figures clean
+.PHONY: install run test test-cluster bench figures ui-shots clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ bench: $(VENV)/.bench-installed
 # the profile over several training seeds: .posttrain/figures.json and figures.md (the README's tables)
 figures: install
 	$(BIN)/posttrain figures --profile $(PROFILE) --seeds $(SEEDS)
+
+# screenshots of the MLflow UI and report.html for the latest run (headless Chromium), into .posttrain/ui/
+ui-shots: install
+	$(BIN)/python -m posttrain.ui_shots
 
 clean:
 	rm -rf .posttrain

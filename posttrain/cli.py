@@ -29,8 +29,10 @@ def _flyte_init(remote: bool) -> None:
     import flyte
     if remote:
         flyte.init_from_config(str(ROOT / "flyte.yaml"))
-    else:
-        flyte.init()  # purely local: nothing is contacted
+    else:  # purely local: nothing is contacted. A failed stage is reported once, as one line (main); Flyte's own
+        # log would print its traceback three times before it (POSTTRAIN_DEBUG=1 shows them)
+        import logging
+        flyte.init(log_level=logging.DEBUG if os.environ.get("POSTTRAIN_DEBUG") else logging.CRITICAL)
 
 
 def _run_flyte(task, cfg, remote: bool, **kwargs) -> dict | None:

@@ -18,6 +18,7 @@ from posttrain import report_html
 from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
+from posttrain.console import kv
 from posttrain.data import load_tasks
 from posttrain.device import device
 from posttrain.engines import rollout_engine
@@ -163,7 +164,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
             result["chat_format"][ck] = chat_format(AutoTokenizer.from_pretrained(inputs[cks[ck]])).summary()
         if p:
             result["pass_at_k"][ck] = p
-        print(f"[evaluate] {ck}: {s}", flush=True)
+        print(f"[evaluate] {ck}: {kv(s)}", flush=True)
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     (out / "eval.md").write_text(table(result["eval"]) + "\n")
     plot(result["eval"], out / "eval.png")

@@ -146,8 +146,11 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     files = [run_dir / "report.json"] + [run_dir / n for ns in [*shown.values(), pages] for n in ns
                                          if (run_dir / n).exists()]
     metrics = {f"{ck}.{s}": v for ck, ss in report.get("eval", {}).items() for s, v in ss.items()}
+    # the parent run shows what the run read and made: every stage's artifact as a dataset, the registered model
+    datasets = [(s, r.sha256, r.path) for s, r in refs.items()]
+    reg = {"posttrain.registered_model": report["registered_model"]} if "registered_model" in report else {}
     tracking.log_result(ctx.home, ctx.parent_run_id, params={}, metrics={"wall_seconds": wall_seconds, **metrics},
-                        files=files, tags={"posttrain.gates": "passed" if passed else "failed"})
+                        files=files, datasets=datasets, tags={"posttrain.gates": "passed" if passed else "failed", **reg})
     tracking.end_run(ctx.home, ctx.parent_run_id, "FINISHED" if passed else "FAILED")
     store.upload_run(run_dir, ctx.run_id)
     return report

@@ -21,6 +21,7 @@ from posttrain import attention, dsa, mtp
 from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig, RampStage
+from posttrain.console import kv
 from posttrain.data import load_pretrain_texts
 from posttrain.memory import peak_memory
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
@@ -248,7 +249,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
         children.append(child)
         history.update({f"{key}@{st.seq_len}": xs for key, xs in child["history"].items()})
         metrics.update({f"{child['name']}.{key}": v for key, v in child["metrics"].items()})
-        print(f"[ramp] {child['name']}: {child['metrics']}", flush=True)
+        print(f"[ramp] {child['name']}: {kv(child['metrics'])}", flush=True)
     save_checkpoint(model, tok, out)
     (out / "long_context.json").write_text(json.dumps(curves, indent=1))
     plot_accuracy(curves, {"pre-ramp": cfg.model.max_position_embeddings,

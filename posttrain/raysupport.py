@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import ray
 
 from posttrain.config import RuntimeConfig
+from posttrain.console import ANSI
 
 
 def ensure_ray(rt: RuntimeConfig, log_path: str | Path | None = None) -> None:
@@ -55,8 +57,14 @@ def route_worker_logs(path: Path) -> None:
         for line in data["lines"]:
             if internal or _INTERNAL_LINE.search(line):
                 log.write(f"{origin} {line}\n")
-        if keep:
+        if not keep:
+            return
+        stream = sys.stderr if data.get("is_err") else sys.stdout
+        if stream.isatty():
             ray_worker.print_to_stdstream({**data, "lines": keep}, ignore_prefix=False)
+        else:  # a file or a pipe: the lines as the stage printed them, without Ray's coloured `(_call pid=..)`
+            stream.write("".join(ANSI.sub("", line) + "\n" for line in keep))
+            stream.flush()
 
     dispatcher.remove_handler("ray_print_logs")
     dispatcher.add_handler("posttrain_print_logs", handle)

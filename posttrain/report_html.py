@@ -149,6 +149,24 @@ def _sampling(report: dict) -> str:
     return f"{s.get('samples', 0)} per task at temperature {s.get('temperature', '-')}; a sample passes on full reward"
 
 
+def _lineage(report: dict) -> str:
+    """What a reviewer audits: code and config versions, each stage's artifact and digest, the registered model."""
+    if "stages" not in report:
+        return ""
+    e = html.escape
+    reg = report.get("registered_model")
+    head = (f"<p>git <code>{e(report.get('git_sha', '-'))}</code>, config digest "
+            f"<code>{e(report.get('config_digest', '-')[:16])}</code>, MLflow run "
+            f"<code>{e(report.get('mlflow_run_id', '-'))}</code>; registered model "
+            + (f"<code>{e(reg)}</code> (audit: <code>posttrain lineage {e(reg)}</code>)" if reg else
+               "none (gates failed or no quantize stage)") + "</p>")
+    rows = "".join(f"<tr class='ok'><td>{e(s)}</td><td><code>{e(v['sha256'][:16])}</code></td>"
+                   f"<td>{'cached' if v.get('cached') else 'computed'}</td><td>{e(str(v['artifact']))}</td></tr>"
+                   for s, v in report["stages"].items())
+    return (f"<h2>Lineage</h2>{head}<table><tr><th>stage</th><th>sha256</th><th>this run</th><th>artifact "
+            f"(the raw stage holds the inputs)</th></tr>{rows}</table>")
+
+
 def body(report: dict, folder: Path) -> str:
     """The report's content (no <html> wrapper): what a Flyte report tab shows."""
     imgs = "".join(f"<h3>{t}</h3><img alt='{n}' src='data:image/png;base64,"
@@ -158,7 +176,8 @@ def body(report: dict, folder: Path) -> str:
     return (f"<h1>posttrain evaluation</h1>{head}{_gates(report.get('gates'))}"
             f"<h2>Test scores (greedy; <code>:nothink</code> = thinking off)</h2>{_table(report['eval'])}"
             f"<h2>Sampled answers ({_sampling(report)}), pass@k</h2>{_passk_table(report.get('pass_at_k', {}))}"
-            f"<h2>Plots</h2>{imgs}<h2>Quantization (W4A8)</h2>{_quant_table(report.get('quantization', {}))}")
+            f"<h2>Plots</h2>{imgs}<h2>Quantization (W4A8)</h2>{_quant_table(report.get('quantization', {}))}"
+            f"{_lineage(report)}")
 
 
 def write(report: dict, folder: Path) -> Path:

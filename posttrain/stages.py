@@ -186,7 +186,7 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     key = cache_key(stage, cfg, code, inputs)
     target = Path(ctx.home) / "artifacts" / name / key[:16]
     tags = {"posttrain.stage": name, "posttrain.run_id": ctx.run_id, "git_sha": git_sha(),
-            "config_digest": cfg.digest(), "cache_key": key, **ctx.tags}
+            "config_digest": cfg.digest(), "code_digest": code, "cache_key": key, **ctx.tags}
     datasets = [(k, v.sha256, v.path) for k, v in inputs.items()]
     forced = name in ctx.force
     versions = _cached(store, name, key, target)

@@ -40,14 +40,20 @@ def client(home: str | Path) -> MlflowClient:
     return MlflowClient(tracking_uri=uri, registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or uri)
 
 
+# MLflow 3's UI opens an experiment without this tag in its GenAI view (an empty Traces page): these are training runs
+KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def experiment_id(c: MlflowClient, home: str | Path) -> str:
     exp = c.get_experiment_by_name(EXPERIMENT)
     if exp:
+        if not exp.tags.get("mlflow.experimentKind"):  # a store made before the tag was set
+            c.set_experiment_tag(exp.experiment_id, *next(iter(KIND.items())))
         return exp.experiment_id
     try:
         if server_uri():  # artifacts go to the server's artifact store
-            return c.create_experiment(EXPERIMENT)
-        return c.create_experiment(EXPERIMENT, artifact_location=(Path(home).resolve() / "mlruns").as_uri())
+            return c.create_experiment(EXPERIMENT, tags=KIND)
+        return c.create_experiment(EXPERIMENT, artifact_location=(Path(home).resolve() / "mlruns").as_uri(), tags=KIND)
     except Exception:  # created concurrently
         return c.get_experiment_by_name(EXPERIMENT).experiment_id
 

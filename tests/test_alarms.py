@@ -19,7 +19,7 @@ def _replay(hist: dict, a: AlarmConfig = AlarmConfig()) -> list[dict]:
     for step in range(1, n + 1):
         seen = {k: v[:step] for k, v in hist.items() if k != "val_score"}
         seen["val_score"] = [p for p in hist["val_score"] if p[0] <= step]
-        events += alarms.check(seen, a, active, step, "test")
+        events += alarms.check(seen, a, active, step, "test", events)
     return events
 
 
@@ -49,6 +49,20 @@ def test_reward_rising_while_validation_falls():
     events = _replay(h)
     assert [(e["kind"], e["step"]) for e in events] == [("reward_up_val_down", 10)]
     assert "0.400 -> 0.200" in events[0]["message"]
+
+
+def test_each_kind_is_printed_once_per_stage_and_summarized_with_its_count(tmp_path, capsys):
+    h = _healthy(20)
+    for i in (6, 10, 14, 18):  # four separate spikes: four events, one line while running, one in the summary
+        h["kl_ref"][i] = 0.5
+    events = _replay(h)
+    assert [e["step"] for e in events] == [7, 11, 15, 19]
+    live = capsys.readouterr().out
+    assert live.count("ALARM kl_spike") == 1 and "at step 7" in live
+    alarms.publish(events, tmp_path, "rl-test", h)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("[rl-test] ALARM kl_spike: fired 4 times (steps 7, 11, 15, 19); kl_ref")
+    assert "max 0.5" in line
 
 
 def test_disabled_alarms_stay_quiet():

@@ -22,6 +22,7 @@ import environments
 from posttrain import loadcheck
 from posttrain.chat import render_ids
 from posttrain.config import PipelineConfig, QuantizeConfig
+from posttrain.console import kv
 from posttrain.data import load_tasks
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import load_compressed
@@ -149,5 +150,5 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         "fresh_process_generated_tokens": fresh["generated_tokens"], "fresh_process_text": fresh["text"],
     }
     (out / "quantization.json").write_text(json.dumps(metrics, indent=1))  # report.json's "quantization"
-    print(f"[quantize] {json.dumps({k: v for k, v in metrics.items() if k != 'fresh_process_text'})}", flush=True)
+    print(f"[quantize] {kv({k: v for k, v in metrics.items() if k != 'fresh_process_text'})}", flush=True)
     return {"metrics": metrics}

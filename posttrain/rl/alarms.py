@@ -42,18 +42,39 @@ def conditions(hist: dict, a: AlarmConfig) -> dict[str, tuple[float, str]]:
     return out
 
 
-def check(hist: dict, a: AlarmConfig, active: set[str], step: int, label: str) -> list[dict]:
-    """New alarms after `step` (edge-triggered against `active`, which is updated), announced as they fire."""
+def check(hist: dict, a: AlarmConfig, active: set[str], step: int, label: str, earlier: list[dict] = ()) -> list[dict]:
+    """New alarms after `step` (edge-triggered against `active`, which is updated). The first of each kind in a
+    stage (`earlier`: the stage's alarms so far) is printed as it fires; the rest are tagged and counted, and
+    `publish` summarizes them once at the stage's end."""
     if not a.enabled:
         return []
     now = conditions(hist, a)
     events = [{"kind": k, "step": step, "value": v, "message": m} for k, (v, m) in now.items() if k not in active]
     active.clear()
     active.update(now)
+    shown = {e["kind"] for e in earlier}
     for e in events:
-        print(f"[{label}] ALARM {e['kind']} at step {step}: {e['message']}", flush=True)
+        if e["kind"] not in shown:
+            print(f"[{label}] ALARM {e['kind']} at step {step}: {e['message']} (more of this kind are summarized "
+                  f"at the stage's end)", flush=True)
         _tag_live(e)
     return events
+
+
+CURVE = {"kl_spike": "kl_ref", "entropy_collapse": "entropy", "reward_up_val_down": "val_score"}
+
+
+def summary(events: list[dict], hist: dict) -> list[str]:
+    """One line per alarm kind: how often it fired, at which steps, and where its curve went."""
+    lines = []
+    for kind in sorted({e["kind"] for e in events}):
+        steps = [e["step"] for e in events if e["kind"] == kind]
+        curve = [v[1] if isinstance(v, (list, tuple)) else v for v in hist.get(CURVE[kind], [])]
+        where = (f"; {CURVE[kind]} {curve[0]:.4g} at the start, {curve[-1]:.4g} at the end, min {min(curve):.4g}, "
+                 f"max {max(curve):.4g}") if curve else ""
+        lines.append(f"ALARM {kind}: fired {len(steps)} time{'s' * (len(steps) > 1)} (steps "
+                     f"{', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''}){where}")
+    return lines
 
 
 def tag_name(event: dict) -> str:
@@ -68,11 +89,14 @@ def tags(events: list[dict]) -> dict[str, str]:
     return out
 
 
-def publish(events: list[dict], out) -> dict:
-    """A stage's alarms: alarms.json in its artifact, and the result keys the stage runner logs (tags, count)."""
+def publish(events: list[dict], out, label: str = "", hist: dict | None = None) -> dict:
+    """A stage's alarms: alarms.json in its artifact, a summary line per kind on the console, and the result keys
+    the stage runner logs (tags, count)."""
     import json
     from pathlib import Path
     (Path(out) / "alarms.json").write_text(json.dumps(events, indent=1))
+    for line in summary(events, hist or {}):
+        print(f"[{label}] {line}", flush=True)
     return {"tags": tags(events), "metrics": {"alarms": len(events)}}
 
 

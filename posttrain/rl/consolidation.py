@@ -9,6 +9,7 @@ from pathlib import Path
 
 from posttrain.artifacts import read_manifest
 from posttrain.config import PipelineConfig
+from posttrain.console import kv
 from posttrain.data import load_tasks
 from posttrain.evaluate import evaluate_checkpoint
 from posttrain.rl.opd import tokens_to_reach
@@ -81,7 +82,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     scores["specialist"] = {d: specialists[d][d] for d in order}  # each on its own domain
     for name, stage in {**methods(order), **midway(order)}.items():
         scores[name] = test_scores(inputs[stage], tests, cfg)
-        print(f"[consolidation] {name}: {scores[name]}", flush=True)
+        print(f"[consolidation] {name}: {kv(scores[name])}", flush=True)
     sft, spec = scores["sft"], scores["specialist"]
     recovery = {name: {d: round((scores[name][d] - sft[d]) / (spec[d] - sft[d]), 3) if spec[d] != sft[d] else None
                        for d in order} for name in methods(order)}

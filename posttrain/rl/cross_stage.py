@@ -44,6 +44,6 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
                "teacher_tokens": hist["teacher_tokens"][-1], **{f"val_score_before_{d}": hist[f"val_score/{d}"][0][1]
                                                                 for d in seen},
                **{f"val_score_after_{d}": hist[f"val_score/{d}"][-1][1] for d in seen}}
-    found = alarms.publish(st.alarms, out)  # reward-hacking alarms, tagged on the MLflow run
+    found = alarms.publish(st.alarms, out, f"{chain}-{domain}", hist)  # reward-hacking alarms, tagged on the MLflow run
     return {"metrics": {**metrics, **found["metrics"]}, "tags": found["tags"], "history": hist,
             "params": {"domain": domain, "chain": chain, "start": earlier[-1]}}

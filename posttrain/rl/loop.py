@@ -337,7 +337,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             if r.val_every and done % r.val_every == 0 or done == r.steps or _passed(
                     hist["student_tokens"], r.val_every_tokens):
                 validate(done, time.perf_counter() - t0)
-            st.alarms += alarms.check(hist, r.alarms, active_alarms, done, label)
+            st.alarms += alarms.check(hist, r.alarms, active_alarms, done, label, st.alarms)
             bar.set_postfix(reward=f"{row['reward']:.3f}", val=f"{hist['val_score'][-1][1]:.3f}", refresh=False)
             if ckpt and r.checkpoint_every and done % r.checkpoint_every == 0 and done < r.steps:
                 st = feed.st = feed.snapshot(done, hist, st.attempts, time.perf_counter() - t0, drain=True,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import environments
 from posttrain.config import PipelineConfig
+from posttrain.console import kv
 from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
 from posttrain.judge import ModelJudge, measure
@@ -43,7 +44,7 @@ def checked_judge(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain
     judged = measure(ModelJudge(path, tuple(j.features), cfg.rl.rollout_engine),
                      env.judge_cases("test", j.labelled_per_class, cfg.world.seed))
     (out / "judge.json").write_text(json.dumps({"checkpoint": j.checkpoint, **judged}, indent=1))
-    print(f"[rl-{domain}] judge {j.checkpoint}: {judged}", flush=True)
+    print(f"[rl-{domain}] judge {j.checkpoint}: {kv(judged)}", flush=True)
     if judged["precision"] < j.min_precision or judged["recall"] < j.min_recall:
         raise RuntimeError(
             f"rl-{domain}: the guard's judge ({j.checkpoint}: {path}) blocks with precision {judged['precision']} "
@@ -83,6 +84,6 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     if r.context_budget:
         metrics["subtraces_per_episode"] = sum(hist["subtraces_per_episode"]) / len(hist["subtraces_per_episode"])
         metrics["truncated_share"] = sum(hist["truncated_share"]) / len(hist["truncated_share"])
-    found = alarms.publish(st.alarms, out)  # reward-hacking alarms, tagged on the MLflow run
+    found = alarms.publish(st.alarms, out, f"rl-{domain}", hist)  # reward-hacking alarms, tagged on the MLflow run
     return {"metrics": {**metrics, **found["metrics"]}, "tags": found["tags"], "history": hist,
             "params": {"domain": domain, "algorithm": r.algorithm, "max_staleness": r.max_staleness}}
