@@ -225,7 +225,9 @@ def cmd_ui(a: argparse.Namespace) -> int:
     args = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(home_dir()),
             "--registry-store-uri", tracking_uri(home_dir()), "--host", "127.0.0.1", "--port", str(a.port),
             "--workers", "1"]
-    print(f"MLflow UI on http://127.0.0.1:{a.port} (Ctrl-C to stop)")
+    from posttrain.tracking import ML_VIEW, client, experiment_id
+    exp = experiment_id(client(home_dir()), home_dir())  # tagged as a training experiment
+    print(f"MLflow UI: http://127.0.0.1:{a.port}/#/experiments/{exp}?{ML_VIEW} (the pipeline's runs; Ctrl-C to stop)")
     os.execve(sys.executable, args, env)
     return 0
 

@@ -40,8 +40,10 @@ def client(home: str | Path) -> MlflowClient:
     return MlflowClient(tracking_uri=uri, registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or uri)
 
 
-# MLflow 3's UI opens an experiment without this tag in its GenAI view (an empty Traces page): these are training runs
+# MLflow 3's UI opens in its GenAI view (an empty Traces page): these are training runs. The tag says so where the
+# UI reads it; the UI's GenAI / Model training switch reads the URL parameter (or the browser's last choice)
 KIND = {"mlflow.experimentKind": "custom_model_development"}
+ML_VIEW = "workflowType=machine_learning"
 
 
 def experiment_id(c: MlflowClient, home: str | Path) -> str:

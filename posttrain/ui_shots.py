@@ -45,7 +45,7 @@ def main() -> int:
     out = home / "ui"
     out.mkdir(exist_ok=True)
     c = tracking.client(home)
-    exp = c.get_experiment_by_name(tracking.EXPERIMENT).experiment_id
+    exp = tracking.experiment_id(c, home)  # tags an older store as a training experiment too
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking.tracking_uri(home),
                                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
@@ -59,11 +59,12 @@ def main() -> int:
                 break
             except OSError:
                 time.sleep(1)
-        pages = {"experiment": f"{base}/#/experiments/{exp}",
-                 "pipeline_run": f"{base}/#/experiments/{exp}/runs/{report['mlflow_run_id']}"}
+        ml = f"?{tracking.ML_VIEW}"
+        pages = {"experiment": f"{base}/#/experiments/{exp}{ml}",
+                 "pipeline_run": f"{base}/#/experiments/{exp}/runs/{report['mlflow_run_id']}{ml}"}
         if reg := report.get("registered_model"):
             name, version = reg.rsplit("@", 1)
-            pages["model_version"] = f"{base}/#/models/{name}/versions/{version}"
+            pages["model_version"] = f"{base}/#/models/{name}/versions/{version}{ml}"
         if report.get("report_html"):
             pages["report_html"] = Path(report["report_html"]).resolve().as_uri()
         for name, url in pages.items():
