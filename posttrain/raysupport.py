@@ -59,12 +59,10 @@ def route_worker_logs(path: Path) -> None:
                 log.write(f"{origin} {line}\n")
         if not keep:
             return
-        stream = sys.stderr if data.get("is_err") else sys.stdout
-        if stream.isatty():
-            ray_worker.print_to_stdstream({**data, "lines": keep}, ignore_prefix=False)
-        else:  # a file or a pipe: the lines as the stage printed them, without Ray's coloured `(_call pid=..)`
-            stream.write("".join(ANSI.sub("", line) + "\n" for line in keep))
-            stream.flush()
+        tty = (sys.stderr if data.get("is_err") else sys.stdout).isatty()
+        if not tty:  # a file or a pipe: the lines as the stage printed them, without Ray's coloured `(_call pid=..)`
+            keep = [ANSI.sub("", line) for line in keep]
+        ray_worker.print_to_stdstream({**data, "lines": keep}, ignore_prefix=not tty)
 
     dispatcher.remove_handler("ray_print_logs")
     dispatcher.add_handler("posttrain_print_logs", handle)
