@@ -20,7 +20,6 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 from posttrain.store import Store
 
@@ -106,10 +105,9 @@ class Lease:
             pass
 
 
-async def hold(store: Store | None, home: str, stage: str, key: str, run_id: str,
-               published: Callable[[], bool]) -> Lease | None:
-    """Wait until this run may compute `stage` at `key` and return its lease, or None as soon as
-    `published()` says another run's publication of it can be served instead."""
+async def hold(store: Store | None, home: str, stage: str, key: str, run_id: str) -> Lease:
+    """Wait until this run may compute `stage` at `key`: until no live run holds its lease, then take it. The
+    caller looks for a publication once it holds the lease (the run it waited for has usually just made one)."""
     files = _Files(store, home, f"artifacts/{stage}/.leases/{key[:16]}")
     record = {"run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
     said = False
@@ -126,5 +124,3 @@ async def hold(store: Store | None, home: str, stage: str, key: str, run_id: str
                   f"artifact instead of computing it twice", flush=True)
             said = True
         await asyncio.sleep(POLL_S)
-        if published():
-            return None

@@ -190,16 +190,11 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
     datasets = [(k, v.sha256, v.path) for k, v in inputs.items()]
     forced = name in ctx.force
     versions = _cached(store, name, key, target)
-
-    def published() -> bool:
-        nonlocal versions
-        versions = _cached(store, name, key, target)
-        return versions.valid is not None and not forced
-
     lease = None
     if versions.valid is None or forced:  # one run computes a node at a time; the others wait for its artifact
-        lease = await hold(store, ctx.home, name, key, ctx.run_id, published)
-        if lease is not None and published():  # published while this run took the lease
+        lease = await hold(store, ctx.home, name, key, ctx.run_id)
+        versions = _cached(store, name, key, target)
+        if versions.valid is not None and not forced:  # published by the run this one waited for
             lease.release()
             lease = None
     for problem in versions.corrupted:  # kept as evidence: a registered model's lineage may point at it
