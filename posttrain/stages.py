@@ -197,9 +197,6 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         if versions.valid is not None and not forced:  # published by the run this one waited for
             lease.release()
             lease = None
-    for problem in versions.corrupted:  # kept as evidence: a registered model's lineage may point at it
-        print(f"[{name}] a cached version failed verification and is kept as evidence; this run publishes a new "
-              f"version: {problem}", flush=True)
     if lease is None:
         uri, manifest = versions.valid
         run_id = tracking.start_run(ctx.home, name, {**tags, "posttrain.cache_hit": "true", "artifact_uri": uri,
@@ -210,6 +207,9 @@ async def execute(name: str, ctx: RunContext, inputs: dict[str, ArtifactRef]) ->
         tracking.end_run(ctx.home, run_id)
         return ArtifactRef(name, uri, manifest["sha256"], run_id, round(time.time() - t0, 2), True,
                            manifest.get("metrics", {}))
+    for problem in versions.corrupted:  # kept as evidence: a registered model's lineage may point at it
+        print(f"[{name}] a cached version failed verification and is kept as evidence; this run publishes a new "
+              f"version: {problem}", flush=True)
     try:
         return await _compute(name, ctx, stage, cfg, code, key, inputs, store, versions, tags, datasets, t0)
     finally:
