@@ -261,10 +261,17 @@ class AlarmConfig(_Strict):
     enabled: bool = True
     # monitor KL to a frozen reference (the sft checkpoint) even where rl.kl_coef is 0: one more forward pass
     reference_kl: bool = True
-    kl_rise: Positive = 4.0       # kl_ref above this many times its median over the previous `window` steps ...
-    kl_min: NonNegative = 0.02    # ... and above this value
-    entropy_floor: Share = 0.25   # entropy below this share of its mean over the first `window` steps
-    divergence: NonNegative = 0.05  # between validations: mean train reward up and validation down by this much
+    # kl_ref on each of the last `persist` steps above `kl_rise` times its median over the `window` steps before and
+    # above `kl_min` (one batch's KL is noisy: outliers of 5-20x for one or two steps are normal in healthy runs)
+    kl_rise: Positive = 4.0
+    kl_min: NonNegative = 0.02
+    persist: AtLeast1 = 3
+    # entropy below this share of its mean over the first `window` steps while validation gained < `divergence`
+    # (a policy sharpening as it learns is healthy: the tiny default's fall tenfold while validation rises)
+    entropy_floor: Share = 0.25
+    # between validations: mean train reward up and validation down by this much; 0.1 is about two standard
+    # errors of a 64-task validation score near 0.8, the noise of a healthy run's validation
+    divergence: NonNegative = 0.1
     window: AtLeast1 = 5
 
 

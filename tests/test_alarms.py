@@ -28,18 +28,31 @@ def test_a_healthy_run_raises_nothing():
 
 
 def test_kl_spike_fires_once_while_it_lasts_and_again_after_it_clears():
-    h = _healthy()
-    h["kl_ref"][6] = h["kl_ref"][7] = 0.3  # a sharp rise for two steps
-    h["kl_ref"][10] = 0.5
+    h = _healthy(20)
+    h["kl_ref"][6:9] = [0.3] * 3  # a sharp rise held for three steps
+    h["kl_ref"][11] = 0.5  # one noisy batch: no alarm (the healthy default has 5-20x outliers for a step or two)
+    h["kl_ref"][14:17] = [0.4] * 3
     events = _replay(h)
-    assert [(e["kind"], e["step"]) for e in events] == [("kl_spike", 7), ("kl_spike", 11)]
+    assert [(e["kind"], e["step"]) for e in events] == [("kl_spike", 9), ("kl_spike", 17)]
     assert "median" in events[0]["message"]
 
 
-def test_entropy_collapse():
-    h = _healthy()
+def _flat_validation(h: dict) -> dict:
+    h["val_score"] = [(0, 0.3), (5, 0.31), (10, 0.3)]
+    return h
+
+
+def test_entropy_collapse_without_learning():
+    h = _flat_validation(_healthy())
     h["entropy"][9:] = [0.3] * 3
     assert [(e["kind"], e["step"]) for e in _replay(h)] == [("entropy_collapse", 10)]
+
+
+def test_entropy_falling_while_validation_rises_is_a_policy_learning():
+    h = _healthy()
+    h["val_score"] = [(0, 0.3), (5, 0.5), (10, 0.6)]
+    h["entropy"][6:] = [0.05] * 6  # a tenfold fall once validation rose, as the tiny default's specialists show
+    assert _replay(h) == []
 
 
 def test_reward_rising_while_validation_falls():
@@ -53,15 +66,15 @@ def test_reward_rising_while_validation_falls():
 
 def test_each_kind_is_printed_once_per_stage_and_summarized_with_its_count(tmp_path, capsys):
     h = _healthy(20)
-    for i in (6, 10, 14, 18):  # four separate spikes: four events, one line while running, one in the summary
-        h["kl_ref"][i] = 0.5
+    h["kl_ref"][6:9] = [0.3] * 3  # two separate held rises: two events, one line while running, one in the summary
+    h["kl_ref"][14:17] = [0.5] * 3
     events = _replay(h)
-    assert [e["step"] for e in events] == [7, 11, 15, 19]
+    assert [e["step"] for e in events] == [9, 17]
     live = capsys.readouterr().out
-    assert live.count("ALARM kl_spike") == 1 and "at step 7" in live
+    assert live.count("ALARM kl_spike") == 1 and "at step 9" in live
     alarms.publish(events, tmp_path, "rl-test", h)
     (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith("[rl-test] ALARM kl_spike: fired 4 times (steps 7, 11, 15, 19); kl_ref")
+    assert line.startswith("[rl-test] ALARM kl_spike: fired 2 times (steps 9, 17); kl_ref")
     assert "max 0.5" in line
 
 
@@ -77,7 +90,7 @@ def test_an_alarm_is_tagged_on_the_stage_run_as_it_fires(tmp_path, monkeypatch):
     run_id = tracking.start_run(home, "rl-agentic", {})
     monkeypatch.setenv(alarms.RUN_VAR, run_id)
     monkeypatch.setenv(alarms.HOME_VAR, home)
-    h = _healthy()
+    h = _flat_validation(_healthy())
     h["entropy"][9:] = [0.3] * 3
     events = _replay(h)
     tags = tracking.client(home).get_run(run_id).data.tags

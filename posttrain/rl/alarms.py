@@ -17,21 +17,24 @@ RUN_VAR, HOME_VAR = "POSTTRAIN_MLFLOW_RUN", "POSTTRAIN_MLFLOW_HOME"  # set by th
 
 
 def conditions(hist: dict, a: AlarmConfig) -> dict[str, tuple[float, str]]:
-    """The alarms whose condition holds after the last step: kind -> (value, what it means)."""
+    """The alarms whose condition holds after the last step: kind -> (value, what it means). Calibrated on the tiny
+    default's healthy specialists, where single-step KL outliers (one batch of rollouts) and entropy falling tenfold
+    while validation rises are normal: a spike must hold on each of `persist` steps, and a collapse counts only where
+    validation has not improved."""
     out = {}
-    kl = hist.get("kl_ref", [])
-    if len(kl) > 2:
-        base = median(kl[-1 - a.window:-1])
-        if kl[-1] > a.kl_min and kl[-1] > a.kl_rise * base:
-            out["kl_spike"] = (kl[-1], f"KL to the reference {kl[-1]:.4g} > {a.kl_rise:g}x its median {base:.4g} "
-                                       f"over the previous steps (and > {a.kl_min:g})")
-    ent = hist.get("entropy", [])
-    if len(ent) > a.window:
-        first = mean(ent[:a.window])
-        if ent[-1] < a.entropy_floor * first:
-            out["entropy_collapse"] = (ent[-1], f"entropy {ent[-1]:.4g} < {a.entropy_floor:g} x its mean "
-                                                f"{first:.4g} over the first {a.window} steps")
-    val, reward = hist.get("val_score", []), hist.get("reward", [])
+    kl, p, w = hist.get("kl_ref", []), a.persist, a.window
+    if len(kl) >= p + w:
+        now, base = min(kl[-p:]), median(kl[-p - w:-p])
+        if now > a.kl_min and now > a.kl_rise * base:
+            out["kl_spike"] = (now, f"KL to the reference {now:.4g} (the least of the last {p} steps) > {a.kl_rise:g}x "
+                                    f"its median {base:.4g} over the {w} steps before (and > {a.kl_min:g})")
+    ent, val = hist.get("entropy", []), hist.get("val_score", [])
+    if len(ent) > w and val:
+        first, gain = mean(ent[:w]), val[-1][1] - val[0][1]
+        if ent[-1] < a.entropy_floor * first and gain < a.divergence:
+            out["entropy_collapse"] = (ent[-1], f"entropy {ent[-1]:.4g} < {a.entropy_floor:g} x its mean {first:.4g} "
+                                                f"over the first {w} steps, while validation gained only {gain:+.3f}")
+    reward = hist.get("reward", [])
     if len(val) > 2:
         (s0, _), (s1, v1), (s2, v2) = val[-3:]
         if s2 == len(reward):  # a validation just ran: compare its interval with the one before
