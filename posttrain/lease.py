@@ -36,11 +36,7 @@ class _Files:
 
     def create(self, name: str, text: str) -> bool:
         if self.store:
-            try:
-                self.store.fs.pipe_file(self.store._path(f"{self.rel}/{name}"), text.encode(), mode="create")
-                return True
-            except FileExistsError:
-                return False
+            return self.store.create_text(f"{self.rel}/{name}", text)
         self.local.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(self.local / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

@@ -87,6 +87,21 @@ class Store:
         with self.fs.open(self._path(rel), "w") as f:
             f.write(text)
 
+    def create_text(self, rel: str, text: str) -> bool:
+        """Write `rel` only if it does not exist (a conditional PUT, If-None-Match: *); False if it did. A filesystem
+        whose fsspec implementation has no exclusive create falls back to look-then-write, which two writers in the
+        same second can both pass (publication then still converges: each reader serves one committed version)."""
+        try:
+            self.fs.pipe_file(self._path(rel), text.encode(), mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except (TypeError, NotImplementedError):
+            if self.fs.exists(self._path(rel)):
+                return False
+            self.put_text(rel, text)
+            return True
+
     def get_text(self, rel: str) -> str | None:
         try:
             with self.fs.open(self._path(rel), "r") as f:
@@ -114,20 +129,17 @@ class Store:
         try:
             self.put_dir(folder, f"{rel}/{version}", last=MANIFEST)
             for name in self._commits(stage, key):
-                try:
-                    self.fs.pipe_file(self._path(name), json.dumps({"version": version, "sha256": sha256}).encode(),
-                                      mode="create")
+                if self.create_text(name, json.dumps({"version": version, "sha256": sha256})):
                     return self.url(f"{rel}/{version}"), sha256
-                except FileExistsError:
-                    if name in skip:
-                        continue
-                    try:  # another run committed this key first: its artifact is the one
-                        uri, sha = self._commit(name)
-                        self.manifest(uri, sha)
-                    except DigestMismatch:
-                        continue
-                    self.fs.rm(self._path(f"{rel}/{version}"), recursive=True)
-                    return uri, sha
+                if name in skip:
+                    continue
+                try:  # another run committed this key first: its artifact is the one
+                    uri, sha = self._commit(name)
+                    self.manifest(uri, sha)
+                except DigestMismatch:
+                    continue
+                self.fs.rm(self._path(f"{rel}/{version}"), recursive=True)
+                return uri, sha
         except Exception as e:  # the store went away mid-upload (s3fs and botocore raise many kinds)
             raise OSError(f"publishing {stage} to {self.url(rel)} failed ({type(e).__name__}: {e}); nothing was "
                           f"committed, so no consumer sees a partial upload. The finished artifact stays in "
