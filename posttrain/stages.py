@@ -15,8 +15,8 @@ from pathlib import Path
 
 from environments import ENV_VAR
 from posttrain import tracking
-from posttrain.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sha, read_manifest, replace_dir, sha256_file, sha256_json,
-                                 staging_dir, verify, verify_ref, write_manifest)
+from posttrain.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sha, read_manifest, replace_dir,
+                                 sha256_file, sha256_json, staging_dir, verify, verify_ref, write_manifest)
 from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
 from posttrain.device import ENV as DEVICE_VAR
