@@ -29,9 +29,9 @@ def test_a_healthy_run_raises_nothing():
 
 def test_kl_spike_fires_once_while_it_lasts_and_again_after_it_clears():
     h = _healthy(20)
-    h["kl_ref"][6:9] = [0.3] * 3  # a sharp rise held for three steps
-    h["kl_ref"][11] = 0.5  # one noisy batch: no alarm (the healthy default has 5-20x outliers for a step or two)
-    h["kl_ref"][14:17] = [0.4] * 3
+    h["kl_ref"][6:9] = [0.8] * 3  # a sharp rise held for three steps
+    h["kl_ref"][11] = 1.2  # one noisy batch: no alarm (the healthy default has such outliers for a step or two)
+    h["kl_ref"][14:17] = [0.9] * 3
     events = _replay(h)
     assert [(e["kind"], e["step"]) for e in events] == [("kl_spike", 9), ("kl_spike", 17)]
     assert "median" in events[0]["message"]
@@ -66,8 +66,8 @@ def test_reward_rising_while_validation_falls():
 
 def test_each_kind_is_printed_once_per_stage_and_summarized_with_its_count(tmp_path, capsys):
     h = _healthy(20)
-    h["kl_ref"][6:9] = [0.3] * 3  # two separate held rises: two events, one line while running, one in the summary
-    h["kl_ref"][14:17] = [0.5] * 3
+    h["kl_ref"][6:9] = [0.8] * 3  # two separate held rises: two events, one line while running, one in the summary
+    h["kl_ref"][14:17] = [1.5] * 3
     events = _replay(h)
     assert [e["step"] for e in events] == [9, 17]
     live = capsys.readouterr().out
@@ -75,7 +75,7 @@ def test_each_kind_is_printed_once_per_stage_and_summarized_with_its_count(tmp_p
     alarms.publish(events, tmp_path, "rl-test", h)
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith("[rl-test] ALARM kl_spike: fired 2 times (steps 9, 17); kl_ref")
-    assert "max 0.5" in line
+    assert "max 1.5" in line
 
 
 def test_disabled_alarms_stay_quiet():
