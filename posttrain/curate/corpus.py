@@ -7,6 +7,7 @@ contamination. The labels ride along in `meta` for measuring curation; curation 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import random
 from pathlib import Path
@@ -119,6 +120,10 @@ def generate_raw(folder: Path, n_docs: int, seed: int, world, docs_per_file: int
     folder.mkdir(parents=True, exist_ok=True)
     n_files = max(2, -(-len(docs) // docs_per_file))
     for i in range(n_files):
-        with gzip.open(folder / f"corpus-{i:05d}.jsonl.gz", "wt", compresslevel=3) as f:
+        # mtime 0: gzip's header would otherwise hold the write time, and the same corpus would get a new digest in
+        # every run (every node downstream of raw then computed again instead of shared)
+        with open(folder / f"corpus-{i:05d}.jsonl.gz", "wb") as raw, \
+                gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=3, mtime=0) as gz, \
+                io.TextIOWrapper(gz, encoding="utf-8") as f:
             f.writelines(json.dumps(d) + "\n" for d in docs[i::n_files])
     return {"docs": len(docs), "files": n_files, **planted}
