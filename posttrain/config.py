@@ -4,8 +4,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from pathlib import Path
+import types
 import typing
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -29,8 +30,7 @@ class _Strict(BaseModel):
         """pydantic takes `true` for 1: a number field given a boolean is a mistake, not a count."""
         if isinstance(v, bool):
             ann = cls.model_fields[info.field_name].annotation
-            kinds = set(typing.get_args(ann)) if typing.get_origin(ann) in (typing.Union, getattr(
-                __import__("types"), "UnionType", None)) else {ann}
+            kinds = set(typing.get_args(ann)) if typing.get_origin(ann) in (typing.Union, types.UnionType) else {ann}
             if bool not in kinds and kinds & {int, float}:
                 raise ValueError(f"must be a number (got {v!r})")
         return v
