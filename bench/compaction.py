@@ -15,6 +15,9 @@ Writes .posttrain/bench/compaction.json (same keys as report.json's `compaction`
 summary request on a share of the variant's tasks (world.agentic_summary_share); compaction only (truncation is
 the same either way); `compaction_policy.json`, with `notes_exact`: the share of the policy's notes that are the
 rule-based note word for word.
+
+BENCH_SMALL=1 (bench/__init__.py): the smoke profile with the variant, from the smoke run's curated data and ramped
+model; sft 4 steps, PPO 2 steps, seed 0, a budget of 96 tokens, 8 new tokens a turn.
 """
 from __future__ import annotations
 
@@ -26,8 +29,12 @@ import time
 from pathlib import Path
 from statistics import mean, stdev
 
-OUT = Path(".posttrain/bench")
+from bench import mark, out_dir, size, small, smoke_stages
+
+OUT = out_dir()
 WORK = OUT / "compaction-work"
+SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
+PROFILE = size("tiny", "smoke")
 # four files of one number each; a lazy teacher on a fifth of the demonstrations: RL's headroom
 VARIANT = ["world.agentic_files=4", "world.agentic_numbers=1",
            "sft.shortcut_share={reasoning: 0.4, agentic: 0.2, general: 0.6}"]
@@ -38,7 +45,7 @@ SUMMARY: list[str] = []  # world settings of the summary mode (set by main)
 
 def _cfg(extra: list[str]):
     from posttrain.config import load_config
-    return load_config("tiny", [*VARIANT, *SUMMARY, *extra])
+    return load_config(PROFILE, [*VARIANT, *SUMMARY, *extra])
 
 
 def variant_data() -> Path:
@@ -67,7 +74,7 @@ def sft_model(cur: Path, steps: int) -> Path:
         out.mkdir(parents=True)
         cfg = _cfg([f"sft.steps={steps}"])
         ensure_ray(cfg.runtime)
-        ramped = Path(".posttrain/bench/dsa-work/ramp-0-dense")
+        ramped = Path(smoke_stages()["ramp"]) if small() else Path(".posttrain/bench/dsa-work/ramp-0-dense")
         if not (ramped / "model.safetensors").exists():
             raise SystemExit(f"{ramped} is missing: run `python -m bench.dsa evidence --seeds 0` first (its dense ramp)")
         res = sft.run(cfg, {"ramp": str(ramped.resolve()), "curate": str(cur.resolve())}, out,
@@ -104,12 +111,12 @@ def test_scores(model, tok, tasks, r) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.compaction", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=40, help="PPO steps per run")
-    ap.add_argument("--sft-steps", type=int, default=1200)
-    ap.add_argument("--budget", type=int, default=120, help="rl.context_budget (tokens)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=size([0, 1, 2], [0]))
+    ap.add_argument("--steps", type=int, default=size(40, 2), help="PPO steps per run")
+    ap.add_argument("--sft-steps", type=int, default=size(1200, 4))
+    ap.add_argument("--budget", type=int, default=size(120, 96), help="rl.context_budget (tokens)")
     ap.add_argument("--summary", choices=["rules", "policy"], default="rules", help="rl.compaction_summary")
-    ap.add_argument("--max-new-tokens", type=int, default=32,
+    ap.add_argument("--max-new-tokens", type=int, default=size(32, 8),
                     help="rl.max_new_tokens: a turn's budget, the policy's notes included (notes on 3 files: ~35)")
     args = ap.parse_args(argv if argv is not None else [])  # `python -m bench` calls main() bare
     global WORK, SUMMARY
@@ -176,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     name = "compaction_policy" if policy else "compaction"
     _plot(runs, args.seeds, OUT / f"{name}.png")
     OUT.mkdir(parents=True, exist_ok=True)
+    fig = mark(fig)
     (OUT / f"{name}.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
 

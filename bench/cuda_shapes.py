@@ -14,6 +14,10 @@
 Needs a CUDA device (a 0.5B model on 2 CPU cores would take hours): elsewhere it says so and measures nothing.
 Writes `.posttrain/bench/cuda_shapes.json`. The tiny model and its tokenizer (for the pad id) are the base
 checkpoint of `.posttrain/latest/report.json` (`BENCH_CUDA_RUN` names another run's report).
+
+BENCH_SMALL=1 (bench/__init__.py): 6 steps (the last 4 timed) of 4 conversations of up to 256 tokens (the tiny
+model: 8 of up to 64), 8 prompts of 16 new tokens, one timed repeat; the tiny model and tokenizer are the smoke
+run's base checkpoint. Without CUDA it says so and returns, in small mode too.
 """
 from __future__ import annotations
 
@@ -26,8 +30,13 @@ from pathlib import Path
 
 import torch
 
-OUT = Path(".posttrain/bench")
-STEPS, WARM = 30, 5
+from bench import mark, out_dir, size, small, smoke_stages
+
+OUT = out_dir()
+STEPS, WARM = size(30, 6), size(5, 2)
+REPS = size(3, 1)
+SMOKE_RUN = torch.cuda.is_available()  # small mode on a GPU starts from the smoke run (bench/__init__.py)
+PROMPTS, NEW_TOKENS = size(32, 8), size(64, 16)
 
 
 def qwen05(seed: int = 0):
@@ -39,6 +48,8 @@ def qwen05(seed: int = 0):
 
 
 def _base() -> str:
+    if small():
+        return smoke_stages()["base"]
     report = Path(os.environ.get("BENCH_CUDA_RUN", ".posttrain/latest/report.json"))
     if not report.exists():
         sys.exit(f"bench/cuda_shapes needs the tiny base checkpoint: {report} does not exist; run `make run` first")
@@ -104,14 +115,14 @@ def rl(make, tok, dev: torch.device) -> tuple[dict, list]:
     out: dict = {}
     vocab = make().config.vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(32)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in range(PROMPTS)]
     engine = TorchRolloutEngine(make().to(dev), tok)
-    gens, s = _timed(lambda: engine.generate(prompts, max_new_tokens=64, temperature=1.0, stop_ids=set(),
+    gens, s = _timed(lambda: engine.generate(prompts, max_new_tokens=NEW_TOKENS, temperature=1.0, stop_ids=set(),
                                              generator=torch.Generator().manual_seed(0)), dev)
     n = sum(len(g.ids) for g in gens)
     out["rollout"] = {"rows": len(prompts), "tokens": n, "seconds": s, "tokens_per_s": n / s}
     teacher = TorchRolloutEngine(make(1).to(dev), tok)  # another model scores the student's own samples
-    items = [(p, g.ids, [1] * len(g.ids)) for p, g in zip(prompts[:16], gens)]
+    items = [(p, g.ids, [1] * len(g.ids)) for p, g in zip(prompts[:PROMPTS // 2], gens)]
     scores = {}
     for mode in ("sampled", "full"):
         scores[mode], out[f"teacher_{mode}_s"] = _timed(lambda: teacher.score(items, mode=mode, temperature=1.0), dev)
@@ -127,7 +138,7 @@ def rl(make, tok, dev: torch.device) -> tuple[dict, list]:
         diff = logp - b["old_logprobs"]
         out["step0_mean_abs_logp_diff"] = ((diff.abs() * b["mask"]).sum() / b["mask"].sum()).item()
         out["step0_ratio_mean"] = ((diff.exp() * b["mask"]).sum() / b["mask"].sum()).item()
-    r = RLConfig(group_size=4, prompts_per_step=8, steps=1, val_every=0, stop_check=False, temperature=1.0)
+    r = RLConfig(group_size=4, prompts_per_step=PROMPTS // 4, steps=1, val_every=0, stop_check=False, temperature=1.0)
     before = [p.detach().clone() for p in list(model.parameters())[:3]]
 
     def grpo() -> dict:
@@ -167,7 +178,7 @@ def padded_policy(make, tok, dev: torch.device, samples: list) -> dict:
     from posttrain.device import CUDNN_SDPA
     from posttrain.engines.torch_train import TorchTrainEngine, policy_logits
     from posttrain.rl.step import train_step
-    r = RLConfig(group_size=4, prompts_per_step=8, steps=1, val_every=0, stop_check=False, temperature=1.0)
+    r = RLConfig(group_size=4, prompts_per_step=PROMPTS // 4, steps=1, val_every=0, stop_check=False, temperature=1.0)
     pad = tok.pad_token_id or 0
     out = {"capability": list(torch.cuda.get_device_capability(dev)) if dev.type == "cuda" else None}
     before = os.environ.pop(CUDNN_SDPA, None)
@@ -190,7 +201,7 @@ def padded_policy(make, tok, dev: torch.device, samples: list) -> dict:
     return out
 
 
-def _timed(fn, dev: torch.device, reps: int = 3):
+def _timed(fn, dev: torch.device, reps: int = REPS):
     fn()  # warm-up: a GPU's first calls load kernels
     _sync(dev)
     t = time.perf_counter()
@@ -214,10 +225,11 @@ def run(dev: torch.device, make=qwen05) -> dict:
     base = _base()
     _, tok = load_checkpoint(base)
     fig = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "sft_qwen05_shape": sft(make, 16, 64, 1024, dev),
-           "sft_tiny": sft(lambda: load_checkpoint(base)[0], 32, 16, 256, dev)}
+           "sft_qwen05_shape": sft(make, size(16, 4), 64, size(1024, 256), dev),
+           "sft_tiny": sft(lambda: load_checkpoint(base)[0], size(32, 8), 16, size(256, 64), dev)}
     figures, samples = rl(make, tok, dev)
     fig |= {**figures, "padded_policy": padded_policy(make, tok, dev, samples)}
+    fig = mark(fig)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "cuda_shapes.json").write_text(json.dumps(fig, indent=1))
     return fig

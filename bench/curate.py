@@ -10,6 +10,9 @@ document has a planted twin that survives. Precision counts drops among document
 speaks to duplication; the planted junk kinds (symbol noise, "buy X now" spam, cookie banners, quoted
 test items) are templated and near duplicates of one another by design, and our quality rules drop
 them before dedup.
+
+BENCH_SMALL=1 (bench/__init__.py): 2,000 documents, the "10x" corpus 1x and not run again (its figures are the 1x
+run's: the same code on the same size); datatrove's side only where it is installed.
 """
 from __future__ import annotations
 
@@ -22,8 +25,11 @@ import threading
 import time
 from pathlib import Path
 
-DOCS = int(os.environ.get("BENCH_CURATE_DOCS", 200_000))
-OUT = Path(".posttrain/bench")
+from bench import mark, out_dir, peer, size
+
+DOCS = int(os.environ.get("BENCH_CURATE_DOCS", size(200_000, 2_000)))
+SCALE = size(10, 1)  # the larger corpus: this many corpora side by side (the `10x` figures)
+OUT = out_dir()
 DATA = OUT / f"curate-data-{DOCS}"
 # the bench world: operands large enough for 200k distinct worked examples
 OVERRIDES = [f"curate.raw_docs={DOCS}", "world.max_operand=999", "world.n_ops=3"]
@@ -170,7 +176,7 @@ def _score(meta: dict[str, dict], dropped: set[str]) -> tuple[float, float]:
 def main() -> None:
     import pyarrow.parquet as pq
     one = _corpus("1x", range(1))
-    ten = _corpus("10x", range(10))
+    ten = _corpus("10x", range(SCALE)) if SCALE > 1 else one
     meta = _planted(one)
     print(f"corpus: {len(meta)} docs; running ours (1x) ...", flush=True)
     ours = _measure("_ours", str(one), str(DATA / "out-ours"))
@@ -179,31 +185,40 @@ def main() -> None:
     dropped_ours = near | {r["id"] for r in q if r["reason"] == "exact_dup"}
     contaminated = {i for i, m in meta.items() if m["planted"] == "contamination"}
     removed_contaminated = {r["id"] for r in q if r["reason"] == "contamination"} & contaminated
-    print("running datatrove (1x) ...", flush=True)
-    dt = _measure("_datatrove", str(one), str(DATA / "out-datatrove"))
-    dropped_dt = set()
-    for f in (DATA / "out-datatrove" / "removed").glob("*.jsonl*"):
-        with (gzip.open(f, "rt") if f.name.endswith(".gz") else open(f)) as fh:
-            dropped_dt |= {json.loads(line)["id"] for line in fh}
-    print("running ours (10x) ...", flush=True)
-    ours10 = _measure("_ours", str(ten), str(DATA / "out-ours-10x"))
+    dt, dropped_dt = None, set()
+    if peer("datatrove", "curate"):
+        print("running datatrove (1x) ...", flush=True)
+        dt = _measure("_datatrove", str(one), str(DATA / "out-datatrove"))
+        for f in (DATA / "out-datatrove" / "removed").glob("*.jsonl*"):
+            with (gzip.open(f, "rt") if f.name.endswith(".gz") else open(f)) as fh:
+                dropped_dt |= {json.loads(line)["id"] for line in fh}
+    if SCALE > 1:
+        print(f"running ours ({SCALE}x) ...", flush=True)
+        ours10 = _measure("_ours", str(ten), str(DATA / "out-ours-10x"))
+    else:
+        ours10 = ours
     recall, _ = _score(meta, dropped_ours)
     _, precision = _score(meta, near)
-    recall_dt, precision_dt = _score(meta, dropped_dt)
+    recall_dt, precision_dt = _score(meta, dropped_dt) if dt else (None, None)
     docs = len(meta)
+
+    def r(x, n):
+        return None if x is None else round(x, n)
     fig = {
-        "docs": docs, "docs_per_s": round(docs / ours["seconds"], 1), "docs_per_s_datatrove": round(docs / dt["seconds"], 1),
-        "throughput_ratio_vs_datatrove": round(dt["seconds"] / ours["seconds"], 3),
+        "docs": docs, "docs_per_s": round(docs / ours["seconds"], 1),
+        "docs_per_s_datatrove": r(docs / dt["seconds"], 1) if dt else None,
+        "throughput_ratio_vs_datatrove": r(dt["seconds"] / ours["seconds"], 3) if dt else None,
         "near_dup_recall": round(recall, 4), "near_dup_precision": round(precision, 4),
-        "near_dup_recall_datatrove": round(recall_dt, 4), "near_dup_precision_datatrove": round(precision_dt, 4),
+        "near_dup_recall_datatrove": r(recall_dt, 4), "near_dup_precision_datatrove": r(precision_dt, 4),
         "contaminated_planted": len(contaminated), "contaminated_removed": len(removed_contaminated),
         "peak_rss_mb_1x": ours["peak_rss_mb"], "peak_rss_mb_10x": ours10["peak_rss_mb"],
         "peak_rss_ratio_10x_vs_1x": round(ours10["peak_rss_mb"] / ours["peak_rss_mb"], 3),
-        "peak_rss_mb_datatrove": dt["peak_rss_mb"], "docs_10x": ours10["rows_in"],
+        "peak_rss_mb_datatrove": dt["peak_rss_mb"] if dt else None, "docs_10x": ours10["rows_in"],
         "docs_per_s_10x": round(ours10["rows_in"] / ours10["seconds"], 1),
-        "seconds": round(ours["seconds"], 1), "seconds_datatrove": round(dt["seconds"], 1),
+        "seconds": round(ours["seconds"], 1), "seconds_datatrove": r(dt["seconds"], 1) if dt else None,
         "near_dup_dropped": len(near), "dropped_datatrove": len(dropped_dt),
     }
+    fig = mark({**fig, "scale": SCALE})
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "curate.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))

@@ -11,6 +11,11 @@ stages before the adoption are shared (the DSA ramps resume from its scratch che
 only where DSA is on.
 
     python -m bench.dsa [attention|evidence] [--seeds 0 1]     (make bench B=dsa: both)
+
+BENCH_SMALL=1 (bench/__init__.py): `attention` at 256 and 512 tokens with top_k 64, one timed repeat, each point in
+this process; `evidence` on the smoke profile (ramp stages of 96 and 128 tokens; DSA's top_k 100, adopted at 128,
+after 4 indexer warm-up steps) from the smoke run's curated data and base model, seed 0; `attention_gpu` (CUDA
+only) at 4k and 8k tokens.
 """
 from __future__ import annotations
 
@@ -23,15 +28,20 @@ import time
 from pathlib import Path
 from statistics import mean, stdev
 
-OUT = Path(".posttrain/bench")
+from bench import children_in_process, mark, out_dir, size, small, smoke_stages, threads
+
+OUT = out_dir()
 WORK = OUT / "dsa-work"
-SEQ_LENS = [1024, 2048, 4096, 8192, 16384]
-SHAPE = dict(heads=8, kv_heads=2, head_dim=64, indexer_heads=4, top_k=512)
-TOP_K = 256  # tiny: a quarter of the top length, 1024
-VARIANTS = {"dense": [], "dsa": ["ramp.attention=dsa", f"ramp.dsa.top_k={TOP_K}"],
-            "dsa_indexshare": ["ramp.attention=dsa", f"ramp.dsa.top_k={TOP_K}", "ramp.dsa.index_share=4",
+SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
+PROFILE = size("tiny", "smoke")
+SEQ_LENS = size([1024, 2048, 4096, 8192, 16384], [256, 512])
+SHAPE = dict(heads=8, kv_heads=2, head_dim=64, indexer_heads=4, top_k=size(512, 64))
+TOP_K = size(256, 100)  # tiny: a quarter of the top length, 1024; smoke: between its two stages (96, 128)
+_DSA = ["ramp.attention=dsa", f"ramp.dsa.top_k={TOP_K}", *size([], ["ramp.dsa.warmup_steps=4"])]
+VARIANTS = {"dense": [], "dsa": _DSA,
+            "dsa_indexshare": [*_DSA, "ramp.dsa.index_share=4",
                                "ramp.dsa.own_indexer=[0]"]}
-REPEATS = 3
+REPEATS = size(3, 1)
 
 
 def _one(kind: str, seq_len: int) -> dict:
@@ -39,7 +49,7 @@ def _one(kind: str, seq_len: int) -> dict:
 
     from kernels.dsa import indexer_topk, sparse_attention
     from posttrain.memory import peak_memory
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads(2))
     g = torch.Generator().manual_seed(0)
     s = SHAPE
     q = torch.randn(1, s["heads"], seq_len, s["head_dim"], generator=g)
@@ -64,15 +74,19 @@ def _one(kind: str, seq_len: int) -> dict:
 
 
 def attention() -> dict:
-    fig: dict = {"seq_lens": SEQ_LENS, **SHAPE, "device": "cpu (2 cores)", "repeats": REPEATS}
+    fig: dict = {"seq_lens": SEQ_LENS, **SHAPE, "device": f"cpu ({threads(2)} threads)", "repeats": REPEATS}
     for kind in ("dense", "dsa"):
         for key in ("seconds", "indexer_seconds", "peak_rss_mb"):
             fig[f"{kind}_{key}"] = []
         for L in SEQ_LENS:
-            p = subprocess.run([sys.executable, "-m", "bench.dsa", "_one", kind, str(L)], capture_output=True, text=True)
-            if p.returncode:
-                raise RuntimeError(f"bench.dsa {kind} {L} failed:\n{p.stderr[-3000:]}")
-            res = json.loads(p.stdout.strip().splitlines()[-1])
+            if children_in_process():
+                res = _one(kind, L)
+            else:
+                p = subprocess.run([sys.executable, "-m", "bench.dsa", "_one", kind, str(L)], capture_output=True,
+                                   text=True)
+                if p.returncode:
+                    raise RuntimeError(f"bench.dsa {kind} {L} failed:\n{p.stderr[-3000:]}")
+                res = json.loads(p.stdout.strip().splitlines()[-1])
             print(f"seq_len {L:6d} {kind:6s} {res}", flush=True)
             for key, val in res.items():
                 fig[f"{kind}_{key}"].append(val)
@@ -82,7 +96,7 @@ def attention() -> dict:
     return fig
 
 
-GPU_SEQ_LENS = [4096, 8192, 16384, 32768, 65536, 131072]
+GPU_SEQ_LENS = size([4096, 8192, 16384, 32768, 65536, 131072], [4096, 8192])
 # GLM-5's top 2048 keys; 32 query heads over 4 key heads of 128, bf16
 GPU_SHAPE = dict(heads=32, kv_heads=4, head_dim=128, indexer_heads=4, top_k=2048)
 GPU_BUDGET_S = 8.0  # a kind whose next length would take longer is skipped there (recorded as null)
@@ -260,11 +274,22 @@ def _plot(fig: dict, path: Path) -> None:
 
 
 def tiny_inputs(seed: int) -> tuple[Path, Path]:
-    """The tiny profile's curated data and its base model for `seed`, made once under WORK (bench/mtp too)."""
+    """The tiny profile's curated data and its base model for `seed`, made once under WORK (bench/mtp too). Small
+    mode: the smoke run's (bench/__init__.py), its base model trained again for another seed."""
     from posttrain import base
     from posttrain.config import load_config
     from posttrain.curate.stage import make_raw
     from posttrain.curate.stage import run as curate
+    if small():
+        art = smoke_stages()
+        cur = Path(art["curate"])
+        if seed == load_config(PROFILE).seed:
+            return cur, Path(art["base"])
+        b = WORK / f"base-{seed}"
+        if not (b / "done").exists():
+            base.run(load_config(PROFILE, [f"seed={seed}"]), {"curate": str(cur)}, b)
+            (b / "done").touch()
+        return cur, b
     cfg = load_config("tiny")
     raw, cur = WORK / "raw", WORK / "curate"
     if not (cur / "done").exists():
@@ -282,12 +307,12 @@ def tiny_inputs(seed: int) -> tuple[Path, Path]:
 def evidence(seeds: list[int]) -> dict:
     from posttrain import ramp
     from posttrain.config import load_config
-    top = load_config("tiny").ramp.stages[-1].seq_len
+    top = load_config(PROFILE).ramp.stages[-1].seq_len
     runs: dict[str, dict[int, dict]] = {v: {} for v in VARIANTS}
     for seed in seeds:
         cur, b = tiny_inputs(seed)
         for name, sets in VARIANTS.items():
-            vcfg = load_config("tiny", [f"seed={seed}", *sets])
+            vcfg = load_config(PROFILE, [f"seed={seed}", *sets])
             out, scratch = WORK / f"ramp-{seed}-{name}", WORK / f"scratch-{seed}-{name}"
             if (out / "result.json").exists():
                 runs[name][seed] = json.loads((out / "result.json").read_text())
@@ -318,7 +343,7 @@ def evidence(seeds: list[int]) -> dict:
         fig[f"long_context_top_{key}_std"] = round(stdev(xs), 4) if len(xs) > 1 else None
     for name in ("dsa", "dsa_indexshare"):
         fig[f"{name}_minus_dense_per_seed"] = [round(a - b, 4) for a, b in zip(acc(name), acc("dense"))]
-        start = load_config("tiny", VARIANTS[name]).ramp.dsa_start()  # the warm-up ran at the adopting stage
+        start = load_config(PROFILE, VARIANTS[name]).ramp.dsa_start()  # the warm-up ran at the adopting stage
         for key, at in (("indexer_kl_last", top), ("topk_recall_last", top), ("dsa_warmup.indexer_kl_first", start),
                         ("dsa_warmup.indexer_kl_last", start)):
             fig[f"{name}.{key}@{at}"] = [runs[name][s][f"ramp@{at}.{key}"] for s in seeds]
@@ -329,7 +354,7 @@ def evidence(seeds: list[int]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.dsa")
     ap.add_argument("part", nargs="?", choices=["attention", "attention_gpu", "evidence", "all"], default="all")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--seeds", type=int, nargs="+", default=size([0, 1], [0]))
     args = ap.parse_args(argv if argv is not None else [])
     path = OUT / "dsa.json"
     fig = json.loads(path.read_text()) if path.exists() else {}
@@ -345,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.part == "attention_gpu":
         fig["attention_gpu"] = attention_gpu()
         fig["attn_time_ratio_at_top_len_gpu"] = fig["attention_gpu"]["attn_time_ratio_at_top_len"]
+    fig = mark(fig)
     OUT.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))

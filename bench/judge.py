@@ -9,6 +9,9 @@ guard gives its cost: judge tokens read per episode.
     python -m bench.judge [--share 0.3] [--sft-steps 2000] [--rl-steps 10]
 
 Writes .posttrain/bench/judge.json.
+
+BENCH_SMALL=1 (bench/__init__.py): the smoke profile, from the smoke run's curated data and ramped model; sft 4
+steps, PPO 2 steps, 8 labelled calls per class.
 """
 from __future__ import annotations
 
@@ -18,14 +21,19 @@ import shutil
 import sys
 from pathlib import Path
 
-OUT = Path(".posttrain/bench")
+from bench import mark, out_dir, size, small, smoke_stages
+
+OUT = out_dir()
 WORK = OUT / "judge-work"
+SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
+PROFILE = size("tiny", "smoke")
+COMPACTION_SFT_STEPS = size(1200, 4)  # bench/compaction's sft without judge questions, when present
 SHARE = 0.3  # share of judge questions in the agentic sft data (0.15 over 1000 steps: precision 0.56)
 
 
 def _cfg(share: float, extra: list[str]):
     from posttrain.config import load_config
-    return load_config("tiny", [f"world.agentic_judge_share={share}", *extra])
+    return load_config(PROFILE, [f"world.agentic_judge_share={share}", *extra])
 
 
 def judge_data(share: float) -> Path:
@@ -54,7 +62,7 @@ def sft_model(cur: Path, share: float, steps: int) -> Path:
         out.mkdir(parents=True)
         cfg = _cfg(share, [f"sft.steps={steps}"])
         ensure_ray(cfg.runtime)
-        ramped = Path(".posttrain/bench/dsa-work/ramp-0-dense")
+        ramped = Path(smoke_stages()["ramp"]) if small() else Path(".posttrain/bench/dsa-work/ramp-0-dense")
         if not (ramped / "model.safetensors").exists():
             raise SystemExit(f"{ramped} is missing: run `python -m bench.dsa evidence --seeds 0` first (its dense ramp)")
         sft.run(cfg, {"ramp": str(ramped.resolve()), "curate": str(cur.resolve())}, out,
@@ -65,9 +73,9 @@ def sft_model(cur: Path, share: float, steps: int) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.judge", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sft-steps", type=int, default=2000)
+    ap.add_argument("--sft-steps", type=int, default=size(2000, 4))
     ap.add_argument("--share", type=float, default=SHARE, help="world.agentic_judge_share for the sft data")
-    ap.add_argument("--rl-steps", type=int, default=10)
+    ap.add_argument("--rl-steps", type=int, default=size(10, 2))
     args = ap.parse_args(argv if argv is not None else [])  # `python -m bench` calls main() bare
     from environments import agentic
     from posttrain.data import load_tasks
@@ -76,14 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     cur = judge_data(args.share)
     sft = sft_model(cur, args.share, args.sft_steps)
     cfg = _cfg(args.share, [])
-    cases = agentic.judge_cases("test", cfg.rl.judge.labelled_per_class, cfg.world.seed)
+    cases = agentic.judge_cases("test", size(cfg.rl.judge.labelled_per_class, 8), cfg.world.seed)
     fig: dict = {"judge_share": args.share, "sft_steps": args.sft_steps, "machine": "cpu (2 cores)",
                  "judge_examples_in_sft": sum("judge_case" in t.meta for t in load_tasks(cur, "sft", "agentic"))}
     trained = measure(ModelJudge(str(sft.resolve())), cases)
     print(f"trained judge: {trained}", flush=True)
     fig.update({k: trained[k] for k in ("precision", "recall", "labelled_calls", "judge_tokens_per_call")},
                accuracy_by_kind=trained["accuracy_by_kind"])
-    untrained = OUT / "compaction-work" / "sft-1200"
+    untrained = OUT / "compaction-work" / f"sft-{COMPACTION_SFT_STEPS}"
     if (untrained / "model.safetensors").exists():
         fig["without_judge_data"] = measure(ModelJudge(str(untrained.resolve())), cases)
         print(f"sft without judge questions: {fig['without_judge_data']}", flush=True)
@@ -98,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     fig["rl_steps"], fig["rl_episodes_per_step"] = args.rl_steps, r.prompts_per_step * r.group_size
     fig["blocked_by_judge"] = sum(a["stage"] == "judge" for a in st.attempts)
     OUT.mkdir(parents=True, exist_ok=True)
+    fig = mark(fig)
     (OUT / "judge.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
 

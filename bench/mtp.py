@@ -14,6 +14,9 @@ both modes); acceptance length is tokens per model forward after the first token
     python -m bench.mtp --checkpoint DIR --curate DIR     (an existing MTP checkpoint, e.g. on a GPU machine)
     python -m bench.mtp ... --sweep     (also greedy evaluation at batch sizes 1-64, plain and with drafts)
     BENCH_MTP_REPEATS=N     (default 2)
+
+BENCH_SMALL=1 (bench/__init__.py): the smoke profile's ramp and sft with MTP from the smoke run's curated data and
+base model, one repeat, 2 batch-1 episodes per domain, one thread; the sweep (--sweep) at batch sizes 1 and 2.
 """
 from __future__ import annotations
 
@@ -24,11 +27,15 @@ import time
 from pathlib import Path
 from statistics import mean
 
+from bench import mark, out_dir, size, threads
 from bench.dsa import WORK, tiny_inputs
 
-OUT = Path(".posttrain/bench")
+OUT = out_dir()
+SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
+PROFILE = size("tiny", "smoke")
 DEPTH = 3
-REPEATS = int(os.environ.get("BENCH_MTP_REPEATS", 2))
+REPEATS = int(os.environ.get("BENCH_MTP_REPEATS", size(2, 1)))
+SINGLE = size(8, 2)  # batch-1 episodes per domain
 
 
 def trained(seed: int) -> tuple[Path, Path, dict]:
@@ -36,7 +43,7 @@ def trained(seed: int) -> tuple[Path, Path, dict]:
     from posttrain import ramp, sft
     from posttrain.config import load_config
     from posttrain.raysupport import ensure_ray
-    cfg = load_config("tiny", [f"seed={seed}", f"mtp.depth={DEPTH}"])
+    cfg = load_config(PROFILE, [f"seed={seed}", f"mtp.depth={DEPTH}"])
     ensure_ray(cfg.runtime)  # sft trains on Ray Train
     cur, base = (p.resolve() for p in tiny_inputs(seed))  # Ray Train's workers run elsewhere
     work = WORK.resolve()
@@ -89,7 +96,7 @@ def compare(engine, tok, tasks, **kw) -> dict:
             "episodes": len(tasks), "generated_tokens": runs[True][0][2]}
 
 
-SWEEP = (1, 2, 4, 8, 16, 32, 64)
+SWEEP = size((1, 2, 4, 8, 16, 32, 64), (1, 2))
 
 
 def sweep(engine, tok, tasks, **kw) -> list[dict]:
@@ -119,19 +126,20 @@ def measure(seed: int, checkpoint: Path | None = None, curate: Path | None = Non
     from posttrain.data import load_tasks
     from posttrain.device import device
     from posttrain.engines import rollout_engine
-    torch.set_num_threads(2)
-    cfg = load_config("tiny", [f"seed={seed}", f"mtp.depth={DEPTH}"])
+    torch.set_num_threads(threads(2))
+    cfg = load_config(PROFILE, [f"seed={seed}", f"mtp.depth={DEPTH}"])
     path, cur, metrics = (checkpoint, curate, {}) if checkpoint else trained(seed)
     engine = rollout_engine("torch", path)
     tok = engine.tokenizer
     domains = cfg.rl.domains
     test = [t for d in domains for t in load_tasks(cur, "test", d)]
-    single = [t for d in domains for t in load_tasks(cur, "test", d)[:8]]
-    prompts = [t for d in domains for t in load_tasks(cur, "rl", d)[: cfg.rl.prompts_per_step // len(domains)]]
+    single = [t for d in domains for t in load_tasks(cur, "test", d)[:SINGLE]]
+    prompts = [t for d in domains for t in load_tasks(cur, "rl", d)[:max(1, cfg.rl.prompts_per_step // len(domains))]]
     common = {"max_new_tokens": cfg.eval.max_new_tokens, "max_turns": cfg.rl.max_turns}
     dev = device()
     where = torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    fig = {"device": where, "checkpoint": str(path), "seed": seed, "depth": DEPTH, "repeats": REPEATS, **metrics}
+    fig = {"profile": PROFILE, "device": where, "checkpoint": str(path), "seed": seed, "depth": DEPTH,
+           "repeats": REPEATS, **metrics}
     fig["evaluate"] = compare(engine, tok, test, temperature=0.0, batch_size=cfg.eval.batch_size, **common)
     fig["evaluate_batch_1"] = compare(engine, tok, single, temperature=0.0, batch_size=1, **common)
     fig["rl_rollouts"] = compare(engine, tok, [t for t in prompts for _ in range(cfg.rl.group_size)],
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv if argv is not None else [])
     if bool(args.checkpoint) != bool(args.curate):
         ap.error("--checkpoint and --curate go together")
-    fig = measure(args.seed, args.checkpoint, args.curate, args.sweep)
+    fig = mark(measure(args.seed, args.checkpoint, args.curate, args.sweep))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "mtp.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))

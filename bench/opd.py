@@ -39,6 +39,11 @@ where the ratio is smallest. `_gain` keys: the same until 95% of the specialist'
 times the difference), which still tells the two apart where sft starts within 5% of the specialist.
 
 BENCH_OPD_SEED (default 0) seeds the OPD runs on both sides (ours and TRL's), to see the students' spread.
+
+BENCH_SMALL=1 (bench/__init__.py): from the smoke run's sft and specialists with the smoke profile's settings, 2
+steps of 4 prompts and 8 new tokens, (b) on BENCH_OPD_DOMAIN alone with 8 validation tasks every 16 student
+tokens, 8 prompts for the reverse KL, every run in this process (bench/__init__.py: `children_in_process`); TRL's
+side only where TRL is installed.
 """
 from __future__ import annotations
 
@@ -50,27 +55,34 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = int(os.environ.get("BENCH_OPD_STEPS", 20))
+from bench import children_in_process, mark, out_dir, peer, release_ray, size, small, smoke_stages
+
+SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
+PROFILE = size("tiny", "smoke")
+STEPS = int(os.environ.get("BENCH_OPD_STEPS", size(20, 2)))
 TEMPERATURE = 1.0  # (a): sampling and loss temperature on both sides
 DOMAIN = os.environ.get("BENCH_OPD_DOMAIN", "reasoning")  # single-turn, as TRL's trainer takes it
-EFF_DOMAINS = os.environ.get("BENCH_OPD_EFF_DOMAINS", "reasoning,agentic,general").split(",")
-OPD_STEPS = int(os.environ.get("BENCH_OPD_EFF_STEPS", 100))
-RL_STEPS = int(os.environ.get("BENCH_OPD_RL_STEPS", 0))  # (b)'s RL specialist: 0 = the tiny profile's steps
+EFF_DOMAINS = os.environ.get("BENCH_OPD_EFF_DOMAINS", size("reasoning,agentic,general", DOMAIN)).split(",")
+OPD_STEPS = int(os.environ.get("BENCH_OPD_EFF_STEPS", size(100, 2)))
+RL_STEPS = int(os.environ.get("BENCH_OPD_RL_STEPS", size(0, 2)))  # (b)'s RL specialist: 0 = the tiny profile's steps
 # (b): validate every N student tokens on both sides (the same N), not every k steps
-VAL_EVERY_TOKENS = int(os.environ.get("BENCH_OPD_VAL_EVERY_TOKENS", 2048))
+VAL_EVERY_TOKENS = int(os.environ.get("BENCH_OPD_VAL_EVERY_TOKENS", size(2048, 16)))
 SEED = int(os.environ.get("BENCH_OPD_SEED", 0))  # the OPD runs' training seed, ours and TRL's
 # TRL's best settings on this machine, set explicitly: fp32 without activation checkpointing (TRL 1.16 defaults
 # to bf16 and gradient checkpointing), plain temperature sampling as ours (no nucleus, no top-k filter)
 TRL_BEST = {"bf16": False, "gradient_checkpointing": False, "top_p": 1.0, "top_k": 0}
-PROMPTS, MAX_NEW, LR = 16, 48, 2e-4
+PROMPTS, MAX_NEW, LR = size(16, 4), size(48, 8), 2e-4
 # (b)'s OPD forms and their lr: the full reverse KL (the headline) and the sampled-token form at the tiny
 # profile's lr; 100 steps of 16 prompts
 EFF_FORMS = {"full": 2e-4, "sampled": 1e-4}
-VAL_TASKS = 192  # reasoning has 197 distinct val problems at the tiny knobs
-OUT = Path(".posttrain/bench")
+VAL_TASKS = size(192, 8)  # reasoning has 197 distinct val problems at the tiny knobs
+KL_PROMPTS = size(64, 8)  # held-out prompts of the reverse KL after a run
+OUT = out_dir()
 
 
 def _inputs() -> dict[str, str]:
+    if small():
+        return smoke_stages()
     report = Path(os.environ.get("BENCH_OPD_RUN", ".posttrain/latest/report.json"))
     if not report.exists():
         sys.exit(f"bench/opd needs sft and specialist checkpoints: {report} does not exist; run `make run` first")
@@ -80,13 +92,13 @@ def _inputs() -> dict[str, str]:
 def _val(domain: str) -> list:
     import environments
     from posttrain.config import load_config
-    return environments.get(domain).generate("val", VAL_TASKS, 0, **load_config("tiny").world.knobs())
+    return environments.get(domain).generate("val", VAL_TASKS, 0, **load_config(PROFILE).world.knobs())
 
 
 def _loop_config(**over):
     from posttrain.config import load_config
     from posttrain.rl.opd import loop_config
-    cfg = load_config("tiny")
+    cfg = load_config(PROFILE)
     return loop_config(cfg).model_copy(update={"checkpoint_every": 0, **over})
 
 
@@ -94,7 +106,6 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
               temperature: float | None = None, max_staleness: int | None = None) -> dict:
     """Single-teacher OPD from sft (child process: its own Ray, its own clock). `val_every_tokens` 0: no
     validation (start and end only); `temperature`, `max_staleness` None: the tiny profile's."""
-    import ray
     import torch
 
     from posttrain.config import RuntimeConfig, load_config
@@ -110,10 +121,10 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
                      **({"max_staleness": max_staleness} if max_staleness is not None else {}))
     pool = load_tasks(art["curate"], "rl", domain)
     val = _val(domain) if val_every_tokens else pool[:2]
-    placement = load_config("tiny").opd.teacher_placement  # the profile's: the teacher inside the rollout worker
+    placement = load_config(PROFILE).opd.teacher_placement  # the profile's: the teacher inside the rollout worker
     distill = Distill({domain: art[f"rl-{domain}"]}, pool, PROMPTS, mode=loss, teacher_placement=placement)
     policy, tok, st = train_policy(r, art["sft"], [], val, seed=SEED, label=f"bench opd {domain}", distill=distill)
-    ray.shutdown()
+    release_ray()
     if save:
         save_checkpoint(policy, tok, Path(save))
     h = st.history
@@ -124,7 +135,6 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
 
 
 def _ours_rl(domain: str, val_every_tokens: int) -> dict:
-    import ray
     import torch
 
     from posttrain.config import RuntimeConfig, load_config
@@ -134,12 +144,12 @@ def _ours_rl(domain: str, val_every_tokens: int) -> dict:
     torch.set_num_threads(1)
     ensure_ray(RuntimeConfig())
     art = _inputs()
-    r = load_config("tiny").rl.for_domain(domain).model_copy(
+    r = load_config(PROFILE).rl.for_domain(domain).model_copy(
         update={"val_every": 0, "val_every_tokens": val_every_tokens, "checkpoint_every": 0,
                 **({"steps": RL_STEPS} if RL_STEPS else {})})
     _, _, st = train_policy(r, art["sft"], load_tasks(art["curate"], "rl", domain),
                           _val(domain), seed=0, label=f"bench rl {domain}")
-    ray.shutdown()
+    release_ray()
     h = st.history
     return {"wall_s": h["wall_s"][-1], "val": h["val_score"], "tokens": h["student_tokens"]}
 
@@ -185,7 +195,7 @@ def _trl(steps: int, save: str) -> dict:
             "trl_config": config}
 
 
-def _components(student: str, reps: int = 5) -> dict:
+def _components(student: str, reps: int = size(5, 1)) -> dict:
     """The three parts of an OPD step of (a), each alone in this process on one thread (median ms of `reps` after
     two warm-ups): the rollout of PROMPTS prompts drawn at random as the loop draws them, the teacher's scoring of
     them (full vocabulary), and the trainer's update on them. Rollouts by `student`, the full-form run's final
@@ -239,7 +249,7 @@ def _components(student: str, reps: int = 5) -> dict:
             "gen_tokens": statistics.mean(tokens[2:])}
 
 
-def reverse_kl_on_own_samples(student_dir: str, teacher_dir: str, n: int = 64) -> float:
+def reverse_kl_on_own_samples(student_dir: str, teacher_dir: str, n: int = KL_PROMPTS) -> float:
     """Exact per-token KL(student || teacher) over the vocabulary, on the student's own completions (T=1,
     fixed seed) for n held-out val prompts, averaged over generated tokens."""
     import torch
@@ -270,32 +280,52 @@ def tokens_to(run: dict, target: float) -> float | None:
 
 
 def _child(what: str, *args) -> dict:
+    """`python -m bench.opd what args` (its own process, Ray and clock); small mode: the same in this process, Ray
+    kept up between children (a child process would spend ~15 s of its ~18 starting Ray and its workers)."""
     out = OUT / f"opd-{what}.json"
-    subprocess.run([sys.executable, "-m", "bench.opd", what, *map(str, args)], check=True)
+    if children_in_process():
+        _run(what, list(map(str, args)))
+    else:
+        subprocess.run([sys.executable, "-m", "bench.opd", what, *map(str, args)], check=True)
     return json.loads(out.read_text())
+
+
+def _run(what: str, rest: list[str]) -> None:
+    if what == "opd":
+        result = _ours_opd(rest[0], int(rest[1]), int(rest[2]), *rest[3:5], *map(float, rest[5:7]),
+                           *map(int, rest[7:]))
+    elif what == "rl":
+        result = _ours_rl(rest[0], int(rest[1]))
+    elif what == "components":
+        result = _components(rest[0])
+    else:
+        result = _trl(int(rest[0]), rest[1])
+    (OUT / f"opd-{what}.json").write_text(json.dumps(result))
 
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     art = _inputs()
+    with_trl = peer("trl", "opd")  # at full size TRL must be installed: fail before the runs
     teacher = art[f"rl-{DOMAIN}"]
     ours = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-student", "sampled", LR, TEMPERATURE)
     full = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-full-student", "full", LR, TEMPERATURE)  # TRL's form
     # the same on-policy (max_staleness 0), as TRL is: does our one step of staleness cost distance to the teacher?
     onpolicy = _child("opd", DOMAIN, STEPS, 0, OUT / "opd-ours-full-onpolicy-student", "full", LR, TEMPERATURE, 0)
-    trl = _child("trl", STEPS, OUT / "opd-trl-student")
+    trl = _child("trl", STEPS, OUT / "opd-trl-student") if with_trl else None
     fig = {"domain": DOMAIN, "steps": STEPS, "prompts_per_step": PROMPTS, "seed": SEED,
-           "steps_per_s": STEPS / ours["wall_s"], "steps_per_s_trl": STEPS / trl["wall_s"],
+           "steps_per_s": STEPS / ours["wall_s"], "steps_per_s_trl": STEPS / trl["wall_s"] if trl else None,
            "reverse_kl_before": reverse_kl_on_own_samples(art["sft"], teacher),
            "reverse_kl_after_n": reverse_kl_on_own_samples(str(OUT / "opd-ours-student"), teacher),
-           "reverse_kl_after_n_trl": reverse_kl_on_own_samples(str(OUT / "opd-trl-student"), teacher),
+           "reverse_kl_after_n_trl": reverse_kl_on_own_samples(str(OUT / "opd-trl-student"), teacher) if trl else None,
            "steps_per_s_full": STEPS / full["wall_s"],
            "reverse_kl_after_n_full": reverse_kl_on_own_samples(str(OUT / "opd-ours-full-student"), teacher),
            "steps_per_s_full_onpolicy": STEPS / onpolicy["wall_s"],
            "reverse_kl_after_n_full_onpolicy": reverse_kl_on_own_samples(str(OUT / "opd-ours-full-onpolicy-student"),
                                                                          teacher)}
-    fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]
-    fig["steps_ratio_vs_trl_full"] = fig["steps_per_s_full"] / fig["steps_per_s_trl"]  # same loss on both sides
+    trl_rate = fig["steps_per_s_trl"]
+    fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / trl_rate if trl else None
+    fig["steps_ratio_vs_trl_full"] = fig["steps_per_s_full"] / trl_rate if trl else None  # same loss on both sides
     fig |= {f"full_step_{k}": v for k, v in full["step_times"].items()}
     # the floor of this arrangement: the parts' single-thread CPU time (and the push) spread over 2 cores
     parts = _child("components", OUT / "opd-ours-full-student")
@@ -303,11 +333,12 @@ def main() -> None:
     fig["full_gen_tokens"] = full["gen_tokens"]
     fig |= {f"component_ms_{k}": v for k, v in parts.items()}
     fig["floor_steps_per_s"] = 2000 / (sum(parts.values()) + 1000 * full["step_times"]["push_s"])
-    fig["floor_ratio_vs_trl"] = fig["floor_steps_per_s"] / fig["steps_per_s_trl"]
-    fig |= {"trl_config": trl["trl_config"], "trl_loss_top_k": trl["trl_config"]["loss_top_k"],
-            "trl_top_p": trl["trl_config"]["top_p"], "trl_bf16": trl["trl_config"]["bf16"],
-            "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
-            "ours_config": {"bf16": False, "gradient_checkpointing": False, "top_p": 1.0,
+    fig["floor_ratio_vs_trl"] = fig["floor_steps_per_s"] / trl_rate if trl else None
+    if trl:
+        fig |= {"trl_config": trl["trl_config"], "trl_loss_top_k": trl["trl_config"]["loss_top_k"],
+                "trl_top_p": trl["trl_config"]["top_p"], "trl_bf16": trl["trl_config"]["bf16"],
+                "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"]}
+    fig |= {"ours_config": {"bf16": False, "gradient_checkpointing": False, "top_p": 1.0,
                             "temperature": ours["temperature"], "max_staleness": ours["max_staleness"],
                             "teacher_placement": ours["teacher_placement"]},
             "val_every_student_tokens": VAL_EVERY_TOKENS}
@@ -336,9 +367,9 @@ def main() -> None:
             "rl_student_tokens_to_95pct": fig[f"rl_student_tokens_to_95pct_{worst}"],
             "opd_student_tokens_to_95pct": fig[f"opd_student_tokens_to_95pct_{worst}"],
             "token_efficiency_ratio": fig[f"token_efficiency_ratio_{worst}"]}
-    (OUT / "opd.json").write_text(json.dumps({**fig, "curves": curves}, indent=1))
+    (OUT / "opd.json").write_text(json.dumps(mark({**fig, "curves": curves}), indent=1))
     _plot(curves, OUT / "opd.png")
-    for k, v in fig.items():
+    for k, v in mark(fig).items():
         if not isinstance(v, dict):
             print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
 
@@ -363,14 +394,4 @@ def _plot(curves: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    what, *rest = sys.argv[1:]
-    if what == "opd":
-        result = _ours_opd(rest[0], int(rest[1]), int(rest[2]), *rest[3:5], *map(float, rest[5:7]),
-                           *map(int, rest[7:]))
-    elif what == "rl":
-        result = _ours_rl(rest[0], int(rest[1]))
-    elif what == "components":
-        result = _components(rest[0])
-    else:
-        result = _trl(int(rest[0]), rest[1])
-    (OUT / f"opd-{what}.json").write_text(json.dumps(result))
+    _run(sys.argv[1], sys.argv[2:])

@@ -6,7 +6,8 @@ HTML report rendered in headless Chromium.
 - speed: greedy generation tokens/s, integer kernels (posttrain/quant/int_linear.py) vs the fp32 model, the same
   prompts in the same process (batch 32 and batch 1);
 - rendering: a Chromium screenshot of report.html, with the share of the page that is ink (text, plots).
-Run it after `make run`."""
+Run it after `make run`. BENCH_SMALL=1 (bench/__init__.py): the smoke run's checkpoints, 4 prompts, 8 new tokens;
+without Chromium, the screenshot is skipped with a note."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,11 @@ from pathlib import Path
 
 import torch
 
-OUT = Path(".posttrain/bench")
+from bench import mark, out_dir, size, small, smoke_report
+
+OUT = out_dir()
+SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
+PROMPTS, NEW_TOKENS = size(32, 4), size(48, 8)
 
 
 def _tokens_per_s(model, tok, prompts: list[list[int]], n_new: int) -> float:
@@ -35,25 +40,30 @@ def main() -> None:
     from posttrain.data import load_tasks
     from posttrain.quant.int_linear import load_any
     from posttrain.pipeline import load_run
-    report, _ = load_run("latest")
+    report = json.loads(smoke_report().read_text()) if small() else load_run("latest")[0]
     if "quantization" not in report or "report_html" not in report:
         raise SystemExit("bench/quantize needs a finished `make run` (report with quantization and report_html)")
     q, stages = report["quantization"], report["stages"]
     torch.set_num_threads(2)
     fp, tok = load_any(stages["opd"]["artifact"])
     qm, _ = load_any(stages["quantize"]["artifact"])
-    tasks = load_tasks(stages["curate"]["artifact"], "test", "reasoning")[:32]
+    tasks = load_tasks(stages["curate"]["artifact"], "test", "reasoning")[:PROMPTS]
     prompts = [render_ids(tok, t.messages(), add_generation_prompt=True) for t in tasks]
     speed = {}
     for label, batch in (("", prompts), ("_b1", prompts[:1])):
-        speed[f"int_tokens_per_s{label}"] = _tokens_per_s(qm, tok, batch, 48)
-        speed[f"fp32_tokens_per_s{label}"] = _tokens_per_s(fp, tok, batch, 48)
+        speed[f"int_tokens_per_s{label}"] = _tokens_per_s(qm, tok, batch, NEW_TOKENS)
+        speed[f"fp32_tokens_per_s{label}"] = _tokens_per_s(fp, tok, batch, NEW_TOKENS)
         speed[f"speed_ratio_vs_fp32{label}"] = speed[f"int_tokens_per_s{label}"] / speed[f"fp32_tokens_per_s{label}"]
     ev = report["eval"]
     drop = {s: round(ev["generalist"][s] - ev["quantized"][s], 4) for s in ev["generalist"]}
     OUT.mkdir(parents=True, exist_ok=True)
-    shot = report_html.screenshot(Path(report["report_html"]), OUT / "report.png")
-    img = mpimg.imread(shot)
+    if small() and report_html.chromium() is None:
+        print("bench/quantize: no Chromium on this machine: the report's screenshot is skipped in small mode",
+              flush=True)
+        shot = img = None
+    else:
+        shot = report_html.screenshot(Path(report["report_html"]), OUT / "report.png")
+        img = mpimg.imread(shot)
     fig = {"run_id": report["run_id"], **{k: q[k] for k in ("linear_weight_bytes", "linear_weight_bytes_bf16",
                                                             "bytes_ratio_vs_bf16", "disk_bytes", "disk_bytes_unquantized",
                                                             "model_memory_bytes", "model_memory_bytes_unquantized",
@@ -61,8 +71,9 @@ def main() -> None:
                                                             "peak_rss_bytes", "peak_rss_bytes_unquantized")},
            "score_drop_vs_generalist": drop, "max_score_drop_vs_generalist": max(drop.values()),
            **{k: round(v, 3) for k, v in speed.items()},
-           "report_screenshot": str(shot), "screenshot_px": list(img.shape[:2]),
-           "screenshot_ink_share": round(float((img[..., :3].mean(-1) < 0.5).mean()), 4)}
+           "report_screenshot": str(shot) if shot else None, "screenshot_px": list(img.shape[:2]) if shot else None,
+           "screenshot_ink_share": round(float((img[..., :3].mean(-1) < 0.5).mean()), 4) if shot else None}
+    fig = mark(fig)
     (OUT / "quantize.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))
 

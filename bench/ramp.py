@@ -6,6 +6,9 @@ the same rows with one causal mask over the row (classic packing: cheaper, docum
 masks + activation checkpointing, and no packing at all (one document per row, padded
 to the longest in the batch, up to PADDED_MAX): its tokens/s counts real tokens only. Every step holds
 the same number of tokens (rows = TOKENS_PER_STEP / seq_len), so the lengths compare at equal work.
+
+BENCH_SMALL=1 (bench/__init__.py): lengths 64 and 128 (unpacked up to 64), 512 tokens a step, 2 timed steps after
+one, every variant, each in this process (`children_in_process`), one thread.
 """
 from __future__ import annotations
 
@@ -16,11 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-OUT = Path(".posttrain/bench")
-SEQ_LENS = [256, 512, 1024, 2048, 4096]
-PADDED_MAX = 1024  # unpacked rows pad to the longest document: beyond this the batch no longer fits in memory
-TOKENS_PER_STEP = 8192
-STEPS, WARMUP = 6, 2
+from bench import children_in_process, mark, out_dir, size, threads
+
+OUT = out_dir()
+SEQ_LENS = size([256, 512, 1024, 2048, 4096], [64, 128])
+PADDED_MAX = size(1024, 64)  # unpacked rows pad to the longest document: beyond this the batch no longer fits in memory
+TOKENS_PER_STEP = size(8192, 512)
+STEPS, WARMUP = size(6, 2), size(2, 1)
 VARIANTS = {"": dict(mask=True, ckpt=False, packed=True), "_packed_sdpa": dict(mask=True, ckpt=False, packed=True,
                                                                              attn="packed_sdpa"),
             "_nomask": dict(mask=False, ckpt=False, packed=True),
@@ -46,7 +51,7 @@ def _measure(seq_len: int, mask: bool, ckpt: bool, packed: bool, attn: str = "sd
     from posttrain.packing import collate, pack
     from posttrain.train import masked_lm_loss, pad_examples
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads(2))
     torch.manual_seed(0)
     from transformers import LlamaConfig, LlamaForCausalLM
     m = load_config("tiny").model
@@ -95,11 +100,14 @@ def main() -> None:
                 for key in ("tokens_per_s", "peak_rss_mb"):
                     fig[key + suffix].append(None)
                 continue
-            p = subprocess.run([sys.executable, "-m", "bench.ramp", "_one", str(L), json.dumps(v)],
-                               capture_output=True, text=True)
-            if p.returncode:
-                raise RuntimeError(f"bench.ramp {L} {v} failed:\n{p.stderr[-3000:]}")
-            res = json.loads(p.stdout.strip().splitlines()[-1])
+            if children_in_process():
+                res = _measure(L, **v)
+            else:
+                p = subprocess.run([sys.executable, "-m", "bench.ramp", "_one", str(L), json.dumps(v)],
+                                   capture_output=True, text=True)
+                if p.returncode:
+                    raise RuntimeError(f"bench.ramp {L} {v} failed:\n{p.stderr[-3000:]}")
+                res = json.loads(p.stdout.strip().splitlines()[-1])
             print(f"seq_len {L:5d} {suffix or '_masks':8s} {res}", flush=True)
             for key in ("tokens_per_s", "peak_rss_mb"):
                 fig[key + suffix].append(res[key])
@@ -108,6 +116,7 @@ def main() -> None:
     fig["ckpt_memory_ratio_at_max_len"] = round(fig["peak_rss_mb_ckpt"][-1] / fig["peak_rss_mb"][-1], 3)
     i = SEQ_LENS.index(PADDED_MAX)
     fig[f"packing_speedup_at_{PADDED_MAX}"] = round(fig["tokens_per_s"][i] / fig["tokens_per_s_padded"][i], 3)
+    fig = mark(fig)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "ramp.json").write_text(json.dumps(fig, indent=1))
     _plot(fig, OUT / "ramp.png")

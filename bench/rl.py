@@ -20,6 +20,11 @@ explicitly and recorded as `trl_config` (TRL 1.16 defaults to bf16 and gradient 
 slower on this CPU): `bf16=False`, `gradient_checkpointing=False`; sampling top_p=1, top_k=0 (plain
 temperature sampling, as ours). `BENCH_RL_TRL_DEFAULTS=1` adds TRL at its own defaults (bf16, checkpointing),
 labelled `_trl_defaults`.
+
+BENCH_SMALL=1 (bench/__init__.py): from the smoke run's sft with the smoke profile's RL settings, 2 steps (3 async),
+one seed, 8 validation tasks every step, the runs without validation that only repeat one with it (same k and
+threads) not run again, every run in this process (bench/__init__.py: `children_in_process`); TRL's side only
+where TRL is installed.
 """
 from __future__ import annotations
 
@@ -30,11 +35,15 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = int(os.environ.get("BENCH_RL_STEPS", 48))
-TRL_STEPS = int(os.environ.get("BENCH_RL_TRL_STEPS", 20))
-SEEDS = int(os.environ.get("BENCH_RL_SEEDS", 3))
-VAL_TASKS = 200  # the general world holds 236 distinct val problems
-VAL_EVERY = 8
+from bench import children_in_process, mark, out_dir, peer, release_ray, size, small, smoke_stages
+
+SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
+PROFILE = size("tiny", "smoke")
+STEPS = int(os.environ.get("BENCH_RL_STEPS", size(48, 2)))
+TRL_STEPS = int(os.environ.get("BENCH_RL_TRL_STEPS", size(20, 2)))
+SEEDS = int(os.environ.get("BENCH_RL_SEEDS", size(3, 1)))
+VAL_TASKS = size(200, 8)  # the general world holds 236 distinct val problems
+VAL_EVERY = size(8, 1)
 ASYNC_DOMAIN = os.environ.get("BENCH_RL_ASYNC_DOMAIN", "general")
 DOMAIN = os.environ.get("BENCH_RL_DOMAIN", "general")  # GRPO, as TRL's GRPOTrainer
 TRL_DEFAULTS = os.environ.get("BENCH_RL_TRL_DEFAULTS", "0") == "1"
@@ -42,10 +51,13 @@ TRL_THREADS = 2   # TRL's one process: both cores
 SYNC_THREADS = 2  # our synchronous loop against it: trainer and rollout worker take turns, each with both cores
 # TRL's best settings on this machine, set explicitly (TRL 1.16 defaults: bf16=True, gradient_checkpointing=True)
 TRL_BEST = {"bf16": False, "gradient_checkpointing": False}
-OUT = Path(".posttrain/bench")
+OUT = out_dir()
 
 
 def _inputs() -> tuple[str, str]:
+    if small():
+        stages = smoke_stages()
+        return stages["sft"], stages["curate"]
     report = Path(os.environ.get("BENCH_RL_RUN", ".posttrain/latest/report.json"))
     if not report.exists():
         sys.exit(f"bench/rl needs an sft checkpoint: {report} does not exist; run `make run` first")
@@ -55,14 +67,13 @@ def _inputs() -> tuple[str, str]:
 
 def _rl_config(overrides: dict, domain: str = DOMAIN):
     from posttrain.config import load_config
-    r = load_config("tiny").rl.for_domain(domain)
+    r = load_config(PROFILE).rl.for_domain(domain)
     return r.model_copy(update={"val_every": 2, "checkpoint_every": 0, **overrides})
 
 
 def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAIN, threads: int = 1) -> dict:
     """One specialist run (child process: its own Ray, its own clock); `threads` torch threads for the trainer
     and for the rollout worker each."""
-    import ray
     import torch
 
     from posttrain.data import load_tasks
@@ -77,10 +88,10 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
     # a validation set 3x the pipeline's (same generator, val split): time to accuracy needs a steady curve
     import environments
     from posttrain.config import load_config
-    val = environments.get(domain).generate("val", VAL_TASKS, 0, **load_config("tiny").world.knobs())
+    val = environments.get(domain).generate("val", VAL_TASKS, 0, **load_config(PROFILE).world.knobs())
     pool = load_tasks(curate, "rl", domain)
     _, _, st = train_policy(r, sft, pool, val, seed=seed, label=f"bench k={k} seed {seed}")
-    ray.shutdown()
+    release_ray()
     h = st.history
     return {"wall_s": st.wall_s, "train_wall_s": h["wall_s"][-1], "val": h["val_score"], "val_wall": h["val_wall_s"],
             "reward": h["reward"],
@@ -133,9 +144,19 @@ def _trl(steps: int, defaults: bool = False) -> dict:
 
 
 def _child(what: str, *args) -> dict:
+    """`python -m bench.rl what args` (its own process, Ray and clock); small mode: the same in this process, Ray
+    kept up between children (a child process would spend ~15 s of its ~18 starting Ray and its workers)."""
     out = OUT / f"rl-{what}.json"
-    subprocess.run([sys.executable, "-m", "bench.rl", what, *map(str, args)], check=True)
+    if children_in_process():
+        _run(what, list(map(str, args)))
+    else:
+        subprocess.run([sys.executable, "-m", "bench.rl", what, *map(str, args)], check=True)
     return json.loads(out.read_text())
+
+
+def _run(what: str, rest: list[str]) -> None:
+    result = _ours(*map(int, rest[:4]), *rest[4:]) if what == "ours" else _trl(int(rest[0]), rest[1:] == ["defaults"])
+    (OUT / f"rl-{what}.json").write_text(json.dumps(result))
 
 
 def _mean_curve(runs: list[dict]) -> tuple[list, list]:
@@ -154,23 +175,25 @@ def _time_to(val: list, wall: list, target: float) -> float | None:
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     _inputs()  # fail early with the message
+    with_trl = peer("trl", "rl")  # likewise: at full size TRL must be installed
     # one seed's curve crosses a plateau by chance: average SEEDS runs per mode, same seeds for both
     syncs = [_child("ours", 0, STEPS, VAL_EVERY, seed, ASYNC_DOMAIN) for seed in range(SEEDS)]
     # async gets 1.5x the steps: room to reach the target if staleness slows learning
     asyns = [_child("ours", 1, int(STEPS * 1.5), VAL_EVERY, seed, ASYNC_DOMAIN) for seed in range(SEEDS)]
     sync_val, sync_wall_curve = _mean_curve(syncs)
     async_val, async_wall_curve = _mean_curve(asyns)
-    start, final = sync_val[0][1], sum(v for _, v in sync_val[-3:]) / 3
+    start, final = sync_val[0][1], sum(v for _, v in sync_val[-3:]) / len(sync_val[-3:])
     target = start + 0.9 * (final - start)  # 90% of the gain sync reaches: below its noisy plateau
     sync_wall, async_wall = _time_to(sync_val, sync_wall_curve, target), _time_to(async_val, async_wall_curve, target)
     sync, asyn = syncs[0], asyns[0]
-    cmp = _child("ours", 1, TRL_STEPS, 0)  # no validation: TRL runs none either
+    # small mode: the runs without validation that repeat a run above (same k, same threads) are that run
+    cmp = asyns[0] if small() else _child("ours", 1, TRL_STEPS, 0)  # no validation: TRL runs none either
     # synchronous, as TRL is: the like-for-like comparison. Trainer and worker take turns, so each gets both
     # cores' threads, as TRL's one process does; the one-thread deployment of (a) is a side figure
     cmp_sync = _child("ours", 0, TRL_STEPS, 0, 0, DOMAIN, SYNC_THREADS)
-    cmp_sync_1 = _child("ours", 0, TRL_STEPS, 0)
-    trl = _child("trl", TRL_STEPS)
-    trl_d = _child("trl", TRL_STEPS, "defaults") if TRL_DEFAULTS else None
+    cmp_sync_1 = syncs[0] if small() else _child("ours", 0, TRL_STEPS, 0)
+    trl = _child("trl", TRL_STEPS) if with_trl else None
+    trl_d = _child("trl", TRL_STEPS, "defaults") if TRL_DEFAULTS and with_trl else None
     n = min(5, TRL_STEPS)  # reward after n steps: the mean of the last 5 steps' batch rewards
     fig = {
         "async_domain": ASYNC_DOMAIN, "trl_domain": DOMAIN, "target_val_accuracy": target,
@@ -182,28 +205,30 @@ def main() -> None:
         "step_time_ratio": (sum(r["train_wall_s"] for r in asyns) / (1.5 * STEPS))
                            / (sum(r["train_wall_s"] for r in syncs) / STEPS),
         "steps": TRL_STEPS, "steps_per_s": TRL_STEPS / cmp["train_wall_s"],
-        "steps_per_s_trl": TRL_STEPS / trl["wall_s"],
-        "reward_after_n": sum(cmp["reward"][-n:]) / n, "reward_after_n_trl": sum(trl["reward"][-n:]) / n,
+        "steps_per_s_trl": TRL_STEPS / trl["wall_s"] if trl else None,
+        "reward_after_n": sum(cmp["reward"][-n:]) / n,
+        "reward_after_n_trl": sum(trl["reward"][-n:]) / n if trl else None,
         "masked_token_fraction": sum(asyn["masked_fraction"]) / len(asyn["masked_fraction"]),
         "stale_dropped": asyn["dropped"], "staleness_async": asyn["staleness"],
         "seeds": SEEDS, "val_sync": sync_val, "val_async": async_val, "val_wall_sync": sync_wall_curve,
         "val_wall_async": async_wall_curve,
     }
-    fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"]  # ours async (k=1) over TRL
+    fig["steps_ratio_vs_trl"] = fig["steps_per_s"] / fig["steps_per_s_trl"] if trl else None  # ours async over TRL
     fig |= {"steps_per_s_sync": TRL_STEPS / cmp_sync["train_wall_s"],
             "reward_after_n_sync": sum(cmp_sync["reward"][-n:]) / n,
             "steps_per_s_sync_1thread": TRL_STEPS / cmp_sync_1["train_wall_s"],
-            "trl_config": trl["trl_config"], "trl_bf16": trl["trl_config"]["bf16"],
-            "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
+            **({"trl_config": trl["trl_config"], "trl_bf16": trl["trl_config"]["bf16"],
+                "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"]} if trl else {}),
             "ours_config": {"bf16": False, "gradient_checkpointing": False, "max_staleness_sync": 0,
                             "max_staleness_async": 1, "temperature": _rl_config({}).temperature,
                             "threads_sync": SYNC_THREADS, "threads_async": 1, "threads_trl": TRL_THREADS}}
-    fig["steps_ratio_vs_trl_sync"] = fig["steps_per_s_sync"] / fig["steps_per_s_trl"]  # the headline vs TRL
+    fig["steps_ratio_vs_trl_sync"] = fig["steps_per_s_sync"] / fig["steps_per_s_trl"] if trl else None  # the headline
     fig |= {f"sync_step_{k}": v for k, v in cmp_sync["step_times"].items()}
     if trl_d:  # TRL at its own defaults (bf16, gradient checkpointing): a side figure, not the comparison
         fig |= {"trl_defaults_config": trl_d["trl_config"], "steps_per_s_trl_defaults": TRL_STEPS / trl_d["wall_s"],
                 "reward_after_n_trl_defaults": sum(trl_d["reward"][-n:]) / n}
         fig["steps_ratio_vs_trl_defaults_sync"] = fig["steps_per_s_sync"] / fig["steps_per_s_trl_defaults"]
+    fig = mark(fig)
     (OUT / "rl.json").write_text(json.dumps(fig, indent=1))
     _plot(fig, OUT / "rl.png")
     for k, v in fig.items():
@@ -227,6 +252,4 @@ def _plot(fig: dict, path: Path) -> None:
 
 
 if __name__ == "__main__":
-    what, *rest = sys.argv[1:]
-    result = _ours(*map(int, rest[:4]), *rest[4:]) if what == "ours" else _trl(int(rest[0]), rest[1:] == ["defaults"])
-    (OUT / f"rl-{what}.json").write_text(json.dumps(result))
+    _run(sys.argv[1], sys.argv[2:])

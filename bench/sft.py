@@ -25,7 +25,8 @@ side loads before its clock and saves nothing); `raytrain_checkpoint_seconds` is
 Packed variant: the same conversations packed into rows of seq_len (best-fit decreasing), as `sft.packing`
 feeds them: ours takes each batch's rows as one padding-free row (posttrain.sft.collator), TRL's
 `packing=True` (best-fit decreasing, padding-free); the conversations of the unpacked run spread over the same
-number of steps.
+number of steps, or over fewer, one row a step, where they fill fewer rows than steps (at the tiny profile's 1024
+tokens they do: `steps_packed`), TRL given the same number of steps.
 
 tokens/s counts the non-pad tokens of the batches over the training loop's wall time (model loading and
 data preparation excluded on both sides), from the start of step WARMUP (BENCH_SFT_WARMUP, default 10) to the
@@ -40,6 +41,9 @@ rate is kept (`tokens_per_s_rounds_<side>`).
 
 mfu: achieved model FLOP/s (6 x params x tokens/s) over this machine's fp32 matmul peak, measured in the
 same run with a large torch.mm.
+
+BENCH_SMALL=1 (bench/__init__.py): 8 steps of 4 conversations (2 warm-up), one round, 60 tasks per domain, one
+thread, every side; TRL's sides only where TRL is installed.
 """
 from __future__ import annotations
 
@@ -52,19 +56,24 @@ import sys
 import time
 from pathlib import Path
 
-STEPS = int(os.environ.get("BENCH_SFT_STEPS", 200))
-WARMUP = int(os.environ.get("BENCH_SFT_WARMUP", 10))  # steps before every side's clock starts
-ROUNDS = int(os.environ.get("BENCH_SFT_ROUNDS", 2))  # runs of each side, interleaved; the fastest counts
+from bench import mark, out_dir, peer, size, small
+
+STEPS = int(os.environ.get("BENCH_SFT_STEPS", size(200, 8)))
+WARMUP = int(os.environ.get("BENCH_SFT_WARMUP", size(10, 2)))  # steps before every side's clock starts
+ROUNDS = int(os.environ.get("BENCH_SFT_ROUNDS", size(2, 1)))  # runs of each side, interleaved; the fastest counts
 TRL_DEFAULTS = os.environ.get("BENCH_SFT_TRL_DEFAULTS", "1") != "0"
+TASKS = size(600, 60)  # generated tasks per domain, the conversations drawn from them
 # TRL's best settings on this machine, set explicitly (TRL 1.16 defaults: bf16=True, gradient_checkpointing=True)
 TRL_BEST = {"bf16": False, "gradient_checkpointing": False}
-OUT = Path(".posttrain/bench")
+OUT = out_dir()
 WORK = OUT / "sft-work"
 
 
 def _cfg():
     from posttrain.config import load_config
-    return load_config("tiny", [f"sft.steps={STEPS}", "sft.warmup=0"])  # HF warms up from lr 0, ours from lr/warmup
+    # HF warms up from lr 0, ours from lr/warmup; small: 4 conversations a step (the profile's seq_len kept), 1 thread
+    small_mode = ["sft.batch_size=4", "runtime.torch_threads=1"] if small() else []
+    return load_config("tiny", [f"sft.steps={STEPS}", "sft.warmup=0", *small_mode])
 
 
 def _prepare() -> None:
@@ -80,7 +89,7 @@ def _prepare() -> None:
     cfg = _cfg()
     seed_all(cfg.seed)
     tasks = [t for d in environments.DOMAINS
-             for t in environments.get(d).generate("train", 600, cfg.seed, **cfg.world.knobs())]
+             for t in environments.get(d).generate("train", TASKS, cfg.seed, **cfg.world.knobs())]
     tok = train_tokenizer([t.prompt + " " + json.dumps(t.demo) for t in tasks], cfg.tokenizer.vocab_size)
     model = build_model(cfg.model, tok)
     save_checkpoint(model, tok, WORK / "init")
@@ -90,14 +99,22 @@ def _prepare() -> None:
     torch.save(order, WORK / "order.pt")
 
 
+def _warmup(steps: int) -> int:
+    """The steps before the clock starts: WARMUP, or half the loop where it is shorter (small mode's packed side)."""
+    return min(WARMUP, steps // 2)
+
+
 class _Clock:
-    """The loop's wall time, whole and from the start of step WARMUP (the same cut on every side)."""
+    """The loop's wall time, whole and from the start of step `warm` (WARMUP: the same cut on every side)."""
+
+    def __init__(self, warm: int = WARMUP):
+        self.warm = warm
 
     def start(self) -> None:
         self.t0 = self.t_warm = time.perf_counter()
 
     def at_step(self, i: int) -> None:
-        if i == WARMUP:
+        if i == self.warm:
             self.t_warm = time.perf_counter()
 
     def stop(self) -> dict:
@@ -115,10 +132,14 @@ def _peak_matmul_flops() -> float:
     return 5 * 2 * 2048**3 / (time.perf_counter() - t)
 
 
-def _packed_rows(order, seq_len: int) -> int:
-    """Rows per step when packed: the batch order's conversations spread over STEPS steps."""
+def _packing(order, seq_len: int) -> tuple[int, int]:
+    """(rows per step, steps) when packed: the batch order's conversations spread over STEPS steps, or over fewer,
+    one row a step, where they fill fewer rows than that (the tiny profile's conversations, ~50 tokens, fill a
+    1024-token row with ~20: 200 steps of 16 fill ~150 rows). Every step has rows: none trains on nothing."""
     from posttrain.packing import pack
-    return max(1, len(pack(order, seq_len)) // STEPS)
+    rows = len(pack(order, seq_len))
+    n = max(1, rows // STEPS)
+    return n, max(1, min(STEPS, rows // n))
 
 
 def _tokens(order) -> int:
@@ -142,23 +163,23 @@ def _ours(packed: bool = False) -> dict:
     from posttrain.sft import collator
     from posttrain.train import train
     s, model, tok, order = _start()
-    n = _packed_rows(order, s.seq_len)
-    rows = pack(order, s.seq_len)[:STEPS * n]
+    n, steps = _packing(order, s.seq_len) if packed else (s.batch_size, STEPS)
+    rows = pack(order, s.seq_len)[:steps * n]
     to_batch = collator(tok, model, s.seq_len, packed)  # as posttrain.sft's worker: padding-free where it can
 
-    clock = _Clock()
+    warm = _warmup(steps)
+    clock = _Clock(warm)
 
     def next_batch(i: int):
         clock.at_step(i)
         return to_batch(rows[i * n:(i + 1) * n] if packed else order[i * s.batch_size:(i + 1) * s.batch_size])
 
     clock.start()
-    hist = train(model, next_batch, steps=STEPS, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
+    hist = train(model, next_batch, steps=steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
                  weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="ours")
     tokens = [sum(len(x) for x, _ in row) for row in rows] if packed else [len(ids) for ids, _ in order]
-    per_step = len(tokens) // STEPS
-    return {**clock.stop(), "loss": hist["loss"], "tokens": sum(tokens),
-            "tokens_steady": sum(tokens[WARMUP * per_step:]), "params": sum(p.numel() for p in model.parameters())}
+    return {**clock.stop(), "loss": hist["loss"], "tokens": sum(tokens), "steps": steps,
+            "tokens_steady": sum(tokens[warm * n:]), "params": sum(p.numel() for p in model.parameters())}
 
 
 def _raytrain_worker(config: dict) -> None:
@@ -249,8 +270,9 @@ def _trl(packed: bool = False, defaults: bool = False, padding_free: bool = Fals
 
     # packed: TRL's best-fit-decreasing packing, padding-free (one flat row per batch, positions restart)
     # defaults: bf16 and gradient checkpointing left at TRL's own defaults (the labelled side figure)
-    args = SFTConfig(**({} if defaults else TRL_BEST), output_dir=str(WORK / "trl"), max_steps=STEPS,
-                     per_device_train_batch_size=_packed_rows(order, s.seq_len) if packed else s.batch_size,
+    rows, steps = _packing(order, s.seq_len) if packed else (s.batch_size, STEPS)
+    args = SFTConfig(**({} if defaults else TRL_BEST), output_dir=str(WORK / "trl"), max_steps=steps,
+                     per_device_train_batch_size=rows,
                      packing=packed, **({"padding_free": True} if padding_free else {}),
                      learning_rate=s.lr, warmup_steps=s.warmup, lr_scheduler_type="cosine_with_min_lr",
                      lr_scheduler_kwargs={"min_lr_rate": s.min_lr_ratio}, weight_decay=s.weight_decay,
@@ -258,7 +280,8 @@ def _trl(packed: bool = False, defaults: bool = False, padding_free: bool = Fals
                      max_length=None if padding_free else s.seq_len, logging_steps=1, save_strategy="no",
                      report_to=[], use_cpu=True,
                      dataloader_num_workers=0, seed=_cfg().seed, disable_tqdm=True)
-    clock = _Clock()
+    warm = _warmup(steps)
+    clock = _Clock(warm)
 
     class AtWarmup(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -269,16 +292,15 @@ def _trl(packed: bool = False, defaults: bool = False, padding_free: bool = Fals
     trainer.train()
     times = clock.stop()
     loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    rows = _packed_rows(order, s.seq_len) if packed else s.batch_size
-    lengths = [len(x) for x in trainer.train_dataset[:STEPS * rows]["input_ids"]] if packed else \
+    lengths = [len(x) for x in trainer.train_dataset[:steps * rows]["input_ids"]] if packed else \
         [len(ids) for ids, _ in order]
     config = {k: getattr(args, k) for k in (
         "bf16", "fp16", "gradient_checkpointing", "activation_checkpointing", "packing", "packing_strategy",
         "use_liger_kernel", "torch_compile",
     )}  # as the trainer ran; padding-free is the trainer's decision (bfd packing turns it on)
     config["padding_free"] = getattr(trainer, "padding_free", args.padding_free)
-    return {**times, "loss": loss, "tokens": sum(lengths), "tokens_steady": sum(lengths[WARMUP * rows:]),
-            "trl_config": config}
+    return {**times, "loss": loss, "tokens": sum(lengths), "tokens_steady": sum(lengths[warm * rows:]),
+            "steps": steps, "trl_config": config}
 
 
 def _rate(side: dict, whole: bool = False) -> float:
@@ -294,65 +316,85 @@ def _child(side: str) -> dict:
     return json.loads(next(x for x in reversed(p.stdout.strip().splitlines()) if x.startswith("{")))
 
 
+def _last(loss: list[float], k: int) -> float:
+    """The mean of the last k steps' losses (of all, where there are fewer)."""
+    return round(sum(loss[-k:]) / len(loss[-k:]), 4)
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    return round(a / b, 3) if b else None
+
+
 def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     _prepare()
+    with_trl = peer("trl", "sft")
     # each side ROUNDS times, the sides interleaved, and each side's fastest run is its figure: this machine's
     # speed drifts by 10-20% within minutes, and interleaving lets every side meet the same drift
     sides = {"ours": "_ours", "trl_padded": "_trl", "trl_padding_free": "_trl padding_free", "raytrain": "_raytrain",
              "ours_packed": "_ours packed", "trl_packed": "_trl packed"}
+    if not with_trl:  # small mode without TRL installed: our sides alone
+        sides = {k: v for k, v in sides.items() if not k.startswith("trl")}
     runs: dict[str, list[dict]] = {k: [] for k in sides}
     for _ in range(ROUNDS):
         for k, arg in sides.items():
             runs[k].append(_child(arg))
     best = {k: max(v, key=_rate) for k, v in runs.items()}
-    ours, ray_ours, ours_p, trl_p = best["ours"], best["raytrain"], best["ours_packed"], best["trl_packed"]
+    ours, ray_ours, ours_p, trl_p = best["ours"], best["raytrain"], best["ours_packed"], best.get("trl_packed")
     # TRL's best unpacked: padded, or padding-free (one flat row; its sdpa then masks the whole row)
-    trl_unpacked = {"padded": best["trl_padded"], "padding_free": best["trl_padding_free"]}
-    trl = max(trl_unpacked.values(), key=_rate)
-    trl_d = _child("_trl defaults") if TRL_DEFAULTS else None
+    trl_unpacked = {"padded": best["trl_padded"], "padding_free": best["trl_padding_free"]} if with_trl else {}
+    trl = max(trl_unpacked.values(), key=_rate) if with_trl else None
+    trl_d = _child("_trl defaults") if TRL_DEFAULTS and with_trl else None
     peak = _peak_matmul_flops()
     k = min(10, STEPS)  # loss after n: the mean of the last k steps
-    tps, tps_trl = _rate(ours), _rate(trl)
+    tps, tps_trl = _rate(ours), _rate(trl) if trl else None
     fig = {
-        "steps": STEPS, "warmup_steps": WARMUP, "tokens_per_s": round(tps, 1), "tokens_per_s_trl": round(tps_trl, 1),
-        "throughput_ratio_vs_trl": round(tps / tps_trl, 3),
-        "loss_after_n": round(sum(ours["loss"][-k:]) / k, 4), "loss_after_n_trl": round(sum(trl["loss"][-k:]) / k, 4),
-        "peak_rss_mb": ours["peak_rss_mb"], "peak_rss_mb_trl": trl["peak_rss_mb"],
-        "mfu": round(6 * ours["params"] * tps / peak, 4), "mfu_trl": round(6 * ours["params"] * tps_trl / peak, 4),
-        "peak_matmul_gflops": round(peak / 1e9, 1), "params": ours["params"],
-        "loss_first": round(ours["loss"][0], 4), "loss_first_trl": round(trl["loss"][0], 4),
-        "trl_config": trl["trl_config"], "trl_bf16": trl["trl_config"]["bf16"],
-        "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
-        "trl_padding_free": trl["trl_config"]["padding_free"],
-        **{f"tokens_per_s_trl_{k}": round(_rate(v), 1) for k, v in trl_unpacked.items()},
+        "steps": STEPS, "warmup_steps": WARMUP, "tokens_per_s": round(tps, 1),
+        "loss_after_n": _last(ours["loss"], k), "peak_rss_mb": ours["peak_rss_mb"],
+        "mfu": round(6 * ours["params"] * tps / peak, 4), "peak_matmul_gflops": round(peak / 1e9, 1),
+        "params": ours["params"], "loss_first": round(ours["loss"][0], 4), "trl": with_trl,
     }
+    if trl:
+        fig |= {
+            "tokens_per_s_trl": round(tps_trl, 1), "throughput_ratio_vs_trl": round(tps / tps_trl, 3),
+            "loss_after_n_trl": _last(trl["loss"], k), "peak_rss_mb_trl": trl["peak_rss_mb"],
+            "mfu_trl": round(6 * ours["params"] * tps_trl / peak, 4), "loss_first_trl": round(trl["loss"][0], 4),
+            "trl_config": trl["trl_config"], "trl_bf16": trl["trl_config"]["bf16"],
+            "trl_gradient_checkpointing": trl["trl_config"]["gradient_checkpointing"],
+            "trl_padding_free": trl["trl_config"]["padding_free"],
+            **{f"tokens_per_s_trl_{k}": round(_rate(v), 1) for k, v in trl_unpacked.items()},
+        }
     tps_ray = _rate(ray_ours)
     fig |= {"tokens_per_s_raytrain": round(tps_ray, 1),
-            "throughput_ratio_vs_trl_raytrain": round(tps_ray / tps_trl, 3),
-            "loss_after_n_raytrain": round(sum(ray_ours["loss"][-k:]) / k, 4),
+            "throughput_ratio_vs_trl_raytrain": _ratio(tps_ray, tps_trl),
+            "loss_after_n_raytrain": _last(ray_ours["loss"], k),
             "peak_rss_mb_raytrain": ray_ours["peak_rss_mb"], "raytrain_fit_seconds": round(ray_ours["fit_seconds"], 2),
             "raytrain_checkpoint_seconds": round(ray_ours["checkpoint_seconds"], 3),
             "raytrain_workers": ray_ours["workers"]}
-    tps_p, tps_trl_p = _rate(ours_p), _rate(trl_p)
-    fig |= {"tokens_per_s_packed": round(tps_p, 1), "tokens_per_s_trl_packed": round(tps_trl_p, 1),
-            "throughput_ratio_vs_trl_packed": round(tps_p / tps_trl_p, 3),
-            "loss_after_n_packed": round(sum(ours_p["loss"][-k:]) / k, 4),
-            "loss_after_n_trl_packed": round(sum(trl_p["loss"][-k:]) / k, 4),
-            "peak_rss_mb_packed": ours_p["peak_rss_mb"], "peak_rss_mb_trl_packed": trl_p["peak_rss_mb"],
-            "trl_config_packed": trl_p["trl_config"]}
+    tps_p = _rate(ours_p)
+    fig |= {"tokens_per_s_packed": round(tps_p, 1), "steps_packed": ours_p["steps"],
+            "loss_after_n_packed": _last(ours_p["loss"], k),
+            "peak_rss_mb_packed": ours_p["peak_rss_mb"]}
+    if trl_p:
+        tps_trl_p = _rate(trl_p)
+        fig |= {"tokens_per_s_trl_packed": round(tps_trl_p, 1),
+                "throughput_ratio_vs_trl_packed": round(tps_p / tps_trl_p, 3),
+                "loss_after_n_trl_packed": _last(trl_p["loss"], k),
+                "peak_rss_mb_trl_packed": trl_p["peak_rss_mb"], "trl_config_packed": trl_p["trl_config"]}
     if trl_d:  # TRL at its own defaults (bf16, gradient checkpointing): a side figure, not the comparison
         tps_d = _rate(trl_d)
         fig |= {"trl_defaults_config": trl_d["trl_config"], "tokens_per_s_trl_defaults": round(tps_d, 1),
                 "throughput_ratio_vs_trl_defaults": round(tps / tps_d, 3),
-                "loss_after_n_trl_defaults": round(sum(trl_d["loss"][-k:]) / k, 4),
+                "loss_after_n_trl_defaults": _last(trl_d["loss"], k),
                 "peak_rss_mb_trl_defaults": trl_d["peak_rss_mb"]}
     # the whole loop, warm-up steps included
     whole = {"": ours, "_trl": trl, "_raytrain": ray_ours, "_packed": ours_p, "_trl_packed": trl_p}
-    fig |= {f"tokens_per_s{k}_whole_loop": round(_rate(v, whole=True), 1) for k, v in whole.items()}
-    fig |= {"throughput_ratio_vs_trl_whole_loop": round(_rate(ours, True) / _rate(trl, True), 3),
-            "throughput_ratio_vs_trl_raytrain_whole_loop": round(_rate(ray_ours, True) / _rate(trl, True), 3)}
+    fig |= {f"tokens_per_s{k}_whole_loop": round(_rate(v, whole=True), 1) for k, v in whole.items() if v}
+    if trl:
+        fig |= {"throughput_ratio_vs_trl_whole_loop": round(_rate(ours, True) / _rate(trl, True), 3),
+                "throughput_ratio_vs_trl_raytrain_whole_loop": round(_rate(ray_ours, True) / _rate(trl, True), 3)}
     fig |= {"rounds": ROUNDS, **{f"tokens_per_s_rounds_{k}": [round(_rate(r), 1) for r in v] for k, v in runs.items()}}
+    fig = mark(fig)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "sft.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))

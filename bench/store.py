@@ -2,7 +2,11 @@
 POSTTRAIN_HOME and with `s3://` on moto's S3 server on loopback (the same machine, a fresh bucket prefix and
 mirror per run, so nothing is cached); wall seconds per run, their ratio, and the bytes each stage published.
 Loopback has no bandwidth limit: the difference is the store's per-request work (listing, commit, manifest,
-one PUT per file, downloads into the mirror), which a real bucket adds its latency to."""
+one PUT per file, downloads into the mirror), which a real bucket adds its latency to.
+
+BENCH_SMALL=1 (bench/__init__.py): the smoke DAG with one RL specialist (bench.SMOKE_SETS), one run with `s3://`;
+the local run is the small mode's smoke run (the same command on a local POSTTRAIN_HOME, run once for the other
+benchmarks, its wall time recorded then)."""
 from __future__ import annotations
 
 import json
@@ -16,8 +20,12 @@ import urllib.request
 from pathlib import Path
 from statistics import mean
 
-OUT = Path(".posttrain/bench")
-REPS = 2
+import bench
+from bench import mark, out_dir, size, small, smoke_args, smoke_wall_s
+
+OUT = out_dir()
+SMOKE_RUN = True  # small mode's local run is the smoke run (bench/__init__.py)
+REPS = size(2, 1)
 
 
 def _free_port() -> int:
@@ -47,12 +55,17 @@ def main() -> None:
         wall: dict[str, list[float]] = {"local": [], "s3": []}
         for rep in range(REPS):
             for kind in wall:
+                if small() and kind == "local":  # the smoke run: the same command on a local home
+                    wall[kind].append(smoke_wall_s())
+                    print(f"{kind} rep {rep}: {wall[kind][-1]} s (the small mode's smoke run)", flush=True)
+                    continue
                 home = str(work / f"local{rep}") if kind == "local" else f"s3://bench/run{rep}"
                 env = {**os.environ, **aws, "POSTTRAIN_HOME": home, "POSTTRAIN_LOCAL": str(work / f"mirror{rep}"),
                        "RAY_AUTH_MODE": "disabled"}
                 t0 = time.perf_counter()
-                p = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], env=env,
-                                   capture_output=True, text=True)
+                args = smoke_args() if small() else ["run", "--profile", "smoke"]
+                p = subprocess.run([sys.executable, "-m", "posttrain.cli", *args], env=env, capture_output=True,
+                                   text=True)
                 if p.returncode:
                     raise RuntimeError(f"{kind} run failed:\n{p.stderr[-2000:]}")
                 wall[kind].append(round(time.perf_counter() - t0, 1))
@@ -64,11 +77,13 @@ def main() -> None:
                 sizes[stage] = sizes.get(stage, 0) + o["Size"]
     finally:
         server.terminate()
-    fig = {"profile": "smoke", "reps": REPS, "wall_s_local": wall["local"], "wall_s_s3": wall["s3"],
+    fig = {"profile": "smoke", "sets": bench.SMOKE_SETS if small() else [], "reps": REPS,
+           "wall_s_local": wall["local"], "wall_s_s3": wall["s3"],
            "s3_over_local": round(mean(wall["s3"]) / mean(wall["local"]), 3),
            "s3_extra_s_per_run": round(mean(wall["s3"]) - mean(wall["local"]), 1),
            "bytes_published_per_stage": sizes, "bytes_published": sum(sizes.values()),
            "s3_server": "moto on loopback", "machine": f"{os.cpu_count()} cores"}
+    fig = mark(fig)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "store.json").write_text(json.dumps(fig, indent=1))
     print(json.dumps(fig, indent=1))

@@ -53,11 +53,43 @@ def _head_weight(model, out) -> torch.Tensor:
     return head.weight
 
 
+def _nothing_scored(model, fused_path: bool, input_ids: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """`sequence_logprobs` of a batch with no scored position (rows of prompt only, an empty row): an empty tensor
+    (float32 on the fused path, else the parameters' dtype), the model not run. Under autograd it is a leaf of its
+    own, so a loss summed over it is 0 and backpropagates nothing: the parameters' gradients stay as they were and
+    AdamW skips those that have none. Two callers need the forward itself, and get it on one kept position, the
+    result then an empty slice of its logits: DDP (every rank must join the gradient all-reduce; this one adds
+    zeros) and a model whose MTP layer is capturing this forward's hidden states for its loss (posttrain.mtp)."""
+    m = unwrap(model)
+    params = next(m.parameters(), None)
+    dev = params.device if params is not None else input_ids.device
+    dtype = torch.float32 if fused_path or params is None or not params.is_floating_point() else params.dtype
+    ddp = torch.is_grad_enabled() and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    mtp = getattr(m, "mtp", None)
+    capturing = bool(getattr(mtp, "capture", False))
+    if capturing and input_ids.shape[-1] == 0:  # nothing to run on: what the MTP loss reads, empty
+        mtp.seen.update(hidden=torch.zeros(input_ids.shape[0], 0, m.config.hidden_size, device=dev,
+                                           dtype=params.dtype), position_ids=None, mask=None)
+        capturing = False
+    if not (ddp or capturing):
+        return torch.zeros(0, device=dev, dtype=dtype, requires_grad=torch.is_grad_enabled())
+    if input_ids.shape[-1] == 0:  # DDP, no token at all: one stand-in token, its other inputs dropped
+        input_ids = input_ids.new_zeros((1, 1))
+        inputs = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    logits = model(input_ids=input_ids, **inputs, logits_to_keep=1).logits
+    return logits.reshape(-1)[:0].to(dtype)
+
+
 def sequence_logprobs(model, input_ids: torch.Tensor, targets_mask: torch.Tensor, **inputs) -> torch.Tensor:
     """log p(input_ids[:, t+1] | ...) at the positions where `targets_mask[:, t+1]` is non-zero, flattened in
-    row-major order (the masked_lm_loss layout); other positions cost nothing on the fused path."""
+    row-major order (the masked_lm_loss layout); other positions cost nothing on the fused path. A batch with no
+    such position (prompt-only or empty rows) returns an empty tensor without running the model, on every path
+    (except where the forward itself is needed: DDP, an MTP capture; `_nothing_scored`)."""
     target, sel = input_ids[:, 1:], targets_mask[:, 1:] != 0
-    if fused(model):
+    use_fused = fused(model)
+    if not bool(sel.any()):
+        return _nothing_scored(model, use_fused, input_ids, inputs)
+    if use_fused:
         from kernels.logprob import linear_logprob
         out = model(input_ids=input_ids, **inputs, output_hidden_states=True, logits_to_keep=1)
         return linear_logprob(out.hidden_states[-1][:, :-1][sel], _head_weight(model, out), target[sel])[0]
