@@ -94,7 +94,8 @@ def _check_stages(names: list[str], flag: str, cfg, workflow: str = "cross_stage
     stages = [s.name for s in graph(cfg).values() if workflow == "cross_stage" or s.workflow == workflow]
     unknown = [n for n in names if n not in stages]
     if unknown:
-        raise ConfigError(f"{flag}: unknown stage {', '.join(map(repr, unknown))}; stages: {', '.join(stages)}")
+        where = f" in workflow {workflow}" if flag == "--force" else ""
+        raise ConfigError(f"{flag}: unknown stage {', '.join(map(repr, unknown))}{where}; stages: {', '.join(stages)}")
 
 
 def _check_local_inputs(cfg) -> None:
@@ -120,7 +121,7 @@ def _check_local_inputs(cfg) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
-    _check_stages(a.force, f"--force (workflow {a.workflow})", cfg, a.workflow)
+    _check_stages(a.force, "--force", cfg, a.workflow)
     if not a.remote:  # a remote run's paths are the cluster's
         _check_local_inputs(cfg)
     from posttrain.pipeline import check_domains

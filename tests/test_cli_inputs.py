@@ -38,7 +38,7 @@ CASES = [
     (["run", "--profile", "smoke", "--set", "rl.lr=nan"], "rl.lr: must be a finite number"),
     (["run", "--profile", "smoke", "--set", "sft.steps=true"], "sft.steps: must be a number (got True)"),
     (["run", "--profile", "smoke", "--set", "sft.warmup=100"], "sft.warmup: must be <= steps (got 100 > 4)"),
-    (["run", "--profile", "smoke", "--force", "xs-agentic"], "--force (workflow post_train): unknown stage 'xs-agentic'"),
+    (["run", "--profile", "smoke", "--force", "xs-agentic"], "--force: unknown stage 'xs-agentic' in workflow post_train"),
     (["run", "--profile", "/x/nope.yaml"], "--profile /x/nope.yaml: no such file"),
     (["run", "--profile", "/tmp"], "--profile /tmp: is a directory"),
     (["rerun", "nosuchstage", "--from", "latest"], "rerun: unknown stage 'nosuchstage'"),
