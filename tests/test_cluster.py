@@ -144,7 +144,10 @@ def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_serv
         audit = _cli(["lineage", f"posttrain-smoke@{version}"], {**env, "POSTTRAIN_LOCAL": str(tmp_path / "m-audit")},
                      ROOT, 300)
         assert audit.returncode == 0 and "lineage verified" in audit.stdout, (audit.stdout + audit.stderr)[-2000:]
-    report = json.loads(s3.get_object(Bucket="posttrain-test", Key="home/latest/report.json")["Body"].read())
+    reports = [json.loads(s3.get_object(Bucket="posttrain-test", Key=f"home/runs/{run_id}/report.json")["Body"].read())
+               for run_id in (next(line.split()[-1] for line in out.splitlines() if line.startswith("HTML report:"))
+                              .split("/")[-2] for out in outs)]
+    report = next(r for r in reports if not r["stages"]["sft"]["cached"])  # the run that computed (the other waited)
     keys = {o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="posttrain-test")
             for o in page.get("Contents", [])}
     for stage, v in report["stages"].items():  # each artifact in the bucket, committed, its manifest there
@@ -175,7 +178,8 @@ def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_serv
     empty.mkdir()
     fresh = {**env, "POSTTRAIN_LOCAL": str(tmp_path / "mirror2")}
     shown = _cli(["report", "latest"], fresh, empty, 300)
-    assert shown.returncode == 0 and report["run_id"] in shown.stdout, shown.stderr[-2000:]
+    latest = json.loads(s3.get_object(Bucket="posttrain-test", Key="home/latest/report.json")["Body"].read())
+    assert shown.returncode == 0 and latest["run_id"] in shown.stdout, shown.stderr[-2000:]
     audit = _cli(["lineage", report["registered_model"]], fresh, empty, 300)
     assert audit.returncode == 0 and "raw" in audit.stdout and "lineage verified" in audit.stdout, \
         (audit.stdout + audit.stderr)[-2000:]
