@@ -110,7 +110,7 @@ def read_manifest(folder: Path | str) -> dict:
         m = json.loads(path.read_text())
         if all(k in m for k in ("stage", "files", "parents", "config_digest", "code_digest", "sha256")):
             return m
-    except (ValueError, TypeError):
+    except (ValueError, TypeError):  # not JSON, or not an object: the same verdict as missing keys
         pass
     raise DigestMismatch(f"{path}: not a readable manifest (modified after it was written)")
 

@@ -63,17 +63,21 @@ class _Files:
             os.replace(tmp, self.local / name)
 
 
-def _alive(holder: dict) -> bool:
-    if holder.get("expires", 0) < time.time():
+def process_gone(host: str, pid: int | str) -> bool:
+    """True when `pid` ran on this host and no longer exists (a process on another host: not known, False)."""
+    if host != socket.gethostname() or not str(pid).isdigit():
         return False
-    if holder.get("host") == socket.gethostname() and holder.get("pid"):
-        try:
-            os.kill(holder["pid"], 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-    return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: it exists
+        return False
+    return False
+
+
+def _alive(holder: dict) -> bool:
+    return holder.get("expires", 0) >= time.time() and not process_gone(holder.get("host", ""), holder.get("pid", ""))
 
 
 class Lease:

@@ -134,7 +134,7 @@ def close_killed_runs(home: str | Path) -> list[str]:
     """Pipeline runs left RUNNING by a driver that died (`kill -9`, a lost machine) on this host, with their
     stage runs: marked KILLED. Runs whose driver is alive, or on another host, are left alone. Returns the
     parent run ids closed."""
-    import socket
+    from posttrain.lease import process_gone
     if not server_uri() and not (Path(home) / "mlflow.db").exists():
         return []
     c = client(home)
@@ -142,17 +142,8 @@ def close_killed_runs(home: str | Path) -> list[str]:
     if exp is None:
         return []
     running = c.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'", max_results=1000)
-    host = socket.gethostname()
-    dead = set()
-    for r in running:
-        t = r.data.tags
-        if t.get("posttrain.host") == host and t.get("posttrain.pid", "").isdigit():
-            try:
-                os.kill(int(t["posttrain.pid"]), 0)
-            except ProcessLookupError:
-                dead.add(r.info.run_id)
-            except PermissionError:
-                pass
+    dead = {r.info.run_id for r in running
+            if process_gone(r.data.tags.get("posttrain.host", ""), r.data.tags.get("posttrain.pid", ""))}
     closed, frontier = set(), set(dead)
     while frontier:  # the pipeline run, its stage runs, their sub-step runs
         closed |= frontier
