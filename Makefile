@@ -7,7 +7,7 @@ PROFILE ?= tiny
 B       ?=
 SEEDS   ?= 0 1 2
 
-.PHONY: install run test test-cluster bench figures ui-shots checkpoint-smollm2 clean
+.PHONY: install run test test-cluster test-slow bench figures ui-shots checkpoint-smollm2 clean
 
 install: $(STAMP)
 
@@ -23,7 +23,11 @@ run: install
 	$(BIN)/posttrain run --profile $(PROFILE)
 
 test: install
-	$(BIN)/python -m pytest -x -q --durations=15 --ignore=tests/test_cluster.py  # the slowest, to keep it short
+	$(BIN)/python -m pytest -x -q --durations=15 --ignore=tests/test_cluster.py --ignore=tests/slow  # the slowest, to keep it short
+
+# the small profile on the real chat model, a few steps per stage (minutes: its forwards); CI runs it too
+test-slow: install
+	$(BIN)/python -m pytest -x -q --durations=5 tests/slow
 
 # against real servers on loopback (S3, MLflow): longer than the suite's budget, so apart; CI runs both
 test-cluster: install

@@ -12,6 +12,7 @@ REGISTRY: dict[str, str] = {
     "agentic": "environments.agentic",
     "general": "environments.general",
     "long_context": "environments.long_context",
+    "chat": "environments.chat",  # held-out ordinary instructions, evaluation only (eval.chat_suite)
 }
 DOMAINS = ("reasoning", "agentic", "general")
 # a run's own environments (name -> module, JSON) for the Ray workers and actors of its stages, which start

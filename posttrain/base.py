@@ -1,15 +1,20 @@
 """base: train the BPE tokenizer on the curated corpus, build the tiny Llama, pretrain it briefly."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from posttrain.artifacts import dir_digest
 from posttrain.chat import ChatFormatError, chat_format, doc_end_id, train_tokenizer
 from posttrain.config import PipelineConfig
 from posttrain.data import load_pretrain_texts
 from posttrain.model import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
+from posttrain.pypi_checkpoints import source_of
 from posttrain.train import eval_loss, pack_stream, row_sampler, summarize, train
+
+SOURCE = "source.json"  # in a base artifact made from base.init_from: the checkpoint it copied
 
 
 def check_checkpoint(cfg: PipelineConfig):
@@ -43,6 +48,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         tok = check_checkpoint(cfg)
         model, _ = load_checkpoint(cfg.base.init_from)
         save_checkpoint(model, tok, out)
+        # where the weights came from, inside the artifact (so under its digest): lineage prints it
+        source = {"init_from": cfg.base.init_from, "dir_sha256": dir_digest(cfg.base.init_from)}
+        if fetched := source_of(cfg.base.init_from):  # fetched by posttrain: the wheel and GGUF it was converted from
+            source["converted_from"] = {k: v for k, v in fetched.items() if k != "files"}
+        (out / SOURCE).write_text(json.dumps(source, indent=1, sort_keys=True))
         return {"metrics": {"params": n_params(model)}, "params": {"init_from": cfg.base.init_from}}
     texts = load_pretrain_texts(inputs["curate"])
     tok = train_tokenizer(texts, cfg.tokenizer.vocab_size)

@@ -427,6 +427,9 @@ class EvalConfig(_Strict):
     batch_size: AtLeast1 = 64
     samples: AtLeast0 = 4                # sampled answers per task for pass@k (0: greedy only)
     temperature: NonNegative = 0.6       # for the sampled answers (0: greedy, every sample the same)
+    # environments/chat.py: everyday questions outside the task world, thinking off, never trained on: what a real
+    # chat model keeps of its general ability (meaningless for the tiny preset, which never saw English)
+    chat_suite: bool = False
 
     def batch_size_at(self, length: int) -> int:
         """Prompts per batch at a context length: attention scores are batch x heads x length^2, so
@@ -454,6 +457,10 @@ class RuntimeConfig(_Strict):
     gpus_per_stage: NonNegative = 1.0    # Ray GPUs a training or evaluation stage reserves on CUDA (0.25: share)
     ray_num_cpus: AtLeast1 = 2
     torch_threads: AtLeast1 = 2
+    # training forwards under bf16 autocast on CPU as on CUDA (weights, optimizer state and log-probability sums
+    # stay fp32; rollouts stay fp32, and the importance-sampling ratio absorbs the difference): for real
+    # checkpoints on CPUs with AVX512-BF16 or AMX. Like device, it is not part of a stage's cache key
+    cpu_bf16: bool = False
     object_store_mb: AtLeast1 = 256
 
 
@@ -510,7 +517,7 @@ class PipelineConfig(_Strict):
                               f"(got {self.ramp.dsa.own_indexer})")
         # the ramp extends the context: each stage sets max_position_embeddings to its seq_len
         first = self.ramp.stages[0].seq_len
-        if first < m.max_position_embeddings:
+        if first < m.max_position_embeddings and not self.base.init_from:
             errors.append(f"ramp.stages.0.seq_len: must be >= model.max_position_embeddings "
                           f"(got {first} < {m.max_position_embeddings})")
         domains = self.rl.domains
@@ -550,8 +557,10 @@ class PipelineConfig(_Strict):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def eval_lengths(self) -> list[int]:
-        """The base model's context length and every ramp stage's: long_context is scored at each."""
-        return sorted({self.model.max_position_embeddings, *(s.seq_len for s in self.ramp.stages)})
+        """Every ramp stage's length and the tiny preset's own context length: long_context is scored at each.
+        A checkpoint's (base.init_from) own length can be far longer than the ladder it is given here."""
+        own = () if self.base.init_from else (self.model.max_position_embeddings,)
+        return sorted({*own, *(s.seq_len for s in self.ramp.stages)})
 
 
 def _at(data: dict, path: str) -> Any:

@@ -31,11 +31,16 @@ def stage_gpus(setting: str, per_stage: float) -> float:
     return per_stage if has else 0.0
 
 
+CPU_BF16 = "POSTTRAIN_CPU_BF16"  # "1" from runtime.cpu_bf16, set in the stage's Ray runtime_env
+
+
 def autocast(dev: torch.device):
     """What a training forward runs under: on CUDA bf16 autocast, and SDPA without cuDNN's kernel where its
-    backward is not trusted (`cudnn_sdpa_trusted`); nothing on CPU (the embedded default computes in fp32)."""
+    backward is not trusted (`cudnn_sdpa_trusted`); on CPU fp32 (the embedded default), or bf16 autocast with
+    runtime.cpu_bf16 (1.6x the training tokens/s of SmolLM2-135M on this machine's AVX512-BF16 Xeon)."""
     if dev.type != "cuda":
-        return contextlib.nullcontext()
+        bf16 = os.environ.get(CPU_BF16) == "1"
+        return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
     if not cudnn_sdpa_trusted(torch.cuda.get_device_capability(dev)):

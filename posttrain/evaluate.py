@@ -3,7 +3,8 @@ checkpoints' domain suites) sampled with pass@k; a table, plots and the HTML rep
 
 Checkpoints before sft have never seen the chat template: they are scored as plain-text completion, the
 form the pretraining corpus shows tasks in (posttrain/completion_eval.py); the rest through the chat
-template and the environments' episodes."""
+template and the environments' episodes. A real chat checkpoint (base.init_from) is scored as chat, and with
+`eval.chat_suite` every chat-scored checkpoint also answers held-out everyday questions (environments/chat.py)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,11 @@ from posttrain.ramp import eval_sets
 from posttrain.raysupport import map_tasks
 from posttrain.rl.rollout import run_episodes, score
 
-BASE_MODELS = ("base", "ramped")  # scored as completion, not chat
+
+def completion_checkpoints(cfg: PipelineConfig) -> tuple[str, ...]:
+    """Scored as plain-text completion, not chat: the tiny preset's base and ramped models; of a real chat
+    checkpoint (base.init_from) only the ramped one, trained on plain text: the base is the user's chat model."""
+    return ("ramped",) if cfg.base.init_from else ("base", "ramped")
 
 
 def checkpoints(cfg: PipelineConfig) -> dict[str, str]:
@@ -48,6 +53,8 @@ def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) 
         out[f"{d}:nothink"] = (tasks, False)
         if not completion and hasattr(environments.get(d), "open_workspace"):
             out[f"{d}:turns"] = (tasks, "after_tools")
+    if cfg.eval.chat_suite and not completion:
+        out["chat"] = (environments.get("chat").generate(), False)
     if completion:
         return out | {f"long_context@{L}": (tasks, True) for L, tasks in eval_sets(cfg, tok).items()}
     for L in cfg.eval_lengths():
@@ -153,14 +160,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
     result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {},
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
-    cks = checkpoints(cfg)
-    calls = [(cfg, inputs[stage], completion_suites if ck in BASE_MODELS else chat_suites, ck in BASE_MODELS,
+    cks, plain = checkpoints(cfg), completion_checkpoints(cfg)
+    calls = [(cfg, inputs[stage], completion_suites if ck in plain else chat_suites, ck in plain,
               cfg.eval.samples) for ck, stage in cks.items()]
     for ck, (s, t, p, spec) in zip(cks, _each(calls)):
         if spec:
             result["mtp"][ck] = spec
         result["eval"][ck], result["tokens"][ck] = s, t
-        if ck not in BASE_MODELS:  # which template, thinking support and tool format the checkpoint was scored with
+        if ck not in plain:  # which template, thinking support and tool format the checkpoint was scored with
             result["chat_format"][ck] = chat_format(AutoTokenizer.from_pretrained(inputs[cks[ck]])).summary()
         if p:
             result["pass_at_k"][ck] = p

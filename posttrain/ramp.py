@@ -216,7 +216,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     seed_all(cfg.seed)
     r = cfg.ramp
     model, tok = load_checkpoint(inputs["base"])
-    n_layers = model.config.num_hidden_layers
+    n_layers, native = model.config.num_hidden_layers, model.config.max_position_embeddings
     if r.attention == "dsa" and any(i >= n_layers for i in r.dsa.own_indexer):  # a checkpoint's depth: known only now
         raise ValueError(f"ramp.dsa.own_indexer: layers must be < the {n_layers} layers of {inputs['base']} "
                          f"(got {r.dsa.own_indexer})")
@@ -252,7 +252,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
         print(f"[ramp] {child['name']}: {kv(child['metrics'])}", flush=True)
     save_checkpoint(model, tok, out)
     (out / "long_context.json").write_text(json.dumps(curves, indent=1))
-    plot_accuracy(curves, {"pre-ramp": cfg.model.max_position_embeddings,
+    plot_accuracy(curves, {"pre-ramp": native,
                            **{f"ramp@{st.seq_len}": st.seq_len for st in r.stages}}, out / "long_context.png")
     return {"metrics": {**metrics, "final_seq_len": r.stages[-1].seq_len}, "history": history,
             "children": children}

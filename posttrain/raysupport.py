@@ -82,7 +82,9 @@ def _call(fn_path: str, threads: int, *args, **kwargs):
     return {**out, "ray_node": ray.get_runtime_context().get_node_id()} if isinstance(out, dict) else out
 
 
-_remote_call = ray.remote(_call)
+# max_calls=1: a stage's worker exits after it. Ray would reuse it for the next stage, heap and all: after the small
+# profile's ramp it held 8.5 GB that glibc never returned, and the sft beside it ran out of memory
+_remote_call = ray.remote(max_calls=1)(_call)
 
 
 def submit(fn_path: str, num_cpus: float, threads: int, *args, env_vars: dict[str, str] | None = None,

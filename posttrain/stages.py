@@ -19,6 +19,7 @@ from posttrain.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sh
                                  sha256_file, sha256_json, staging_dir, verify, verify_ref, write_manifest)
 from posttrain.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
+from posttrain.device import CPU_BF16
 from posttrain.device import ENV as DEVICE_VAR
 from posttrain.device import stage_gpus
 from posttrain.lease import hold
@@ -228,6 +229,8 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
         env_vars = {ENV_VAR: json.dumps(cfg.world.environments)} if cfg.world.environments else {}
         if cfg.runtime.device != "auto":
             env_vars[DEVICE_VAR] = cfg.runtime.device
+        if cfg.runtime.cpu_bf16:
+            env_vars[CPU_BF16] = "1"
         gpus = stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) if stage.gpu else 0.0
         if scratch_url:  # resume checkpoints go to the store too (posttrain.store.checkpointed)
             env_vars[SCRATCH_VAR] = scratch_url

@@ -43,6 +43,23 @@ def test_aggregate_gives_means_spreads_gains_retention_and_claims():
     assert "| NO |" in markdown(weak)
 
 
+def test_a_real_models_figures_hold_long_context_and_its_everyday_chat_to_their_bars():
+    def real(seed, chat_after, lc):
+        r = _report(seed, 0.40, 0.60, 0.58, 0.57, 0.20)
+        r["eval"]["base"] = {"chat": 0.50, "reasoning": 0.0}
+        for c in ("sft", "generalist", "quantized"):
+            r["eval"][c].update({"chat": chat_after, "long_context@1024": lc})
+        return r
+    f = aggregate([real(0, 0.46, 0.80), real(1, 0.48, 0.90)])
+    assert f["chat_retention"]["quantized"] == pytest.approx(0.94)
+    assert f["long_context_top"] == {"length": 1024, "value": pytest.approx(0.85)}
+    assert all(c["holds"] for c in f["claims"])
+    assert "share of the base's score kept" in markdown(f)
+    worse = {c["claim"]: c["holds"] for c in aggregate([real(0, 0.30, 0.50)])["claims"]}
+    assert not worse["quantized keeps >= 90% of the base's held-out chat score"]
+    assert not worse["quantized scores >= 0.70 on long_context@1024 (the ramp's top length)"]
+
+
 def _weights(report: dict) -> dict[str, str]:
     """Each stage's weight digests, from its manifest."""
     out = {}
