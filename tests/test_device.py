@@ -27,3 +27,15 @@ def test_training_leaves_cudnn_attention_off_on_hopper_unless_asked(monkeypatch)
     assert not cudnn_sdpa_trusted((9, 0)) and cudnn_sdpa_trusted((8, 0)) and cudnn_sdpa_trusted((10, 0))
     monkeypatch.setenv(CUDNN_SDPA, "1")
     assert cudnn_sdpa_trusted((9, 0))
+
+
+def test_runtime_cpu_bf16_runs_cpu_training_forwards_under_bf16_autocast(monkeypatch):
+    import torch
+
+    from posttrain.device import CPU_BF16, autocast
+    x = torch.ones(4, 4)
+    with autocast(torch.device("cpu")):
+        assert (x @ x).dtype == torch.float32  # the embedded default computes in fp32
+    monkeypatch.setenv(CPU_BF16, "1")
+    with autocast(torch.device("cpu")):
+        assert (x @ x).dtype == torch.bfloat16
