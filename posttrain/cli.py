@@ -231,10 +231,14 @@ def cmd_lm_eval(a: argparse.Namespace) -> int:
 
 
 def cmd_figures(a: argparse.Namespace) -> int:
-    from posttrain.figures import figures
+    from posttrain.figures import SeedFailed, figures
     if not a.runs:
         load_config(a.profile, [*a.set, "seed=0"])  # a bad profile or override fails before the first run
-    figures(a.profile, a.seeds, a.set, a.runs)
+    try:
+        figures(a.profile, a.seeds, a.set, a.runs)
+    except SeedFailed as e:  # the run's own one-line error is above; its finished seeds: --runs RUN ...
+        print(f"posttrain figures: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

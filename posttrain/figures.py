@@ -26,6 +26,10 @@ CLAIMS = {"thinking_delta": 0.10, "gain": 0.05, "retention": 0.90, "quant_drop_m
 THINKING_DOMAINS = ("reasoning", "agentic")  # where thinking must pay: general's constraints need no steps
 
 
+class SeedFailed(RuntimeError):
+    """One seed's run failed; its own error is printed above."""
+
+
 def run_seeds(profile: str, seeds: list[int], overrides: list[str]) -> list[Path]:
     """One `posttrain run` per seed, in this POSTTRAIN_HOME; returns each run's report.json."""
     reports = []
@@ -35,7 +39,7 @@ def run_seeds(profile: str, seeds: list[int], overrides: list[str]) -> list[Path
                 *(x for kv in [*overrides, f"seed={seed}"] for x in ("--set", kv))]
         p = subprocess.run(args, env=os.environ.copy())
         if p.returncode != 0:
-            raise RuntimeError(f"posttrain figures: the run for seed {seed} failed (exit {p.returncode}); "
+            raise SeedFailed(f"the run for seed {seed} failed (exit {p.returncode}); "
                                f"command: {' '.join(args[1:])}")
         from posttrain.pipeline import home_dir
         run_id = json.loads((home_dir() / "latest" / "report.json").read_text())["run_id"]
