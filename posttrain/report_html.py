@@ -14,7 +14,9 @@ PLOTS = {"score_by_stage.png": "Score by stage, per suite (greedy; pass@k dashed
 
 
 def _domains(scores: dict) -> list[str]:
-    return [s for s in next(iter(scores.values())) if ":" not in s and "@" not in s]
+    """The task domains: suites scored with thinking on and off (not the held-out `chat`, asked with it off)."""
+    suites = columns(scores)
+    return [s for s in suites if f"{s}:nothink" in suites]
 
 
 def _lengths(scores: dict) -> list[int]:
@@ -29,8 +31,9 @@ def save_plots(report: dict, folder: Path) -> None:
     cks, domains, lengths = list(scores), _domains(scores), _lengths(scores)
 
     fig, ax = plt.subplots(figsize=(9, 4))
-    for i, d in enumerate([*domains, f"long_context@{lengths[-1]}"] if lengths else domains):
-        line, = ax.plot(range(len(cks)), [scores[c][d] for c in cks], "o-", label=d)
+    extra = ["chat"] if "chat" in columns(scores) else []
+    for i, d in enumerate([*domains, *extra, *([f"long_context@{lengths[-1]}"] if lengths else [])]):
+        line, = ax.plot(range(len(cks)), [scores[c].get(d, float("nan")) for c in cks], "o-", label=d)
         ks = [c for c in cks if d in passk.get(c, {})]
         if ks:
             k = max(passk[ks[0]][d], key=lambda x: int(x.split("@")[1]))
