@@ -33,11 +33,28 @@ def tracking_uri(home: str | Path) -> str:
     return server_uri() or f"sqlite:///{Path(home).resolve()}/mlflow.db"
 
 
+_OPENED: set[str] = set()  # local stores this process has opened (so their tables exist)
+
+
 def client(home: str | Path) -> MlflowClient:
-    if not server_uri():
-        Path(home).mkdir(parents=True, exist_ok=True)
     uri = tracking_uri(home)
-    return MlflowClient(tracking_uri=uri, registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or uri)
+
+    def make() -> MlflowClient:
+        return MlflowClient(tracking_uri=uri, registry_uri=os.environ.get("MLFLOW_REGISTRY_URI") or uri)
+    if server_uri() or uri in _OPENED:
+        return make()
+    # the first open creates and migrates mlflow.db, which is not safe against a second process doing the same:
+    # two runs started at once on a fresh home failed with "Online migration expected to match one row when
+    # updating ... in 'alembic_version'; 0 found". One process at a time opens it (the tables exist after)
+    import fcntl
+    Path(home).mkdir(parents=True, exist_ok=True)
+    with open(Path(home) / ".mlflow.db.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        c = make()
+        c.search_experiments(max_results=1)
+        c.search_registered_models(max_results=1)
+    _OPENED.add(uri)
+    return c
 
 
 # MLflow 3's UI opens in its GenAI view (an empty Traces page): these are training runs. The tag says so where the
