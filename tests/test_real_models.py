@@ -24,7 +24,8 @@ def test_a_real_template_trains_in_every_stage(tmp_path, family):
     report = json.loads((home / "latest" / "report.json").read_text())
     fmt = report["chat_format"]
     domains = ["reasoning", "agentic", "general"] if family == "chatml" else ["agentic"]
-    assert set(fmt) == {"sft", *(f"specialist/{d}" for d in domains), "generalist", "quantized"}
+    # the user's chat checkpoint is scored as chat from the start (base); only the ramped one as completion
+    assert set(fmt) == {"base", "sft", *(f"specialist/{d}" for d in domains), "generalist", "quantized"}
     assert fmt["sft"]["template"].startswith(f"{family}:") and fmt["sft"]["thinking"] is thinking
     assert fmt["sft"]["tool_format"] == tool_format
     hist = json.loads((Path(report["stages"]["sft"]["artifact"]) / "history.json").read_text())

@@ -6,13 +6,16 @@ from pathlib import Path
 
 from tests.test_pipeline_smoke import posttrain
 
+# six sft steps teach the formats only in part: an agentic turn (thinking, then the tool call) takes ~30 of SmolLM2's
+# tokens, and at 16 new tokens no episode of two ended a turn, which the RL stage's stop check refuses (rightly;
+# tests/test_chat_formats.py tests it). Here the wiring on the real model is under test, not what 6 steps learned
 FEW_STEPS = [
     "world.n_train=200", "world.n_val=4", "world.n_test=4", "curate.raw_docs=300",
     "ramp.long_docs=10", "ramp.stages=[{seq_len: 256, tokens: 1024, warmup: 1, rope_theta: 100000.0}]",
     "sft.steps=6", "sft.batch_size=4", "sft.seq_len=256", "sft.warmup=1", "sft.lr=3.0e-4",
-    "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=16", "rl.val_every=0",
-    "rl.per_domain.agentic.prompts_per_step=2",
-    "opd.steps=1", "opd.prompts_per_step=3", "opd.max_new_tokens=16", "opd.val_every=0",
+    "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=48", "rl.val_every=0",
+    "rl.stop_check=false", "rl.per_domain.agentic.prompts_per_step=2",
+    "opd.steps=1", "opd.prompts_per_step=3", "opd.max_new_tokens=48", "opd.val_every=0",
     "quantize.calib_samples=4", "quantize.calib_seq_len=64", "eval.n_per_suite=2", "eval.max_new_tokens=16",
 ]
 
