@@ -1,4 +1,5 @@
-"""base: train the BPE tokenizer on the curated corpus, build the tiny Llama, pretrain it briefly."""
+"""base: train the BPE tokenizer on the curated corpus, build the tiny Llama, pretrain it briefly; or, with
+base.init_from, take a real checkpoint as it is (its source recorded for lineage)."""
 from __future__ import annotations
 
 import json

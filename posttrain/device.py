@@ -37,7 +37,7 @@ CPU_BF16 = "POSTTRAIN_CPU_BF16"  # "1" from runtime.cpu_bf16, set in the stage's
 def autocast(dev: torch.device):
     """What a training forward runs under: on CUDA bf16 autocast, and SDPA without cuDNN's kernel where its
     backward is not trusted (`cudnn_sdpa_trusted`); on CPU fp32 (the embedded default), or bf16 autocast with
-    runtime.cpu_bf16 (1.6x the training tokens/s of SmolLM2-135M on this machine's AVX512-BF16 Xeon)."""
+    runtime.cpu_bf16 (1.65-2.19x the training tokens/s of SmolLM2-135M on an AVX512-BF16 Xeon: bench/cpu_bf16)."""
     if dev.type != "cuda":
         bf16 = os.environ.get(CPU_BF16) == "1"
         return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()

@@ -126,7 +126,8 @@ def claims(f: dict) -> list[dict]:
     if "long_context_top" in f:
         v = f["long_context_top"]
         rows.append({"claim": f"quantized scores >= {CLAIMS['long_context']:.2f} on long_context@{v['length']} "
-                              f"(the ramp's top length)", "value": v["value"], "holds": v["value"] >= CLAIMS["long_context"]})
+                              f"(the ramp's top length)", "value": v["value"],
+                     "holds": v["value"] >= CLAIMS["long_context"]})
     if (v := f.get("chat_retention", {}).get("quantized")) is not None:
         rows.append({"claim": f"quantized keeps >= {CLAIMS['chat_retention']:.0%} of the base's held-out chat score",
                      "value": v, "holds": v >= CLAIMS["chat_retention"]})
