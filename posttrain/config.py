@@ -241,6 +241,13 @@ class SFTConfig(TrainConfig):
     checkpoint_every: AtLeast0 = 100  # steps between resumable checkpoints (0: only the last step)
     packing: bool = False         # rows of seq_len packed with whole conversations (batch_size = rows per step);
                                   # off: batches of batch_size conversations, bucketed by length
+    # self-distillation replay (posttrain/replay.py): the base model's own greedy answers, thinking off, to ordinary
+    # prompts make up this share of the mixture, so the task world does not overwrite its general chat. 0: off (a
+    # model built from nothing has no chat to keep)
+    replay_share: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    replay_prompts: AtLeast1 = 96     # how many prompts the model answers (at most the file's)
+    replay_file: str = ""             # JSONL of {"prompt": ...}: your own general instructions; empty: built-in ones
+    replay_max_new_tokens: AtLeast1 = 96  # an answer longer than this is left out, not cut
 
     @model_validator(mode="after")
     def _check(self) -> "SFTConfig":

@@ -17,7 +17,7 @@ import torch
 import environments
 from environments import long_context
 from environments.base import Task
-from posttrain import attention, mtp
+from posttrain import attention, mtp, replay
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
@@ -172,6 +172,29 @@ def with_mtp(cfg: PipelineConfig, model, tok):
     return model, tok
 
 
+def replay_examples(cfg: PipelineConfig, base: str) -> tuple[list, int]:
+    """`sft.replay_share`'s examples (posttrain/replay.py): the answers of the `base` checkpoint (the user's chat
+    model, before the ramp's plain-text training moved it), and how many were left unfinished; none when off.
+    Stops when the model finishes none of them: the replay would be a silent no-op."""
+    s = cfg.sft
+    if not s.replay_share:
+        return [], 0
+    from posttrain.engines import as_rollout_engine
+    model, tok = load_checkpoint(base)
+    prompts = replay.load_prompts(s.replay_file)[:s.replay_prompts]
+    t0 = time.time()
+    replayed, unfinished = replay.examples(as_rollout_engine(model, tok), prompts,
+                                           max_new_tokens=s.replay_max_new_tokens)
+    del model
+    if not replayed:
+        raise ChatFormatError(f"sft.replay_share: the model finished none of its {len(prompts)} replay answers "
+                              f"within sft.replay_max_new_tokens={s.replay_max_new_tokens} (chat template "
+                              f"{chat_format(tok).template}): raise it, or set sft.replay_share: 0")
+    print(f"[sft] replay: {len(replayed)} of {len(prompts)} answers of the base model in {time.time() - t0:.0f} s "
+          f"({unfinished} unfinished, left out), {s.replay_share:.0%} of the mixture", flush=True)
+    return replayed, unfinished
+
+
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
     """Build the SFT mixture, train it with Ray Train (resuming from `scratch` after a crash), save."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -192,6 +215,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
                               f"configs/templates/chatml-tools.jinja")
     examples = build_examples(cfg, tok, train_tasks, cfg.seed)
     check_masks(examples, tok)
+    replayed, unfinished = replay_examples(cfg, inputs.get("base", ""))
+    examples = replay.mix(examples, replayed, s.replay_share)
     val = build_examples(cfg, tok, val_tasks, cfg.seed + 1)
     storage, filesystem = train_storage(scratch or tempfile.mkdtemp(prefix="sft-"))
     trainer = TorchTrainer(
@@ -220,6 +245,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     (out / "history.json").write_text(json.dumps(hist))
     n_tok = sum(sum(m) for _, m in examples)
     return {"metrics": {"examples": len(examples), "long_context_examples": len(long_tasks),
+                        "replay_prompts": len(replayed), "replay_unfinished": unfinished,
                         "assistant_tokens": n_tok, **summarize(hist), **summarize(hist, "mtp_loss"),
                         **summarize(hist, "mtp_acc1"),
                         **summarize(hist, "val_loss", 1)}, "history": hist}

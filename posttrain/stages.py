@@ -75,8 +75,8 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
               ("seed", "world.seed", "model", "ramp", "mtp", "eval.n_per_suite", "eval.max_new_tokens",
                "eval.batch_size"),
               "tasks.ramp:ramp", resumable=True),
-        # sft's own Ray task only waits on its Ray Train workers
-        Stage("sft", "posttrain.sft:run", ("ramp", "curate"), ("seed", "sft", "mtp"), "tasks.sft:sft", num_cpus=0.1,
+        # sft's own Ray task only waits on its Ray Train workers; base: the model whose answers it replays
+        Stage("sft", "posttrain.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp"), "tasks.sft:sft", num_cpus=0.1,
               resumable=True, gpu=False),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
         *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}"), "tasks.rl:rl",
@@ -160,6 +160,8 @@ def cache_key(stage: Stage, cfg: PipelineConfig, code: str, inputs: dict[str, Ar
         body["init_from"] = dir_digest(cfg.base.init_from)
         if cfg.base.chat_template and Path(cfg.base.chat_template).is_file():
             body["chat_template"] = sha256_file(Path(cfg.base.chat_template))
+    if "sft" in stage.sections and cfg.sft.replay_file and Path(cfg.sft.replay_file).is_file():
+        body["replay_file"] = sha256_file(Path(cfg.sft.replay_file))
     return sha256_json(body)
 
 

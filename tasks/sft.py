@@ -9,5 +9,5 @@ env = stage_env("sft", img=GPU_TRAIN, cpu=8, memory="64Gi", gpu=8, workers=2)
 
 
 @env.task
-async def sft(ctx: RunContext, ramp: ArtifactRef, curate: ArtifactRef) -> ArtifactRef:
-    return await run_stage("sft", ctx, {"ramp": ramp, "curate": curate})
+async def sft(ctx: RunContext, base: ArtifactRef, ramp: ArtifactRef, curate: ArtifactRef) -> ArtifactRef:
+    return await run_stage("sft", ctx, {"base": base, "ramp": ramp, "curate": curate})
