@@ -1,0 +1,176 @@
+"""Mixture-of-experts care for GLM-5-shaped models: what transformers' GlmMoeDsaForCausalLM leaves to the trainer.
+
+A router here is any module with GLM-5's / DeepSeek-V3's contract (transformers' `GlmMoeDsaTopkRouter`,
+`DeepseekV3TopkRouter`): `forward(h) -> (logits fp32 [N, E], weights [N, k], indices [N, k])` over the N = B*T
+tokens of the call, a `top_k`, and an `e_score_correction_bias` buffer that is added to the sigmoid scores for the
+choice only. `RouterHooks` puts forward hooks on every router of a model (no monkeypatching) and gives:
+
+- aux-loss-free balancing (DeepSeek-V3 §2.1.2, as GLM-5 trains): after each optimizer step each router's bias
+  moves by `rate` toward the mean load, `bias += rate * sign(mean(load) - load)`. The bias is a buffer no optimizer
+  sees, so without this it stays at whatever the checkpoint holds;
+- expert load per layer over the step's real tokens (padding left out): coefficient of variation, max/mean,
+  dead experts;
+- DeepSeek-V3's complementary sequence-wise auxiliary loss, `sum_i f_i P_i` per sequence, optional and small;
+- routing record and replay for RL: the experts the rollout chose for each token, forced in the trainer's forward
+  so that an expert set the trainer would pick differently (another precision, newer weights) does not turn into
+  a policy mismatch. The router still gets its gradient through the replayed experts' weights.
+
+No library does these over transformers' modules (Megatron-core does them inside its own MoE layer)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every router of the model, in module order (MTP layer included): none for a dense model."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "e_score_correction_bias") and hasattr(m, "top_k")]
+
+
+def load_stats(load: torch.Tensor) -> dict[str, float]:
+    """Coefficient of variation, max/mean and dead experts (no token) of one layer's expert load."""
+    load = load.float()
+    mean = load.mean().clamp_min(1e-12)
+    return {"cv": float(load.std(unbiased=False) / mean), "max_mean": float(load.max() / mean),
+            "dead": int((load == 0).sum())}
+
+
+def _rescore(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The router's gate weights for experts `idx`, exactly as its forward computes them for its own choice."""
+    w = logits.sigmoid().gather(1, idx)
+    if getattr(router, "norm_topk_prob", True):
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * getattr(router, "routed_scaling_factor", 1.0)
+
+
+class RouterHooks:
+    """Hooks on every router of `model`. Loads are counted in forwards with grad enabled (training), summed over
+    micro-batches until `after_step`. `record()` / `replay(routes)` switch routing capture and replay on for the
+    next forwards; `aux` keeps what `aux_loss()` needs."""
+
+    def __init__(self, model: nn.Module, *, aux: bool = False):
+        self.routers = routers(model)
+        self.aux = aux
+        self.loads = [torch.zeros(r.e_score_correction_bias.numel()) for _, r in self.routers]
+        self._aux_terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = []
+        self._valid: torch.Tensor | None = None   # real tokens of the current forward, flattened [B*T]
+        self._rows = 1
+        self.recorded: list[list[torch.Tensor]] | None = None
+        self._replay: list[torch.Tensor] | None = None
+        self._handles = []
+        if self.routers:
+            self._handles.append(model.register_forward_pre_hook(self._see_mask, with_kwargs=True))
+            self._handles += [r.register_forward_hook(self._hook(i)) for i, (_, r) in enumerate(self.routers)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _see_mask(self, module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        t = ids.shape[-1] if ids is not None else None
+        self._rows = ids.shape[0] if ids is not None and ids.dim() == 2 else 1
+        self._valid = (mask[:, -t:].reshape(-1).bool() if mask is not None and mask.dim() == 2 and t else None)
+
+    def _hook(self, i: int):
+        def hook(router, args, out):
+            logits, weights, idx = out
+            valid = self._valid if self._valid is not None and self._valid.numel() == idx.shape[0] else None
+            if self._replay is not None:
+                forced = self._replay[i]
+                if forced.shape != idx.shape:
+                    raise ValueError(f"routing replay: router {self.routers[i][0]} got {tuple(forced.shape)} "
+                                     f"routes for {tuple(idx.shape)} tokens")
+                fresh = (forced < 0).any(-1, keepdim=True)  # -1: no recorded route, the router chooses
+                idx = torch.where(fresh, idx, forced.to(idx.device))
+                weights = _rescore(router, logits, idx)
+            if self.recorded is not None:
+                self.recorded[i].append(idx.detach().clone())
+            if torch.is_grad_enabled():
+                chosen = idx if valid is None else idx[valid]
+                self.loads[i] += torch.bincount(chosen.reshape(-1).cpu(), minlength=self.loads[i].numel()).float()
+                if self.aux:
+                    self._aux_terms.append((logits, idx, valid, self._rows))
+            if self._replay is not None:
+                return logits, weights, idx
+            return None
+        return hook
+
+    # routing record / replay
+    def record(self) -> None:
+        """Record the experts every router chooses from the next forward on (one [N, k] per router call)."""
+        self.recorded = [[] for _ in self.routers]
+
+    def take_recorded(self) -> list[list[torch.Tensor]]:
+        out, self.recorded = self.recorded or [], None
+        return out
+
+    def replay(self, routes: list[torch.Tensor] | None) -> None:
+        """Force these experts in the next forwards: per router an [N, k] index tensor for the forward's N tokens,
+        rows of -1 left to the router; None ends the replay."""
+        if routes is not None and len(routes) != len(self.routers):
+            raise ValueError(f"routing replay: {len(routes)} route tensors for {len(self.routers)} routers")
+        self._replay = routes
+
+    # balancing
+    def after_step(self, rate: float) -> dict[str, float]:
+        """After an optimizer step: the load metrics of the step, then each router's bias moved `rate` toward
+        uniform load (sign rule); loads reset. Loads are summed over data-parallel ranks first. {} for a dense
+        model or a step that saw no token."""
+        if not self.routers or not any(float(x.sum()) for x in self.loads):
+            return {}
+        loads = self.loads
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            for x in loads:
+                torch.distributed.all_reduce(x)
+        per = [load_stats(x) for x in loads]
+        if rate:
+            with torch.no_grad():
+                for (_, r), x in zip(self.routers, loads):
+                    b = r.e_score_correction_bias
+                    b += (rate * torch.sign(x.mean() - x)).to(b.device, b.dtype)
+        self.loads = [torch.zeros_like(x) for x in loads]
+        out = {f"moe_{k}_{i}": v for i, s in enumerate(per) for k, v in s.items()}
+        out |= {"moe_cv": sum(s["cv"] for s in per) / len(per), "moe_max_mean": max(s["max_mean"] for s in per),
+                "moe_dead": sum(s["dead"] for s in per)}
+        return out
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """DeepSeek-V3's sequence-wise balance loss over the forwards since the last call, averaged over routers and
+        sequences (rows of the batch; a padding-free row of several documents counts as one): for each sequence,
+        `sum_i f_i P_i` with `f_i = E / (k T) * #tokens routed to i` and `P_i` the mean of the normalised sigmoid
+        scores. 1.0 at perfect balance. None when nothing was kept (aux off, or a dense model)."""
+        terms, self._aux_terms = self._aux_terms, []
+        losses = []
+        for logits, idx, valid, rows in terms:
+            n_exp, k = logits.shape[-1], idx.shape[-1]
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(-1, keepdim=True)
+            hits = torch.zeros_like(probs).scatter_(1, idx, 1.0)
+            keep = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device) if valid is None else valid
+            rows = rows if idx.shape[0] % rows == 0 else 1
+            for r, (p, h, v) in enumerate(zip(probs.chunk(rows), hits.chunk(rows), keep.chunk(rows))):
+                if v.any():
+                    f = h[v].sum(0) * n_exp / (k * v.sum())
+                    losses.append((f * p[v].mean(0)).sum())
+        return torch.stack(losses).mean() if losses else None
+
+
+def with_aux_loss(loss_fn, hooks: RouterHooks, weight: float, curve: list | None = None):
+    """`loss_fn` plus `weight` times the routers' auxiliary loss of the same forward, as a gradient only (the value
+    stays `loss_fn`'s, comparable with a run without it; the aux value goes to `curve`); `loss_fn` itself where the
+    weight is 0 or the model has no router."""
+    if not weight or not hooks.routers:
+        return loss_fn
+
+    def loss(*args, **kw):
+        main = loss_fn(*args, **kw)
+        aux = hooks.aux_loss()
+        if aux is None:
+            return main
+        if curve is not None:
+            curve.append(float(aux.detach()))
+        return main + weight * (aux - aux.detach())
+    return loss
