@@ -106,16 +106,42 @@ class TokenizerConfig(_Strict):
 
 
 class ModelConfig(_Strict):
+    """The preset `base` builds when there is no base.init_from: a dense Llama, or (arch glm5) GLM-5's own
+    architecture at toy size, transformers' GlmMoeDsaForCausalLM: routed experts with a shared one and sigmoid
+    routing, the first layers dense, multi-head latent attention, DSA whose indexer some layers share."""
+    arch: Literal["llama", "glm5"] = "llama"
     hidden_size: AtLeast1 = 128
     num_layers: AtLeast1 = 4
     num_heads: AtLeast1 = 4
-    num_kv_heads: AtLeast1 | None = None  # grouped-query attention; None: one key/value head per query head
-    intermediate_size: AtLeast1 = 384
+    num_kv_heads: AtLeast1 | None = None  # grouped-query attention (llama); None: one key/value head per query head
+    intermediate_size: AtLeast1 = 384     # the dense MLP's (glm5: of the first_k_dense_replace layers)
     rope_theta: Positive = 10000.0
     max_position_embeddings: AtLeast1 = 128
+    # glm5 only: mixture of experts
+    n_routed_experts: AtLeast1 = 8
+    n_shared_experts: AtLeast0 = 1
+    num_experts_per_tok: AtLeast1 = 2
+    moe_intermediate_size: AtLeast1 = 128
+    first_k_dense_replace: AtLeast0 = 1   # the first layers keep a dense MLP (GLM-5: 3)
+    n_group: AtLeast1 = 1                 # expert groups for group-limited routing, topk_group of them kept
+    topk_group: AtLeast1 = 1
+    routed_scaling_factor: Positive = 2.5
+    # glm5 only: multi-head latent attention (RoPE covers the qk_rope_head_dim slice of each head)
+    q_lora_rank: AtLeast1 = 64
+    kv_lora_rank: AtLeast1 = 32
+    qk_nope_head_dim: AtLeast1 = 32
+    qk_rope_head_dim: AtLeast1 = 16
+    v_head_dim: AtLeast1 = 32
+    # glm5 only: DeepSeek sparse attention's indexer; "shared" layers reuse the previous full layer's selection
+    # (IndexShare). Empty: every layer "full"
+    index_heads: AtLeast1 = 4
+    index_head_dim: AtLeast1 = 32
+    indexer_types: list[Literal["full", "shared"]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
+        if self.arch == "glm5":
+            return self._check_glm5()
         # attention reshapes hidden_size into heads, and RoPE rotates pairs of each head's dimensions
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads % 2:
             raise ValueError(f"model.hidden_size: must be num_heads x an even head size "
@@ -124,6 +150,32 @@ class ModelConfig(_Strict):
             raise ValueError(f"model.num_kv_heads: must divide model.num_heads "
                              f"(got {self.num_kv_heads} and {self.num_heads})")
         return self
+
+    def _check_glm5(self) -> "ModelConfig":
+        e, k = self.n_routed_experts, self.num_experts_per_tok
+        rules = [
+            ("num_kv_heads", self.num_kv_heads is None, "must be unset with arch glm5 (latent attention has no "
+             "grouped key/value heads)"),
+            ("num_experts_per_tok", k <= e, f"must be <= model.n_routed_experts (got {k} > {e})"),
+            ("n_group", e % self.n_group == 0 and e // self.n_group >= 2,
+             f"must divide model.n_routed_experts into groups of >= 2 (got {self.n_group} for {e}): the router "
+             f"scores a group by its top two experts"),
+            ("topk_group", self.topk_group <= self.n_group, f"must be <= model.n_group (got {self.topk_group})"),
+            ("first_k_dense_replace", self.first_k_dense_replace < self.num_layers,
+             f"must be < model.num_layers {self.num_layers}: no layer would have experts"),
+            ("qk_rope_head_dim", self.qk_rope_head_dim % 2 == 0, "must be even: RoPE rotates pairs"),
+            ("indexer_types", not self.indexer_types or len(self.indexer_types) == self.num_layers,
+             f"must name one type per layer ({self.num_layers}), got {len(self.indexer_types)}"),
+            ("indexer_types", not self.indexer_types or self.indexer_types[0] == "full",
+             "layer 0 must be \"full\": a shared layer reuses the selection of the full layer before it"),
+        ]
+        for key, ok, why in rules:
+            if not ok:
+                raise ValueError(f"model.{key}: {why}")
+        return self
+
+    def layer_indexers(self) -> list[str]:
+        return list(self.indexer_types) or ["full"] * self.num_layers
 
 
 class TrainConfig(_Strict):
@@ -519,6 +571,9 @@ class PipelineConfig(_Strict):
             if m.hidden_size % g or m.intermediate_size % g:
                 errors.append(f"quantize.group_size: must divide model.hidden_size and model.intermediate_size "
                               f"(got {g} for {m.hidden_size} and {m.intermediate_size})")
+            elif m.arch == "glm5" and m.moe_intermediate_size % g:  # an expert's down projection's inputs
+                errors.append(f"quantize.group_size: must divide model.moe_intermediate_size "
+                              f"(got {g} for {m.moe_intermediate_size})")
             if self.ramp.attention == "dsa" and any(i >= m.num_layers for i in self.ramp.dsa.own_indexer):
                 errors.append(f"ramp.dsa.own_indexer: layers must be < model.num_layers {m.num_layers} "
                               f"(got {self.ramp.dsa.own_indexer})")

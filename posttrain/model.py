@@ -1,4 +1,4 @@
-"""Tiny Llama preset, and checkpoints as plain Hugging Face folders (fp32 on CPU)."""
+"""The presets (a tiny Llama; GLM-5's MoE architecture), and checkpoints as plain Hugging Face folders (fp32 on CPU)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,14 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(cfg: ModelConfig, tok) -> LlamaForCausalLM:
+# DSA's indexer keeps min(index_topk, T) keys: a built glm5 model attends densely until the ramp adopts DSA
+DENSE_TOPK = 1 << 30
+
+
+def build_model(cfg: ModelConfig, tok) -> torch.nn.Module:
+    """The preset of `cfg.arch`, random, fp32."""
+    if cfg.arch == "glm5":
+        return build_glm5(cfg, tok)
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
@@ -29,6 +36,34 @@ def build_model(cfg: ModelConfig, tok) -> LlamaForCausalLM:
         rope_theta=cfg.rope_theta, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return LlamaForCausalLM(config).float()
+
+
+def build_glm5(cfg: ModelConfig, tok) -> torch.nn.Module:
+    """GLM-5's architecture (transformers' GlmMoeDsaForCausalLM) at `cfg`'s size. Untied embeddings as GLM-5's;
+    the router weights get the initialiser's normal draw (transformers leaves them at zero, where every expert
+    ties and top-k picks by index)."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    n_dense = cfg.first_k_dense_replace
+    config = GlmMoeDsaConfig(
+        vocab_size=len(tok), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
+        n_routed_experts=cfg.n_routed_experts, n_shared_experts=cfg.n_shared_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
+        routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=True, first_k_dense_replace=n_dense,
+        mlp_layer_types=["dense"] * n_dense + ["sparse"] * (cfg.num_layers - n_dense),
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, index_topk=DENSE_TOPK,
+        index_n_heads=cfg.index_heads, index_head_dim=cfg.index_head_dim, indexer_types=cfg.layer_indexers(),
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = GlmMoeDsaForCausalLM(config).float()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, config.initializer_range)
+    return model
 
 
 SAVE_DTYPE = "posttrain_dtype"  # set at load: the dtype family the checkpoint's chain is written in
@@ -125,7 +160,13 @@ def save_checkpoint(model, tok, out: str | Path, max_shard_size: str = MAX_SHARD
         state = None
         if dtype != torch.float32:
             state, cast = {}, {}  # tied weights stay one tensor, cast once
+            # what the model keeps in fp32 stays so (GLM-5's e_score_correction_bias: 1e-3 balancing steps are
+            # below a bf16 ulp near its values)
+            keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
             for k, v in model.state_dict().items():
+                if keep and any(name in k for name in keep):
+                    state[k] = v.detach()
+                    continue
                 if v.data_ptr() not in cast:
                     cast[v.data_ptr()] = v.detach().to(dtype)
                 state[k] = cast[v.data_ptr()]

@@ -1,0 +1,82 @@
+"""The glm5 preset (GLM-5's architecture at toy size, transformers' GlmMoeDsaForCausalLM): config rules, build,
+checkpoints."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from posttrain import moe
+from posttrain.config import ConfigError, ModelConfig, load_config
+from posttrain.model import build_model, load_checkpoint, save_checkpoint
+
+GLM5 = dict(arch="glm5", hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, moe_intermediate_size=16,
+            n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, index_heads=2, index_head_dim=8,
+            indexer_types=["full", "full", "shared", "full"], max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"indexer_types": ["shared", "full", "full", "full"]}, "indexer_types: layer 0"),
+    ({"indexer_types": ["full", "shared"]}, "indexer_types: must name one type per layer"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"n_group": 8}, "n_group"),
+    ({"n_group": 3}, "n_group"),
+    ({"first_k_dense_replace": 4}, "first_k_dense_replace"),
+    ({"num_kv_heads": 1}, "num_kv_heads"),
+    ({"qk_rope_head_dim": 7}, "qk_rope_head_dim"),
+])
+def test_glm5_shapes_that_cannot_build_are_refused_with_their_key(change, key):
+    with pytest.raises(ValueError, match=f"model.{key}"):
+        ModelConfig(**(GLM5 | change))
+
+
+def test_quantize_groups_must_divide_the_experts_width():
+    sets = [f"model.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in (GLM5 | {"moe_intermediate_size": 24}).items()]
+    with pytest.raises(ConfigError, match="quantize.group_size: must divide model.moe_intermediate_size"):
+        load_config("smoke", sets + ["quantize.group_size=16"])
+
+
+def test_the_preset_builds_glm5s_layout(tok):
+    model = build_model(ModelConfig(**GLM5), tok)
+    c = model.config
+    assert type(model).__name__ == "GlmMoeDsaForCausalLM" and not c.tie_word_embeddings
+    layers = model.model.layers
+    assert not hasattr(layers[0].mlp, "gate") and all(hasattr(layer.mlp, "gate") for layer in layers[1:])
+    assert [layer.self_attn.indexer is None for layer in layers] == [False, False, True, False]
+    assert c.head_dim == 8 and c.n_routed_experts == 8 and c.num_experts_per_tok == 2
+    assert layers[1].mlp.experts.gate_up_proj.shape == (8, 32, 32)
+    assert all(r.weight.std() > 0 for _, r in moe.routers(model))  # not transformers' all-zero ties
+    assert len(tok) == c.vocab_size
+
+
+def test_a_glm5_checkpoint_round_trips_exactly_and_keeps_the_router_bias_in_fp32(tok, tmp_path):
+    model = build_model(ModelConfig(**GLM5), tok)
+    with torch.no_grad():
+        for i, (_, r) in enumerate(moe.routers(model)):
+            r.e_score_correction_bias.copy_(torch.linspace(-0.1, 0.1, 8) + 1e-4 * i)
+    save_checkpoint(model, tok, tmp_path / "fp32")
+    back, _ = load_checkpoint(tmp_path / "fp32")
+    want = model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items())
+    setattr(back.config, "posttrain_dtype", "bfloat16")  # a bf16 chain: every tensor bf16 but the bias
+    save_checkpoint(back, tok, tmp_path / "bf16")
+    with safe_open(str(next((tmp_path / "bf16").glob("*.safetensors"))), "pt") as f:
+        dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}
+    bias = [k for k in dtypes if k.endswith("e_score_correction_bias")]
+    assert len(bias) == 3 and all(dtypes[k] == torch.float32 for k in bias)
+    assert {d for k, d in dtypes.items() if k not in bias} == {torch.bfloat16}
+    again, _ = load_checkpoint(tmp_path / "bf16")
+    for (_, a), (_, b) in zip(moe.routers(model), moe.routers(again)):
+        assert torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
+
+
+def test_the_preset_learns(tok):
+    from posttrain.train import train
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**GLM5), tok)
+    ids = tok("12 + 7 = 19. 3 + 4 = 7. 5 + 5 = 10.", add_special_tokens=False)["input_ids"]
+    batch = {"input_ids": torch.tensor([ids] * 4), "attention_mask": torch.ones(4, len(ids), dtype=torch.long),
+             "loss_mask": torch.ones(4, len(ids))}
+    hist = train(model, lambda i: batch, steps=40, lr=1e-2, warmup=2, desc="glm5")
+    assert hist["loss"][-1] < 0.5 * hist["loss"][0]
