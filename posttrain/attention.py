@@ -15,6 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from posttrain import dsa as _dsa  # noqa: F401  (registers "dsa")
 from posttrain import packed_attention
+from posttrain.glm5 import is_glm5
 
 
 def register(name: str, attention: Callable, mask: Callable = sdpa_mask) -> None:
@@ -38,7 +39,7 @@ def padding_free(model) -> bool:
     window lives in a mask, which would be the whole row's length squared), dsa and other implementations keep
     padded batches."""
     m = getattr(model, "module", model)
-    if getattr(m.config, "sliding_window", None):
+    if getattr(m.config, "sliding_window", None) or is_glm5(m):  # GLM-5's DSA indexer reads a full 4D mask
         return False
     if m.config._attn_implementation in ("sdpa", "packed_sdpa"):
         _switch(m, "varlen_sdpa")
@@ -49,7 +50,7 @@ def fast_decoding(model) -> None:
     """A model on sdpa is switched to packed_sdpa, the same attention with `decode_attention` for decoding steps
     (posttrain.packed_attention); its MTP layer follows. Others keep theirs (varlen_sdpa has it already)."""
     m = getattr(model, "module", model)
-    if m.config._attn_implementation == "sdpa":
+    if m.config._attn_implementation == "sdpa" and not is_glm5(m):
         _switch(m, "packed_sdpa")
 
 
@@ -76,6 +77,9 @@ def use(model, name: str):
     if name not in known():
         raise ValueError(f"unknown attention implementation {name!r}; known: {', '.join(known())} "
                          f"(add one with posttrain.attention.register)")
+    if is_glm5(model) and name not in ("sdpa", "eager"):
+        raise ValueError(f"attention {name!r}: GLM-5's DSA indexer selects keys through a full 4D mask, which only "
+                         f"transformers' sdpa and eager build; use one of those")
     if name == "dsa" and not hasattr(model.model.layers[0].self_attn, "dsa_state"):
         raise ValueError("attention 'dsa' needs lightning indexers: posttrain.dsa.install(model, top_k=...) "
                          "(the ramp does it for ramp.attention: dsa)")

@@ -10,9 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
+from posttrain import glm5
 from posttrain.config import ModelConfig
 
 hf_logging.disable_progress_bar()  # per-load bars drown the stage progress
+glm5.patch_indexer()  # GLM-5's DSA selection, stable across lengths (posttrain/glm5.py)
 
 
 def seed_all(seed: int) -> None:

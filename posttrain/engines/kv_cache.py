@@ -74,8 +74,50 @@ class GrowingLayer(DynamicLayer):
         self._n = 0
 
 
-def decode_cache(reserve: int = 0) -> DynamicCache:
-    """A DynamicCache whose layers are GrowingLayers with room for `reserve` tokens."""
+class GrowingIndexedLayer(GrowingLayer):
+    """A GrowingLayer that also keeps a DSA indexer's keys ([B, T, index_head_dim], what transformers'
+    DynamicIndexedLayer adds for GLM-5 / DeepSeek-V3.2), selected and cropped with the rows it belongs to."""
+
+    def __init__(self, reserve: int = 0):
+        super().__init__(reserve)
+        self.indexer_keys = None
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        # one head of index_head_dim: small beside the KV, so appended as transformers does
+        self.indexer_keys = (indexer_key_states if self.indexer_keys is None
+                             else torch.cat([self.indexer_keys, indexer_key_states], dim=1))
+        return self.indexer_keys
+
+    def _rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super()._rows(fn)
+        if self.indexer_keys is not None:
+            self.indexer_keys = fn(self.indexer_keys)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if tokens_to_remove and self.indexer_keys is not None:
+            self.indexer_keys = self.indexer_keys[:, :tokens_to_remove]
+
+    def reset(self) -> None:
+        super().reset()
+        self.indexer_keys = None
+
+
+def needs_indexed_cache(model) -> bool:
+    """A model whose attention keeps DSA indexer keys in its cache (transformers' layer type
+    "indexed_attention": GLM-5, DeepSeek-V3.2)."""
+    return "indexed_attention" in (getattr(getattr(model, "config", None), "layer_types", None) or ())
+
+
+def decode_cache(reserve: int = 0, model=None) -> DynamicCache:
+    """A DynamicCache whose layers are GrowingLayers with room for `reserve` tokens (GrowingIndexedLayers for a
+    `model` with DSA indexers)."""
     cache = DynamicCache()
-    cache.layer_class_to_replicate = lambda: GrowingLayer(reserve)
+    layer = GrowingIndexedLayer if model is not None and needs_indexed_cache(model) else GrowingLayer
+    cache.layer_class_to_replicate = lambda: layer(reserve)
     return cache
+
+
+def training_cache(model) -> DynamicCache:
+    """transformers' own cache (autograd can go through it) with the layer kind the model needs."""
+    return DynamicCache(config=model.config) if needs_indexed_cache(model) else DynamicCache()

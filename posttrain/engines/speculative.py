@@ -72,7 +72,7 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
     n, base, head = mtp.depth, model.base_model, model.get_output_embeddings()
     # rejected drafts keep their slots: the caches grow by n + 1 per verification (doubling when outgrown)
     reserve = max(map(len, prompts)) + 2 * max_new_tokens + n + 1
-    out, cache, attn, which = prefill_distinct(base, prompts, pad_id, decode_cache(reserve))
+    out, cache, attn, which = prefill_distinct(base, prompts, pad_id, decode_cache(reserve, base))
     h = out.last_hidden_state[which]
     dev = h.device
     generator = on_device(generator, dev)
@@ -98,7 +98,7 @@ def sample_speculative(model, prompts: list[list[int]], *, max_new_tokens: int, 
     rows = list(range(len(prompts)))                       # batch row -> prompt index, on the host
     pos = attn.sum(-1)                                     # where each row's next token goes
     # the MTP layer over the prompt: slot j holds (hidden state at j, token j + 1)
-    dcache, dattn = decode_cache(reserve), attn.clone()
+    dcache, dattn = decode_cache(reserve, base), attn.clone()
     g = mtp.step(model, h, torch.cat([ids[:, 1:], x[:, None]], 1), (attn.cumsum(-1) - 1).clamp(min=0),
                  _mask(dattn, L), dcache)[:, -1:]
     lg = mtp.logits(model, g[:, 0])

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from posttrain.chat import chat_format
 from posttrain.engines.base import Generation, WeightSource
-from posttrain.engines.kv_cache import decode_cache
+from posttrain.engines.kv_cache import decode_cache, training_cache
 
 
 def prefill_distinct(model, prompts: list[list[int]], pad_id: int, cache=None, **extra):
@@ -26,7 +26,7 @@ def prefill_distinct(model, prompts: list[list[int]], pad_id: int, cache=None, *
     L = max(map(len, uniq))
     ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in uniq], device=dev)
     attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in uniq], device=dev)
-    cache = DynamicCache() if cache is None else cache
+    cache = training_cache(model) if cache is None else cache
     if hasattr(model, "lm_head"):  # a causal LM computes logits only where they are used: the last position
         extra["logits_to_keep"] = 1
     out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
@@ -70,7 +70,7 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature:
     Identical prompts (a GRPO group) are prefilled once and share their KV cache; finished rows leave
     the batch once an eighth of it has finished, so the cost follows the unfinished rows."""
     reserve = max(map(len, prompts)) + max_new_tokens
-    out, cache, attn, which = prefill_distinct(model, prompts, pad_id, decode_cache(reserve))
+    out, cache, attn, which = prefill_distinct(model, prompts, pad_id, decode_cache(reserve, model))
     logits = out.logits[:, -1].float()[which]
     dev = logits.device
     generator = on_device(generator, dev)

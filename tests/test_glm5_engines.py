@@ -1,0 +1,90 @@
+"""GLM-5's architecture through the engines: stable DSA selection, the indexed decode cache, rollout = trainer."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain import attention
+from posttrain.engines.torch_rollout import sample
+from posttrain.rl.batches import prefix_forward
+from tests.test_moe import tiny_glm
+
+
+def sparse_glm(seed: int = 0, top_k: int = 8):
+    """The toy with DSA selecting `top_k` keys per query (fewer than the sequences here)."""
+    import posttrain.model  # noqa: F401  (installs the stable indexer)
+    model = tiny_glm(seed).eval()
+    for layer in model.model.layers:
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.index_topk = top_k
+    return model
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dsa_selection_does_not_depend_on_the_sequence_length(seed):
+    model = sparse_glm(seed)
+    x = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        full, part = model(input_ids=x).logits, model(input_ids=x[:, :45]).logits
+    torch.testing.assert_close(part, full[:, :45], rtol=0, atol=1e-5)
+
+
+def test_batched_left_padded_greedy_sampling_equals_transformers_generate():
+    model = sparse_glm()
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [11, 12, 13], [40, 41, 42, 43, 44, 45]]
+    got = sample(model, prompts, max_new_tokens=12, temperature=0.0, stop_ids={2}, pad_id=0)
+    for p, g in zip(prompts, got):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=2,
+                                 pad_token_id=0)[0, len(p):].tolist()
+        assert g.ids == ref[:len(g.ids)] and len(g.ids) == len(ref)
+        assert g.stop_reason == ("stop" if ref[-1] == 2 else "length")
+
+
+def test_a_sampled_group_shares_its_prompt_and_the_logprobs_are_the_trainers():
+    model = sparse_glm()
+    prompts = [[5, 6, 7, 8, 9]] * 4 + [[20, 21, 22]] * 4
+    gens = sample(model, prompts, max_new_tokens=10, temperature=1.0, stop_ids={2}, pad_id=0,
+                  generator=torch.Generator().manual_seed(0))
+    assert len({tuple(g.ids) for g in gens}) > 2  # sampled, not copies of one row
+    samples = [SimpleNamespace(prompt_ids=p, ids=g.ids) for p, g in zip(prompts, gens)]
+    logits = prefix_forward(model, samples, pad_id=0)
+    for i, (s, g) in enumerate(zip(samples, gens)):
+        lp = torch.log_softmax(logits[i, :len(s.ids)].float(), -1).gather(1, torch.tensor(s.ids)[:, None])[:, 0]
+        torch.testing.assert_close(lp, torch.tensor(g.logprobs), rtol=0, atol=1e-4)
+
+
+def test_prefix_forward_equals_the_whole_sequence_and_trains():
+    model = sparse_glm().train()
+    samples = [SimpleNamespace(prompt_ids=[5, 6, 7, 8, 9, 10], ids=[30, 31, 32, 33]),
+               SimpleNamespace(prompt_ids=[11, 12], ids=[40, 41, 42, 43, 44, 45, 46])]
+    logits = prefix_forward(model, samples, pad_id=0)
+    for i, s in enumerate(samples):
+        whole = model(input_ids=torch.tensor([s.prompt_ids + s.ids])).logits[0]
+        want = whole[len(s.prompt_ids) - 1:len(s.prompt_ids) - 1 + len(s.ids)]
+        torch.testing.assert_close(logits[i, :len(s.ids)], want, rtol=0, atol=1e-5)
+    logits.sum().backward()
+    assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_glm5_keeps_padded_batches_and_refuses_attention_without_a_full_mask():
+    model = sparse_glm()
+    assert not attention.padding_free(model)
+    attention.fast_decoding(model)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="GLM-5's DSA indexer"):
+        attention.use(model, "packed_sdpa")
+
+
+def test_a_saved_glm5_checkpoint_generates_through_the_rollout_engine(tok, tmp_path):
+    from posttrain.config import ModelConfig
+    from posttrain.engines import rollout_engine
+    from posttrain.model import build_model, save_checkpoint
+    from tests.test_glm5_model import GLM5
+    save_checkpoint(build_model(ModelConfig(**GLM5), tok), tok, tmp_path)
+    engine = rollout_engine("torch", tmp_path)
+    gens = engine.generate([[5, 6, 7], [8, 9]], max_new_tokens=6, temperature=0.0, stop_ids={tok.eos_token_id})
+    for g in gens:
+        assert (g.stop_reason == "stop" and g.ids[-1] == tok.eos_token_id) or (g.stop_reason == "length"
+                                                                               and len(g.ids) == 6)
+        assert len(g.logprobs) == len(g.ids) and all(lp <= 0 for lp in g.logprobs)
