@@ -128,7 +128,7 @@ def test_the_decode_cache_writes_in_place_and_matches_transformers_cache(ckpts, 
     kw["stop_ids"] = {free[0].ids[3], free[2].ids[6]}  # rows finish early and leave the batch
     ours = torch_rollout.sample(model, prompts, **kw)
     orig = torch_rollout.decode_cache
-    torch_rollout.decode_cache = lambda reserve: DynamicCache()
+    torch_rollout.decode_cache = lambda reserve, model=None: DynamicCache()
     try:
         ref = torch_rollout.sample(model, prompts, **kw)
     finally:
