@@ -67,7 +67,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     b = cfg.base
     hist = train(model, row_sampler(train_rows, b.batch_size, cfg.seed), steps=b.steps, lr=b.lr, warmup=b.warmup,
                  min_lr_ratio=b.min_lr_ratio, weight_decay=b.weight_decay, grad_clip=b.grad_clip, desc="base",
-                 eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, b.steps // 5))
+                 eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, b.steps // 5), moe=cfg.moe)
     save_checkpoint(model, tok, out)
     metrics = {"params": n_params(model), "vocab_size": len(tok), "train_tokens": int(train_rows.numel()),
                **summarize(hist), **summarize(hist, "val_loss", 1)}

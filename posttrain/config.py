@@ -277,6 +277,16 @@ class MTPConfig(_Strict):
     loss_weight: NonNegative = 0.3  # the MTP loss's weight beside the LM loss
 
 
+class MoEConfig(_Strict):
+    """Mixture-of-experts training (posttrain/moe.py), for a model with routers (arch glm5, or a GLM-5 / DeepSeek-V3
+    checkpoint); nothing for a dense one. Every stage that trains applies it."""
+    # aux-loss-free balancing: each router's e_score_correction_bias moves this much toward uniform expert load
+    # after every optimizer step (DeepSeek-V3's gamma: 1e-3). 0: the bias stays as the checkpoint holds it
+    bias_update_rate: NonNegative = 1e-3
+    # DeepSeek-V3's sequence-wise balance loss, as a gradient beside the LM loss (DeepSeek-V3: 1e-4). 0: off
+    aux_loss_weight: NonNegative = 0.0
+
+
 class SFTConfig(TrainConfig):
     # the same ranges as TrainConfig's: a redefined field keeps only its own annotation
     steps: AtLeast1 = 1500
@@ -533,6 +543,7 @@ class PipelineConfig(_Strict):
     base: BaseConfig = BaseConfig()
     ramp: RampConfig = RampConfig()
     mtp: MTPConfig = MTPConfig()
+    moe: MoEConfig = MoEConfig()
     sft: SFTConfig = SFTConfig()
     rl: RLConfig = RLConfig()
     opd: OPDConfig = OPDConfig()

@@ -158,6 +158,14 @@ class RouterHooks:
         return torch.stack(losses).mean() if losses else None
 
 
+SUMMARY = ("moe_cv", "moe_max_mean", "moe_dead")  # a step's figures across layers, what curves and MLflow keep
+
+
+def step_summary(engine) -> dict[str, float]:
+    """The last optimizer step's expert-load summary of a train engine ({} for a dense model)."""
+    return {k: v for k, v in getattr(engine, "moe_stats", {}).items() if k in SUMMARY}
+
+
 def with_aux_loss(loss_fn, hooks: RouterHooks, weight: float, curve: list | None = None):
     """`loss_fn` plus `weight` times the routers' auxiliary loss of the same forward, as a gradient only (the value
     stays `loss_fn`'s, comparable with a run without it; the aux value goes to `curve`); `loss_fn` itself where the

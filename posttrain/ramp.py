@@ -195,7 +195,7 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
         loss_fn = _with_indexer_loss(r.dsa.kl_weight, curves) if dsa.state(model) else masked_lm_loss
         hist = train(model, next_batch, steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio,
                      grad_accum=r.grad_accum, weight_decay=r.weight_decay, desc=name,
-                     loss_fn=mtp.with_loss(loss_fn, cfg.mtp.loss_weight, curves))
+                     loss_fn=mtp.with_loss(loss_fn, cfg.mtp.loss_weight, curves), moe=cfg.moe)
         if dsa.state(model):
             dsa.state(model).collect = False
     if r.activation_checkpointing:

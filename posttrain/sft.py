@@ -161,7 +161,7 @@ def _worker(config: dict) -> None:
           zero_loss_hint=f"chat template {chat_format(tok).template}",
           eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, s.steps // 5),
           state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every,
-          loss_fn=mtp.with_loss(masked_lm_loss, cfg.mtp.loss_weight, curves))
+          loss_fn=mtp.with_loss(masked_lm_loss, cfg.mtp.loss_weight, curves), moe=cfg.moe)
 
 
 def with_mtp(cfg: PipelineConfig, model, tok):

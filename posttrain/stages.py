@@ -70,19 +70,19 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
         # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
         Stage("curate", "posttrain.curate.stage:run", ("raw",), ("world", "curate"), "tasks.curate:curate",
               num_cpus=0.1, threads=1, gpu=False),
-        Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base"), "tasks.base:base"),
+        Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base", "moe"), "tasks.base:base"),
         Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
-              ("seed", "world.seed", "model", "ramp", "mtp", "eval.n_per_suite", "eval.max_new_tokens",
+              ("seed", "world.seed", "model", "ramp", "mtp", "moe", "eval.n_per_suite", "eval.max_new_tokens",
                "eval.batch_size"),
               "tasks.ramp:ramp", resumable=True),
         # sft's own Ray task only waits on its Ray Train workers; base: the model whose answers it replays
-        Stage("sft", "posttrain.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp"), "tasks.sft:sft", num_cpus=0.1,
+        Stage("sft", "posttrain.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp", "moe"), "tasks.sft:sft", num_cpus=0.1,
               resumable=True, gpu=False),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
-        *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}"), "tasks.rl:rl",
+        *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe"), "tasks.rl:rl",
                 (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
         # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
-        Stage("opd", "posttrain.rl.opd:run", ("sft", "curate", *specialists), ("seed", "opd", "rl"), "tasks.opd:opd",
+        Stage("opd", "posttrain.rl.opd:run", ("sft", "curate", *specialists), ("seed", "opd", "rl", "moe"), "tasks.opd:opd",
               num_cpus=0.5, threads=1, resumable=True),
         Stage("quantize", "posttrain.quant.stage:run", ("opd", "curate"), ("seed", "quantize"),
               "tasks.quantize:quantize"),
@@ -92,7 +92,7 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
     ]
     if len(order) > 1:  # the GLM-5 chains (with distillation, xs-, and without, seq-) after the first specialist
         stages += [Stage(stage_name(c, d, order), "posttrain.rl.cross_stage:run", _chain_inputs(c, d, order),
-                         ("seed", "rl", "cross_stage", "opd"), "tasks.cross_stage:chain_stage",
+                         ("seed", "rl", "cross_stage", "opd", "moe"), "tasks.cross_stage:chain_stage",
                          (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True,
                          workflow="cross_stage") for d in order[1:] for c in CHAINS]
         stages.append(Stage("consolidation", "posttrain.rl.consolidation:run",

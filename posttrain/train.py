@@ -9,7 +9,9 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from posttrain.config import MoEConfig
 from posttrain.head import sequence_logprobs
+from posttrain.moe import step_summary, with_aux_loss
 from posttrain.packing import collate
 
 Batch = dict[str, torch.Tensor]
@@ -49,22 +51,27 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
           eval_fn: Callable[[], float] | None = None, eval_every: int = 0, grad_accum: int = 1,
           state: dict | None = None, checkpoint: Callable[[dict], None] | None = None,
           checkpoint_every: int = 0, zero_loss_hint: str = "",
-          loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor] = masked_lm_loss) -> dict[str, list[float]]:
+          loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor] = masked_lm_loss,
+          moe: MoEConfig | None = None) -> dict[str, list[float]]:
     """Run `steps` optimizer steps; return the history (loss per step, eval loss when asked).
 
     Each step takes `grad_accum` micro-batches `next_batch(step * grad_accum + i)`: the data order is a
     function of the step, so resuming from `state` (what `checkpoint` was given) continues exactly.
     A loss of exactly 0 over the first steps means nothing is being trained (an empty loss mask): it stops,
-    naming `desc` and `zero_loss_hint`. `loss_fn(model, batch)` is the masked LM loss unless given.
+    naming `desc` and `zero_loss_hint`. `loss_fn(model, batch)` is the masked LM loss unless given. A model with
+    routers balances them under `moe` (posttrain/moe.py; None: not at all) and adds the `moe_*` curves.
     """
     from posttrain.engines.torch_train import TorchTrainEngine
     engine = TorchTrainEngine(model, loss_fn, lr=lr, weight_decay=weight_decay,
-                              schedule=lambda s: cosine_schedule(s, steps, warmup, min_lr_ratio))
+                              schedule=lambda s: cosine_schedule(s, steps, warmup, min_lr_ratio), moe=moe)
     hist: dict[str, list[float]] = {"loss": [], "lr": []}
     start = 0
     if state:
         engine.load_state_dict(state["engine"])
         hist, start = state["hist"], state["step"]
+    if engine.routers is not None and engine.moe.aux_loss_weight:  # the routers' balance loss joins the LM loss
+        engine.loss_fn = with_aux_loss(loss_fn, engine.routers, engine.moe.aux_loss_weight,
+                                       hist.setdefault("moe_aux_loss", []))
     engine.train()
     bar = tqdm(range(start, steps), desc=desc, mininterval=5, leave=False, initial=start, total=steps)
     for step in bar:
@@ -76,6 +83,8 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
             total += loss.item()
         engine.step(grad_clip)
         hist["loss"].append(total)
+        for k, v in step_summary(engine).items():
+            hist.setdefault(k, []).append(v)
         if len(hist["loss"]) == min(steps, ZERO_LOSS_STEPS) and not any(hist["loss"]):
             raise RuntimeError(f"{desc}: the loss was exactly 0 at each of the first {len(hist['loss'])} steps, so "
                                f"nothing trains (every loss-mask position empty?)"

@@ -49,10 +49,11 @@ def rollout_engine(name: str, checkpoint: str | Path) -> RolloutEngine:
     return _cls(ROLLOUT, name, "rl.rollout_engine").from_checkpoint(checkpoint)
 
 
-def train_engine(name: str, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None) -> TrainEngine:
+def train_engine(name: str, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
+                 moe=None) -> TrainEngine:
     """A train engine for the checkpoint as `policy`, `critic` (a value head on its backbone) or `reference`
-    (forward only)."""
-    return _cls(TRAIN, name, "rl.train_engine").from_checkpoint(checkpoint, role, lr=lr)
+    (forward only); `moe`: the MoEConfig a policy with routers trains under."""
+    return _cls(TRAIN, name, "rl.train_engine").from_checkpoint(checkpoint, role, lr=lr, moe=moe)
 
 
 def as_rollout_engine(model, tokenizer) -> RolloutEngine:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
+from posttrain.config import MoEConfig
 from posttrain.device import autocast
 from posttrain.engines.base import Forward
+from posttrain.moe import RouterHooks
 
 
 def policy_logits(pad_id: int) -> Forward:
@@ -26,7 +28,7 @@ class TorchTrainEngine:
     def __init__(self, model: torch.nn.Module, forward: Forward, *, lr: float | None = None,
                  weight_decay: float = 0.0, optimizer: torch.optim.Optimizer | None = None,
                  schedule: Callable[[int], float] | None = None, device: str | torch.device | None = None,
-                 tokenizer=None, pad_id: int = 0):
+                 tokenizer=None, pad_id: int = 0, moe: MoEConfig | None = None):
         from posttrain.device import device as default_device
         from posttrain.train import make_optimizer
         self.device = torch.device(device) if device is not None else default_device()
@@ -34,9 +36,15 @@ class TorchTrainEngine:
         self._forward, self.pad_id = forward, pad_id
         self.opt = optimizer or (make_optimizer(model, lr, weight_decay) if lr is not None else None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
+        # `moe` given, a model with routers trained: expert load per step and its balancing (posttrain/moe.py)
+        self.moe = moe or MoEConfig()
+        hooks = RouterHooks(self._module, aux=self.moe.aux_loss_weight > 0) if moe and self.opt is not None else None
+        self.routers = hooks if hooks is not None and hooks.routers else None
+        self.moe_stats: dict[str, float] = {}
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None) -> "TorchTrainEngine":
+    def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None,
+                        moe: MoEConfig | None = None) -> "TorchTrainEngine":
         from transformers import AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -52,7 +60,16 @@ class TorchTrainEngine:
         pad = pad_id(tok)
         if role == "reference":
             return cls(model.eval(), policy_logits(pad), tokenizer=tok, pad_id=pad)
-        return cls(model, policy_logits(pad), lr=lr, tokenizer=tok, pad_id=pad)
+        return cls(model, policy_logits(pad), lr=lr, tokenizer=tok, pad_id=pad, moe=moe)
+
+    @property
+    def loss_fn(self) -> Forward:
+        """What `forward` runs: (model, batch) -> the caller's loss input (a loss for LM training)."""
+        return self._forward
+
+    @loss_fn.setter
+    def loss_fn(self, fn: Forward) -> None:
+        self._forward = fn
 
     @property
     def _module(self) -> torch.nn.Module:  # the model itself under a DDP wrapper
@@ -85,6 +102,8 @@ class TorchTrainEngine:
         if self.sched:
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.routers is not None:
+            self.moe_stats = self.routers.after_step(self.moe.bias_update_rate)
         return norm
 
     def zero_grad(self) -> None:

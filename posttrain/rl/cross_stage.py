@@ -33,8 +33,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
                           [t for d in earlier for t in load_tasks(inputs["curate"], "rl", d)],
                           x.distill_prompts_per_step, mode=x.loss, coef=x.distill_coef,
                           teacher_cpus=cfg.opd.teacher_cpus, teacher_placement=cfg.opd.teacher_placement)
-    policy, tok, st = train_policy(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", scratch=scratch,
-                                 distill=distill)
+    policy, tok, st = train_policy(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", moe=cfg.moe,
+                                 scratch=scratch, distill=distill)
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from environments.base import Task
-from posttrain.config import RLConfig
+from posttrain.config import MoEConfig, RLConfig
 from posttrain.engines import TrainEngine, as_rollout_engine, train_engine
 from posttrain.model import seed_all
 from posttrain.store import checkpointed
@@ -130,10 +130,11 @@ class Engines:
         return ck["state"]
 
 
-def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True) -> Engines:
-    """`rl`: the loop trains on rollouts (not distillation only), so the KL alarm has tokens to watch."""
+def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None) -> Engines:
+    """`rl`: the loop trains on rollouts (not distillation only), so the KL alarm has tokens to watch; `moe`: how a
+    policy with routers balances them."""
     watch_kl = rl and r.alarms.enabled and r.alarms.reference_kl
-    return Engines(train_engine(r.train_engine, sft, lr=r.lr),
+    return Engines(train_engine(r.train_engine, sft, lr=r.lr, moe=moe),
                    train_engine(r.train_engine, sft, "critic", lr=r.critic_lr) if with_critic else None,
                    train_engine(r.train_engine, sft, "reference") if r.kl_coef > 0 or watch_kl else None)
 
@@ -278,14 +279,14 @@ def update(r: RLConfig, eng: Engines, batch: list[Sample], dbatch: list[Sample],
 
 
 def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
-                 scratch: str | Path | None = None, distill: Distill | None = None, judge: str = ""
-                 ) -> tuple[torch.nn.Module, object, State]:
+                 scratch: str | Path | None = None, distill: Distill | None = None, judge: str = "",
+                 moe: MoEConfig | None = None) -> tuple[torch.nn.Module, object, State]:
     """Train a policy from the `sft` checkpoint: RL on `pool` (may be empty), plus on-policy distillation
     when `distill` is given. `label` (the stage name in the pipeline) names it in the progress bar and in
     POSTTRAIN_KILL_AT; `scratch` makes it resumable; `judge`, a checkpoint, is the guard's model judge in the
     rollouts (validation keeps the rules-only guard). Returns policy, tokenizer, final state."""
     seed_all(seed)
-    eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool), rl=bool(pool))
+    eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool), rl=bool(pool), moe=moe)
     tok = eng.policy.tokenizer
     ckpt = Path(scratch) / "rl_state.pt" if scratch else None  # the full state, every `checkpoint_every` steps
     if ckpt:

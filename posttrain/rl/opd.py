@@ -62,7 +62,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     distill = Distill({d: inputs[f"rl-{d}"] for d in domains}, pool, o.prompts_per_step, route=o.route,
                       mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus,
                       teacher_placement=o.teacher_placement)
-    policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd",
+    policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd", moe=cfg.moe,
                                  scratch=scratch, distill=distill)
     save_checkpoint(policy, tok, out)
     hist = st.history

@@ -61,7 +61,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     pool = load_tasks(inputs["curate"], "rl", domain)
     val = load_tasks(inputs["curate"], "val", domain)
     judge, judged = checked_judge(cfg, inputs, out, domain)
-    policy, tok, st = train_policy(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}",
+    policy, tok, st = train_policy(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}", moe=cfg.moe,
                                  scratch=scratch, judge=judge)
     save_checkpoint(policy, tok, out)
     hist = st.history
