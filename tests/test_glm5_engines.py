@@ -88,3 +88,15 @@ def test_a_saved_glm5_checkpoint_generates_through_the_rollout_engine(tok, tmp_p
         assert (g.stop_reason == "stop" and g.ids[-1] == tok.eos_token_id) or (g.stop_reason == "length"
                                                                                and len(g.ids) == 6)
         assert len(g.logprobs) == len(g.ids) and all(lp <= 0 for lp in g.logprobs)
+
+
+def test_packed_training_rows_keep_their_documents_apart():
+    from posttrain.head import sequence_logprobs
+    from posttrain.packing import collate
+    model = sparse_glm(top_k=64)
+    a, b = list(range(5, 25)), list(range(40, 52))
+    batch = collate([[(a, [1.0] * len(a)), (b, [1.0] * len(b))]], 0)
+    with torch.no_grad():
+        packed = sequence_logprobs(model, batch["input_ids"], batch["loss_mask"], position_ids=batch["position_ids"])
+        alone = sequence_logprobs(model, torch.tensor([b]), torch.ones(1, len(b)))
+    torch.testing.assert_close(packed[-len(alone):], alone, rtol=0, atol=1e-5)
