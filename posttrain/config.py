@@ -585,6 +585,13 @@ class PipelineConfig(_Strict):
             elif m.arch == "glm5" and m.moe_intermediate_size % g:  # an expert's down projection's inputs
                 errors.append(f"quantize.group_size: must divide model.moe_intermediate_size "
                               f"(got {g} for {m.moe_intermediate_size})")
+            if m.arch == "glm5" and self.ramp.attention not in ("sdpa", "eager"):
+                errors.append(f"ramp.attention: must be sdpa or eager with model.arch glm5 (got "
+                              f"{self.ramp.attention!r}): GLM-5 brings its own DSA indexer, which reads the full "
+                              f"mask only those build")
+            if m.arch == "glm5" and self.mtp.depth:
+                errors.append("mtp.depth: must be 0 with model.arch glm5 for now: posttrain's MTP layer is a Llama "
+                              "decoder layer, not GLM-5's (issue 46 step 7)")
             if self.ramp.attention == "dsa" and any(i >= m.num_layers for i in self.ramp.dsa.own_indexer):
                 errors.append(f"ramp.dsa.own_indexer: layers must be < model.num_layers {m.num_layers} "
                               f"(got {self.ramp.dsa.own_indexer})")

@@ -182,3 +182,50 @@ def with_aux_loss(loss_fn, hooks: RouterHooks, weight: float, curve: list | None
             curve.append(float(aux.detach()))
         return main + weight * (aux - aux.detach())
     return loss
+
+
+class ExpertMLP(nn.Module):
+    """One routed expert as plain Linears (gate, up, down: a SwiGLU MLP), named as checkpoints store experts."""
+
+    def __init__(self, hidden: int, inter: int, act):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LinearExperts(nn.ModuleList):
+    """transformers' fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as one ExpertMLP per expert,
+    `experts.{e}.gate_proj` as on disk: what GPTQ's per-Linear Hessians (each expert calibrated on the tokens routed
+    to it), compressed-tensors' targets and the integer kernels see. Same forward contract and result."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == e)
+            y = self[e](hidden_states[token]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+def unfuse_experts(model: nn.Module) -> int:
+    """Replace every fused experts module of `model` by LinearExperts holding the same weights; returns how many."""
+    n = 0
+    for name, m in list(model.named_modules()):
+        w = getattr(m, "gate_up_proj", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            continue
+        e, two_i, h = w.shape
+        experts = LinearExperts([ExpertMLP(h, two_i // 2, m.act_fn) for _ in range(e)]).to(w.device, w.dtype)
+        with torch.no_grad():
+            for k, x in enumerate(experts):
+                x.gate_proj.weight.copy_(w[k, : two_i // 2])
+                x.up_proj.weight.copy_(w[k, two_i // 2:])
+                x.down_proj.weight.copy_(m.down_proj[k])
+        model.set_submodule(name, experts)
+        n += 1
+    return n

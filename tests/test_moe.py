@@ -189,3 +189,19 @@ def test_the_bias_survives_save_and_load(tmp_path):
     for (_, a), (_, b) in zip(moe.routers(model), moe.routers(back)):
         assert b.e_score_correction_bias.dtype == torch.float32
         assert torch.equal(a.e_score_correction_bias, b.e_score_correction_bias)
+
+
+def test_unfused_experts_compute_what_the_fused_ones_do(tmp_path):
+    model = tiny_glm().eval()
+    x = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        fused = model(input_ids=x).logits
+    assert moe.unfuse_experts(model) == 3
+    assert type(model.model.layers[1].mlp.experts).__name__ == "LinearExperts"
+    assert model.model.layers[1].mlp.experts[7].down_proj.weight.shape == (32, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=x).logits, fused, rtol=0, atol=1e-5)
+    model.save_pretrained(tmp_path)  # per-expert Linears save as checkpoints store experts, and load fused
+    back = GlmMoeDsaForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=x).logits, fused, rtol=0, atol=1e-5)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kernels import use_triton
-from posttrain import dsa, mtp
+from posttrain import dsa, moe, mtp
 
 
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -88,6 +88,7 @@ def load_compressed(path: str | Path):
     if len(packed_bits) > 1:
         raise ValueError(f"{path / 'config.json'}: pack-quantized groups of different widths {sorted(packed_bits)}")
     model = mtp.restore(dsa.restore(AutoModelForCausalLM.from_config(config, dtype=torch.float32))).eval()
+    moe.unfuse_experts(model)  # GLM-5's routed experts are stored one Linear each, quantized as such
     tensors = load_file(str(path / "model.safetensors"))
     replaced = set()
     for name, module in list(model.named_modules()):

@@ -7,6 +7,7 @@ CompressedTensorsW8A8Int8. Our own evaluation runs it on CPU through posttrain/q
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,45 +20,72 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 import environments
-from posttrain import loadcheck
+from posttrain import loadcheck, moe
 from posttrain.chat import render_ids
 from posttrain.config import PipelineConfig, QuantizeConfig
 from posttrain.console import kv
 from posttrain.data import load_tasks
+from posttrain.glm5 import is_glm5
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import load_compressed
 from posttrain.model import load_checkpoint, seed_all
 
 MLP = ("gate_proj", "up_proj", "down_proj")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # GLM-5's latent attention
+EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj$")
 SCALE_DTYPE = torch.bfloat16  # scales and the unquantized tensors (embeddings, norms) are stored in bf16
 
 
-def scheme(qcfg: QuantizeConfig) -> QuantizationConfig:
+def scheme(qcfg: QuantizeConfig, glm5: bool = False) -> QuantizationConfig:
+    """A dense model: int4 groups for the MLP, int8 channels for attention. GLM-5 as it deploys: int4 groups for
+    the routed experts (nearly all its weights), int8 channels for attention, the dense MLP and the shared expert;
+    its DSA indexer stays 16-bit beside the router (small, and selection is sensitive)."""
     act = QuantizationArgs(num_bits=qcfg.act_bits, type="int", symmetric=True, strategy="token", dynamic=True)
-    mlp = QuantizationScheme(
-        targets=[r"re:.*mlp\.(gate|up|down)_proj$"], input_activations=act, format="pack-quantized",
-        weights=QuantizationArgs(num_bits=qcfg.mlp_bits, type="int", symmetric=True, strategy="group",
-                                 group_size=qcfg.group_size))
-    attn = QuantizationScheme(
-        targets=[r"re:.*self_attn\.(q|k|v|o)_proj$"], input_activations=act, format="int-quantized",
-        weights=QuantizationArgs(num_bits=qcfg.attn_bits, type="int", symmetric=True, strategy="channel"))
-    return QuantizationConfig(config_groups={"mlp_w4a8": mlp, "attn_w8a8": attn}, ignore=["lm_head", r"re:mtp\..*"],
+    w4 = QuantizationArgs(num_bits=qcfg.mlp_bits, type="int", symmetric=True, strategy="group",
+                          group_size=qcfg.group_size)
+    w8 = QuantizationArgs(num_bits=qcfg.attn_bits, type="int", symmetric=True, strategy="channel")
+    if glm5:
+        groups = {
+            "experts_w4a8": QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+                                               input_activations=act, format="pack-quantized", weights=w4),
+            "dense_w8a8": QuantizationScheme(
+                targets=[r"re:.*self_attn\.(" + "|".join(MLA) + ")$", r"re:.*mlp\.(shared_experts\.)?(gate|up|down)_proj$"],
+                input_activations=act, format="int-quantized", weights=w8)}
+    else:
+        groups = {
+            "mlp_w4a8": QuantizationScheme(targets=[r"re:.*mlp\.(gate|up|down)_proj$"], input_activations=act,
+                                           format="pack-quantized", weights=w4),
+            "attn_w8a8": QuantizationScheme(targets=[r"re:.*self_attn\.(q|k|v|o)_proj$"], input_activations=act,
+                                            format="int-quantized", weights=w8)}
+    return QuantizationConfig(config_groups=groups, ignore=["lm_head", r"re:mtp\..*", r"re:.*indexer\..*"],
                               format="mixed-precision")
 
 
 def targets(model, qcfg: QuantizeConfig) -> dict[str, tuple[torch.nn.Linear, int, int]]:
-    """Quantized Linear name -> (module, bits, group size); refuses a group size that does not divide."""
-    out = {}
+    """Quantized Linear name -> (module, bits, group size), as `scheme` says; refuses a group size that does not
+    divide. A GLM-5 model's experts must be unfused first (posttrain.moe.unfuse_experts)."""
+    glm, out = is_glm5(model), {}
     for name, m in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         # the MTP layer only drafts (every token is checked by the quantized model): it stays in 16-bit
-        if isinstance(m, torch.nn.Linear) and leaf in MLP + ATTN and not name.startswith("mtp."):
+        if not isinstance(m, torch.nn.Linear) or name.startswith("mtp.") or ".indexer." in name:
+            continue
+        if glm:
+            if EXPERT.search(name):
+                bits, g = qcfg.mlp_bits, qcfg.group_size
+            elif leaf in MLA + MLP:
+                bits, g = qcfg.attn_bits, m.in_features
+            else:
+                continue
+        elif leaf in MLP + ATTN:
             bits = qcfg.mlp_bits if leaf in MLP else qcfg.attn_bits
             g = qcfg.group_size if leaf in MLP else m.in_features
-            if m.in_features % g:
-                raise ValueError(f"quantize.group_size={g} does not divide {name}'s {m.in_features} input columns")
-            out[name] = (m, bits, g)
+        else:
+            continue
+        if m.in_features % g:
+            raise ValueError(f"quantize.group_size={g} does not divide {name}'s {m.in_features} input columns")
+        out[name] = (m, bits, g)
     return out
 
 
@@ -84,7 +112,9 @@ def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig) -> dict[str, tupl
             hessians = tracker.close()
         for name, m in mine.items():
             _, bits, g = found[name]
-            q, s = (gptq(m.weight, hessians[name], bits, g, SCALE_DTYPE, qcfg.dampening) if qcfg.method == "gptq"
+            # an expert no calibration token was routed to has no Hessian to round against: GPTQ would zero it
+            seen = qcfg.method == "gptq" and bool(torch.diag(hessians[name]).any())
+            q, s = (gptq(m.weight, hessians[name], bits, g, SCALE_DTYPE, qcfg.dampening) if seen
                     else rtn(m.weight, bits, g, SCALE_DTYPE))
             m.weight.copy_((q.float().reshape(q.shape[0], -1, g) * s[..., None]).reshape(q.shape))
             result[name] = (q, s)
@@ -93,7 +123,7 @@ def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig) -> dict[str, tupl
 
 def export(model, tok, ints: dict[str, tuple[torch.Tensor, torch.Tensor]], qcfg: QuantizeConfig, out: Path) -> None:
     """Attach the scales to the compressed-tensors scheme, let it pack and save; check the ints survive."""
-    apply_quantization_config(model, scheme(qcfg))
+    apply_quantization_config(model, scheme(qcfg, is_glm5(model)))
     for name, (q, s) in ints.items():
         m = model.get_submodule(name)
         m.weight_scale.data = s.reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
@@ -101,6 +131,8 @@ def export(model, tok, ints: dict[str, tuple[torch.Tensor, torch.Tensor]], qcfg:
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.to(SCALE_DTYPE)
+    for _, router in moe.routers(model):  # GLM-5's balancing bias stays fp32, as GLM-5 stores it
+        router.e_score_correction_bias.data = router.e_score_correction_bias.float()
     model.save_pretrained(out)
     compressor.update_config(str(out))
     tok.save_pretrained(out)
@@ -129,6 +161,7 @@ def load_check(path: str | Path, prompt: str) -> dict:
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     seed_all(cfg.seed)
     model, tok = load_checkpoint(inputs["opd"])
+    moe.unfuse_experts(model)  # GLM-5: each routed expert its own Linears, calibrated on the tokens routed to it
     rows = calibration_rows(cfg, inputs["curate"], tok)
     bf16_bytes = sum(m.weight.numel() * 2 for m, _, _ in targets(model, cfg.quantize).values())
     ints = calibrate(model, rows, cfg.quantize)
@@ -137,8 +170,11 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     fresh, fresh_fp = load_check(out, prompt), load_check(inputs["opd"], prompt)
     q_bytes = linear_bytes(out, list(ints))
     metrics = {
-        "format": "compressed-tensors mixed-precision: MLP pack-quantized int4 (group "
-                  f"{cfg.quantize.group_size}), attention int-quantized int8 per channel, int8 per-token activations",
+        "format": (f"compressed-tensors mixed-precision: routed experts pack-quantized int4 (group "
+                   f"{cfg.quantize.group_size}), attention, dense MLP and shared expert int-quantized int8 per "
+                   f"channel, int8 per-token activations" if is_glm5(model) else
+                   f"compressed-tensors mixed-precision: MLP pack-quantized int4 (group {cfg.quantize.group_size}), "
+                   f"attention int-quantized int8 per channel, int8 per-token activations"),
         "method": cfg.quantize.method, "calibration_tokens": rows.numel(), "quantized_linears": len(ints),
         "linear_weight_bytes": q_bytes, "linear_weight_bytes_bf16": bf16_bytes,
         "bytes_ratio_vs_bf16": round(q_bytes / bf16_bytes, 4),
