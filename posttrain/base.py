@@ -13,7 +13,7 @@ from posttrain.config import PipelineConfig
 from posttrain.data import load_pretrain_texts
 from posttrain.model import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
 from posttrain.pypi_checkpoints import source_of
-from posttrain.train import eval_loss, pack_stream, row_sampler, summarize, train
+from posttrain.train import eval_loss, moe_metrics, pack_stream, row_sampler, summarize, train
 
 SOURCE = "source.json"  # in a base artifact made from base.init_from: the checkpoint it copied
 
@@ -70,5 +70,5 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
                  eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, b.steps // 5), moe=cfg.moe)
     save_checkpoint(model, tok, out)
     metrics = {"params": n_params(model), "vocab_size": len(tok), "train_tokens": int(train_rows.numel()),
-               **summarize(hist), **summarize(hist, "val_loss", 1)}
+               **summarize(hist), **summarize(hist, "val_loss", 1), **moe_metrics(hist)}
     return {"metrics": metrics, "history": hist}

@@ -25,7 +25,7 @@ from posttrain.device import stage_gpus
 from posttrain.model import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
 from posttrain.store import train_storage
-from posttrain.train import eval_loss, flat_examples, masked_lm_loss, pad_examples, summarize, train
+from posttrain.train import eval_loss, flat_examples, masked_lm_loss, moe_metrics, pad_examples, summarize, train
 
 STATE = "state.pt"
 
@@ -247,5 +247,5 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     return {"metrics": {"examples": len(examples), "long_context_examples": len(long_tasks),
                         "replay_prompts": len(replayed), "replay_unfinished": unfinished,
                         "assistant_tokens": n_tok, **summarize(hist), **summarize(hist, "mtp_loss"),
-                        **summarize(hist, "mtp_acc1"),
+                        **summarize(hist, "mtp_acc1"), **moe_metrics(hist),
                         **summarize(hist, "val_loss", 1)}, "history": hist}

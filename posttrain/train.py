@@ -149,3 +149,9 @@ def summarize(hist: dict[str, list[float]], key: str = "loss", k: int = 10) -> d
         return {}
     return {f"{key}_first": sum(xs[:k]) / len(xs[:k]), f"{key}_last": sum(xs[-k:]) / len(xs[-k:])}
 
+
+def moe_metrics(hist: dict[str, list[float]], k: int = 10) -> dict[str, float]:
+    """The expert-load curves' first and last means (a model with routers; {} for a dense one)."""
+    from posttrain.moe import SUMMARY
+    return {key: v for c in SUMMARY for key, v in summarize(hist, c, k).items()}
+

@@ -11,7 +11,7 @@ from posttrain.config import PipelineConfig, RLConfig
 from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
 from posttrain.rl.loop import Distill, train_policy
-from posttrain.train import summarize
+from posttrain.train import moe_metrics, summarize
 
 
 def loop_config(cfg: PipelineConfig) -> RLConfig:
@@ -72,7 +72,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     plot(hist, teacher_val, out / "opd_curves.png")
     metrics = {"wall_s": st.wall_s, "steps_per_s": o.steps / st.wall_s,
                "student_tokens": hist["student_tokens"][-1], "teacher_tokens": hist["teacher_tokens"][-1],
-               **summarize(hist, "reverse_kl", 5),
+               **summarize(hist, "reverse_kl", 5), **moe_metrics(hist, 5),
                "masked_token_fraction": sum(hist["distill_masked_fraction"]) / o.steps}
     for d in domains:
         before, after = hist[f"val_score/{d}"][0][1], hist[f"val_score/{d}"][-1][1]

@@ -13,7 +13,7 @@ from posttrain.model import save_checkpoint
 from posttrain.judge import ModelJudge, measure
 from posttrain.rl import alarms
 from posttrain.rl.loop import train_policy
-from posttrain.train import summarize
+from posttrain.train import moe_metrics, summarize
 
 
 def plot_curves(hist: dict, path: Path, title: str) -> None:
@@ -71,7 +71,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     plot_curves(hist, out / "rl_curves.png", f"rl {domain} ({r.algorithm}, k={r.max_staleness})")
     total = sum(st.staleness.values())
     metrics = {"val_score_before": hist["val_score"][0][1], "val_score_after": hist["val_score"][-1][1],
-               **summarize(hist, "reward", 5), "hack_attempts_blocked": sum(hist["blocked"]),
+               **summarize(hist, "reward", 5), **moe_metrics(hist, 5), "hack_attempts_blocked": sum(hist["blocked"]),
                "masked_token_fraction": sum(hist["masked_fraction"]) / len(hist["masked_fraction"]),
                "stale_dropped": st.dropped, "wall_s": st.wall_s, "steps_per_s": r.steps / st.wall_s,
                "student_tokens": hist["student_tokens"][-1],

@@ -1,0 +1,28 @@
+"""The whole DAG on GLM-5's architecture (the glm5 preset at smoke size): every stage, W4A8 as GLM-5 deploys, lineage."""
+import json
+
+from safetensors import safe_open
+from tests.test_pipeline_smoke import posttrain, stage_runs
+
+GLM5 = ["--set", "model.arch=glm5", "--set", "ramp.attention=sdpa", "--set", "model.num_layers=2",
+        "--set", "model.indexer_types=[full, shared]", "--set", "moe.aux_loss_weight=0.0001"]
+
+
+def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
+    out = posttrain(tmp_path, "run", "--profile", "smoke", *GLM5).stdout
+    run = next(line.split()[-1] for line in out.splitlines() if line.startswith("HTML report:")).split("/")[-2]
+    report = json.loads((tmp_path / "runs" / run / "report.json").read_text())
+    assert set(report["eval"]["quantized"]) == set(report["eval"]["sft"])
+    assert "routed experts pack-quantized int4" in report["quantization"]["format"]
+    stages = stage_runs(tmp_path, report["mlflow_run_id"])
+    for stage in ("base", "sft", "rl-reasoning", "opd"):  # every trainer balanced the routers and logged their load
+        metrics = stages[stage].data.metrics
+        assert {"moe_cv_first", "moe_cv_last", "moe_max_mean_last"} <= set(metrics), stage
+    quantized = report["stages"]["quantize"]["artifact"]
+    with safe_open(f"{quantized}/model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.mlp.experts.7.down_proj.weight_packed" in keys  # int4, one expert at a time
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight_scale" in keys  # int8 per channel
+    assert "model.layers.0.mlp.gate_proj.weight_scale" in keys and not any("indexer" in k and "scale" in k for k in keys)
+    lineage = posttrain(tmp_path, "lineage", "posttrain-smoke@1").stdout
+    assert "lineage verified" in lineage and "MISSING" not in lineage
