@@ -17,6 +17,25 @@ def is_glm5(model) -> bool:
     return getattr(getattr(model, "config", None), "model_type", "") in ("glm_moe_dsa", "deepseek_v32")
 
 
+def config_errors(config) -> list[str]:
+    """What in a GLM-5-shaped config.json would fail layers in (or silently misbuild): per-layer lists that do not
+    match the layer count, a shared indexer with no full one before it, experts that do not split into groups."""
+    if getattr(config, "model_type", "") not in ("glm_moe_dsa", "deepseek_v32"):
+        return []
+    n, errors = config.num_hidden_layers, []
+    for key in ("indexer_types", "mlp_layer_types"):
+        types = getattr(config, key, None)
+        if types is not None and len(types) != n:
+            errors.append(f"{key} has {len(types)} entries for num_hidden_layers {n}")
+    types = getattr(config, "indexer_types", None) or []
+    if types and types[0] != "full":
+        errors.append(f"indexer_types[0] is {types[0]!r}: a shared layer reuses the selection of a full one before it")
+    e, groups = getattr(config, "n_routed_experts", 0), getattr(config, "n_group", 1) or 1
+    if e and e % groups:
+        errors.append(f"n_routed_experts {e} does not split into n_group {groups} groups")
+    return errors
+
+
 def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
                      past_key_values=None):
     # transformers 5.23's GlmMoeDsaIndexer.forward (Apache-2.0) with the selection made stable

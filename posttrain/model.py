@@ -92,6 +92,8 @@ def check_folder(path: str | Path) -> None:
         config = AutoConfig.from_pretrained(p)
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"{p}: unknown architecture in config.json ({e})") from None
+    if errors := glm5.config_errors(config):
+        raise CheckpointError(f"{p / 'config.json'}: {'; '.join(errors)}")
     tok_config = json.loads((p / "tokenizer_config.json").read_text()) if (p / "tokenizer_config.json").is_file() else {}
     if not tok_config.get("chat_template") and not (p / "chat_template.jinja").is_file():
         raise CheckpointError(f"{p}: no chat template (neither tokenizer_config.json's chat_template nor "

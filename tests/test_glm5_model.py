@@ -88,3 +88,16 @@ def test_the_preset_learns_and_balances_its_experts(tok):
     hist = train(model, lambda i: batch, steps=2, lr=1e-3, warmup=1, desc="glm5")  # moe None: left alone
     assert "moe_cv" not in hist
     assert all(torch.equal(b, r.e_score_correction_bias) for b, (_, r) in zip(before, moe.routers(model)))
+
+
+def test_a_glm5_checkpoint_whose_indexer_pattern_misses_layers_fails_naming_key_and_file(tok, tmp_path):
+    from posttrain.model import CheckpointError, check_folder
+    save_checkpoint(build_model(ModelConfig(**GLM5), tok), tok, tmp_path)
+    check_folder(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"indexer_types": ["full", "shared"]}))
+    with pytest.raises(CheckpointError, match=r"config\.json: indexer_types has 2 entries for num_hidden_layers 4"):
+        check_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"indexer_types": ["shared", "full", "full", "full"]}))
+    with pytest.raises(CheckpointError, match=r"indexer_types\[0\] is 'shared'"):
+        check_folder(tmp_path)
