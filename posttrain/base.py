@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain import moe
 from posttrain.artifacts import dir_digest
 from posttrain.chat import ChatFormatError, chat_format, doc_end_id, train_tokenizer
 from posttrain.config import PipelineConfig
@@ -69,6 +70,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
                  min_lr_ratio=b.min_lr_ratio, weight_decay=b.weight_decay, grad_clip=b.grad_clip, desc="base",
                  eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, b.steps // 5), moe=cfg.moe)
     save_checkpoint(model, tok, out)
+    moe.plot_load(hist, out / moe.PLOT, "base")
     metrics = {"params": n_params(model), "vocab_size": len(tok), "train_tokens": int(train_rows.numel()),
                **summarize(hist), **summarize(hist, "val_loss", 1), **moe_metrics(hist)}
     return {"metrics": metrics, "history": hist}

@@ -8,6 +8,7 @@ template and the environments' episodes. A real chat checkpoint (base.init_from)
 from __future__ import annotations
 
 import json
+import shutil
 from math import comb
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 
 import environments
 from environments import long_context
-from posttrain import report_html
+from posttrain import moe, report_html
 from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
@@ -172,6 +173,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         if p:
             result["pass_at_k"][ck] = p
         print(f"[evaluate] {ck}: {kv(s)}", flush=True)
+    for stage, path in inputs.items():  # a model with routers: each trainer's expert-load plot (posttrain.moe)
+        if (Path(path) / moe.PLOT).is_file():
+            shutil.copyfile(Path(path) / moe.PLOT, out / f"expert_load_{stage}.png")
+            result.setdefault("extra_plots", {})[f"expert_load_{stage}.png"] = f"Expert load during {stage}"
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     (out / "eval.md").write_text(table(result["eval"]) + "\n")
     plot(result["eval"], out / "eval.png")

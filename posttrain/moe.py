@@ -18,6 +18,8 @@ choice only. `RouterHooks` puts forward hooks on every router of a model (no mon
 No library does these over transformers' modules (Megatron-core does them inside its own MoE layer)."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -162,8 +164,37 @@ SUMMARY = ("moe_cv", "moe_max_mean", "moe_dead")  # a step's figures across laye
 
 
 def step_summary(engine) -> dict[str, float]:
-    """The last optimizer step's expert-load summary of a train engine ({} for a dense model)."""
-    return {k: v for k, v in getattr(engine, "moe_stats", {}).items() if k in SUMMARY}
+    """The last optimizer step's expert-load figures of a train engine, per layer and across layers ({} for a dense
+    model)."""
+    return dict(getattr(engine, "moe_stats", {}))
+
+
+PLOT = "expert_load.png"
+
+
+def plot_load(hist: dict[str, list[float]], path, title: str) -> bool:
+    """Per-layer coefficient of variation and max/mean of the expert load over a stage's steps, and its dead
+    experts; False (nothing written) for a dense model's history."""
+    layers = sorted(int(m[1]) for k in hist if (m := re.fullmatch(r"moe_cv_(\d+)", k)))
+    if not layers:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    for i in layers:
+        for ax, key in zip(axes, ("cv", "max_mean", "dead")):
+            ax.plot(hist[f"moe_{key}_{i}"], label=f"router {i}")
+    for ax, name in zip(axes, ("coefficient of variation", "max / mean load", "dead experts")):
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{title}: expert load per router (0 = uniform)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
 
 
 def with_aux_loss(loss_fn, hooks: RouterHooks, weight: float, curve: list | None = None):

@@ -117,6 +117,8 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     local = {s: store.local_path(r) for s, r in refs.items() if s in ("evaluate", "consolidation", "quantize")}
     if "evaluate" in refs:
         report.update(json.loads((local["evaluate"] / "eval.json").read_text()))
+        for name in report.get("extra_plots", {}):  # shown in the run's report.html beside the eval plots
+            shutil.copyfile(local["evaluate"] / name, run_dir / name)
         report["gates"] = check_gates(cfg, report["eval"])
     if "consolidation" in refs:
         report.update(json.loads((local["consolidation"] / "consolidation.json").read_text()))

@@ -172,8 +172,9 @@ def _lineage(report: dict) -> str:
 
 def body(report: dict, folder: Path) -> str:
     """The report's content (no <html> wrapper): what a Flyte report tab shows."""
+    plots = {**PLOTS, **{n: t for n, t in report.get("extra_plots", {}).items() if (folder / n).is_file()}}
     imgs = "".join(f"<h3>{t}</h3><img alt='{n}' src='data:image/png;base64,"
-                   f"{base64.b64encode((folder / n).read_bytes()).decode()}'>" for n, t in PLOTS.items())
+                   f"{base64.b64encode((folder / n).read_bytes()).decode()}'>" for n, t in plots.items())
     head = (f"<p>run <code>{html.escape(report['run_id'])}</code>, profile {html.escape(report['profile'])}</p>"
             if "run_id" in report else "")
     return (f"<h1>posttrain evaluation</h1>{head}{_gates(report.get('gates'))}"

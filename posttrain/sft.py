@@ -17,7 +17,7 @@ import torch
 import environments
 from environments import long_context
 from environments.base import Task
-from posttrain import attention, mtp, replay
+from posttrain import attention, moe, mtp, replay
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
@@ -243,6 +243,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     save_checkpoint(model, tok, out)
     hist = state["hist"]
     (out / "history.json").write_text(json.dumps(hist))
+    moe.plot_load(hist, out / moe.PLOT, "sft")
     n_tok = sum(sum(m) for _, m in examples)
     return {"metrics": {"examples": len(examples), "long_context_examples": len(long_tasks),
                         "replay_prompts": len(replayed), "replay_unfinished": unfinished,

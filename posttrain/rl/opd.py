@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from posttrain import moe
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.data import load_tasks
 from posttrain.model import save_checkpoint
@@ -67,6 +68,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))
+    moe.plot_load(hist, out / moe.PLOT, "opd")
     # the teachers' own validation scores (same val tasks, from their runs): how far the student got
     teacher_val = {d: read_manifest(inputs[f"rl-{d}"])["metrics"]["val_score_after"] for d in domains}
     plot(hist, teacher_val, out / "opd_curves.png")

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import environments
+from posttrain import moe
 from posttrain.config import PipelineConfig
 from posttrain.console import kv
 from posttrain.data import load_tasks
@@ -68,6 +69,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     # blocked hack attempts, with the call and the guard stage that caught it, for reviewers
     (out / "hack_attempts.json").write_text(json.dumps(st.attempts[:500], indent=1))
     (out / "history.json").write_text(json.dumps(hist))
+    moe.plot_load(hist, out / moe.PLOT, f"rl-{domain}")
     plot_curves(hist, out / "rl_curves.png", f"rl {domain} ({r.algorithm}, k={r.max_staleness})")
     total = sum(st.staleness.values())
     metrics = {"val_score_before": hist["val_score"][0][1], "val_score_after": hist["val_score"][-1][1],
