@@ -31,6 +31,11 @@ def test_glm5_shapes_that_cannot_build_are_refused_with_their_key(change, key):
         ModelConfig(**(GLM5 | change))
 
 
+def test_the_tiny_glm5_profile_validates():
+    cfg = load_config("tiny-glm5", [])
+    assert cfg.model.arch == "glm5" and cfg.model.layer_indexers() == ["full", "full", "shared", "full"]
+
+
 def test_quantize_groups_must_divide_the_experts_width():
     sets = [f"model.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in (GLM5 | {"moe_intermediate_size": 24}).items()]
     with pytest.raises(ConfigError, match="quantize.group_size: must divide model.moe_intermediate_size"):
