@@ -204,7 +204,8 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
     hist.update(curves)
     extra.update({key: v for c in curves for key, v in summarize(curves, c).items()})
     acc = long_context_accuracy(cfg, model, tok, sets)  # beyond the stage's length too: the contrast
-    metrics = {**summarize(hist), **moe_metrics(hist), **extra, "steps": steps, "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
+    metrics = {**summarize(hist), **moe_metrics(hist), **extra, "steps": steps,
+               "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
                "peak_memory_mb": peak["mb"], "short_val_loss": round(eval_loss(model, [short_val]), 4),
                "packing_efficiency": round(packing_efficiency(short_rows + long_rows, st.seq_len), 4),
                **{f"long_context@{L}": a for L, a in acc.items()}}
