@@ -50,7 +50,8 @@ def scheme(qcfg: QuantizeConfig, glm5: bool = False) -> QuantizationConfig:
             "experts_w4a8": QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
                                                input_activations=act, format="pack-quantized", weights=w4),
             "dense_w8a8": QuantizationScheme(
-                targets=[r"re:.*self_attn\.(" + "|".join(MLA) + ")$", r"re:.*mlp\.(shared_experts\.)?(gate|up|down)_proj$"],
+                targets=[r"re:.*self_attn\.(" + "|".join(MLA) + ")$",
+                         r"re:.*mlp\.(shared_experts\.)?(gate|up|down)_proj$"],
                 input_activations=act, format="int-quantized", weights=w8)}
     else:
         groups = {
