@@ -121,19 +121,25 @@ class RouterHooks:
         """After an optimizer step: the load metrics of the step, then each router's bias moved `rate` toward
         uniform load (sign rule); loads reset. Loads are summed over data-parallel ranks first. {} for a dense
         model or a step that saw no token."""
-        if not self.routers or not any(float(x.sum()) for x in self.loads):
+        if not self.routers:
             return {}
         loads = self.loads
         if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # every rank reduces, tokens or not (a rank that skipped would hang the others), on the routers' device
+            # (NCCL reduces CUDA tensors only)
+            loads = [x.to(r.e_score_correction_bias.device) for x, (_, r) in zip(loads, self.routers)]
             for x in loads:
                 torch.distributed.all_reduce(x)
+            loads = [x.cpu() for x in loads]
+        self.loads = [torch.zeros_like(x) for x in self.loads]
+        if not any(float(x.sum()) for x in loads):
+            return {}
         per = [load_stats(x) for x in loads]
         if rate:
             with torch.no_grad():
                 for (_, r), x in zip(self.routers, loads):
                     b = r.e_score_correction_bias
                     b += (rate * torch.sign(x.mean() - x)).to(b.device, b.dtype)
-        self.loads = [torch.zeros_like(x) for x in loads]
         out = {f"moe_{k}_{i}": v for i, s in enumerate(per) for k, v in s.items()}
         out |= {"moe_cv": sum(s["cv"] for s in per) / len(per), "moe_max_mean": max(s["max_mean"] for s in per),
                 "moe_dead": sum(s["dead"] for s in per)}

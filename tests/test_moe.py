@@ -205,3 +205,16 @@ def test_unfused_experts_compute_what_the_fused_ones_do(tmp_path):
     back = GlmMoeDsaForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(input_ids=x).logits, fused, rtol=0, atol=1e-5)
+
+
+def test_balancing_under_data_parallel_reduces_the_loads(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = tiny_glm()
+        hooks = moe.RouterHooks(model)
+        hooks.loads = [torch.tensor([9.0, 1, 1, 1, 1, 1, 1, 1]) for _ in hooks.routers]
+        assert hooks.after_step(0.01)["moe_max_mean"] == pytest.approx(9 / 2)
+        assert hooks.after_step(0.01) == {}  # a step without tokens still takes part in the reduction
+    finally:
+        dist.destroy_process_group()
