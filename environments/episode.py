@@ -35,6 +35,7 @@ class Trace:
     ids: list[int]
     gen_mask: list[int]
     logprobs: list[float]
+    routes: object = None   # the experts of each position, from the rollout engine (posttrain.routing_replay)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Episode:
     summaries: list[str] = field(default_factory=list)  # the policy's notes, one per compaction (summary="policy")
     summary_calls: list[int] = field(default_factory=list)  # how many tool calls each of those notes had to cover
     summarizing: bool = False  # the next generation is the policy's summary
+    routes: object = None      # the last turn's experts per position of prompt_ids + ids (routing replay)
     stopped_turns: int = 0     # turns that ended on a stop id (none in a whole batch: a stop-token mismatch)
     _ws: Workspace | None = None
 
@@ -107,7 +109,7 @@ class Episode:
     def traces(self) -> list[Trace]:
         """The episode's sub-traces in order: one unless it was compacted (a compaction that left no room for
         another turn leaves no last one)."""
-        last = Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs)
+        last = Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs, self.routes)
         return [*self.closed, last] if any(last.gen_mask) or not self.closed else list(self.closed)
 
     def _fits(self, obs: int = 0) -> bool:
@@ -134,14 +136,15 @@ class Episode:
         content = compacted_prompt(self.task.prompt, note)
         self.prompt_ids = render_ids(self.tok, [{"role": "user", "content": content}], add_generation_prompt=True,
                                      enable_thinking=self.thinks(self.turns))
-        self.ids, self.gen_mask, self.logprobs = [], [], []
+        self.ids, self.gen_mask, self.logprobs, self.routes = [], [], [], None
         return self._fits()
 
     def _compact(self, n_obs: int) -> bool:
         """Close the sub-trace (without the observation just appended: the note carries it) and start the
         next from the task and the rule-based note."""
         keep = len(self.ids) - n_obs
-        self.closed.append(Trace(self.prompt_ids, self.ids[:keep], self.gen_mask[:keep], self.logprobs[:keep]))
+        self.closed.append(Trace(self.prompt_ids, self.ids[:keep], self.gen_mask[:keep], self.logprobs[:keep],
+                                 self.routes))
         return self._restart(compaction_note(self.calls))
 
     def _ask_for_summary(self, n_obs: int, output: str) -> Step:
@@ -160,11 +163,13 @@ class Episode:
         self.truncated = True
         return self._end(0.0, f"truncated: {what} does not fit the context budget of {self.context_budget} tokens")
 
-    def step(self, action_ids: list[int], logprobs: list[float] | None = None) -> Step:
+    def step(self, action_ids: list[int], logprobs: list[float] | None = None, routes=None) -> Step:
+        """`routes`: the experts the rollout engine chose for this turn's context and tokens (routing replay)."""
         if self.done:
             raise RuntimeError(f"episode {self.task.id} is over")
         stops = chat_format(self.tok).stop_ids
         self._append(action_ids, logprobs, generated=True)
+        self.routes = routes
         stopped = bool(action_ids) and action_ids[-1] in stops
         self.stopped_turns += stopped
         text = self.tok.decode(action_ids[:-1] if stopped else action_ids, skip_special_tokens=False)
@@ -172,7 +177,7 @@ class Episode:
             self.summarizing = False
             self.summaries.append(final_answer(text))
             self.summary_calls.append(len(self.calls))
-            self.closed.append(Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs))
+            self.closed.append(Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs, self.routes))
             return Step([], False) if self._restart(self.summaries[-1]) else self._truncate("the next turn")
         self.turns += 1
         self.last_turn = text

@@ -410,6 +410,10 @@ class RLConfig(_Strict):
     # tokens, for methods whose steps differ in size (RL against OPD in bench/opd)
     val_every_tokens: AtLeast0 = 0
     checkpoint_every: AtLeast0 = 10
+    # mixture-of-experts policies (model.arch glm5): the rollout records the experts each token went through and
+    # the trainer's forward replays them (posttrain.routing_replay), so a token the trainer would route elsewhere
+    # (staleness, other numerics) is scored through the experts that produced it; a dense policy is refused
+    routing_replay: bool = False
     alarms: AlarmConfig = Field(default_factory=AlarmConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     per_domain: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -589,6 +593,10 @@ class PipelineConfig(_Strict):
                 errors.append(f"ramp.attention: must be sdpa or eager with model.arch glm5 (got "
                               f"{self.ramp.attention!r}): GLM-5 brings its own DSA indexer, which reads the full "
                               f"mask only those build")
+            if m.arch != "glm5" and (self.rl.routing_replay or any(d.get("routing_replay")
+                                                                  for d in self.rl.per_domain.values())):
+                errors.append(f"rl.routing_replay: needs a mixture-of-experts policy (model.arch glm5, or a "
+                              f"base.init_from checkpoint with routers); model.arch {m.arch} is dense")
             if m.arch == "glm5" and self.mtp.depth:
                 errors.append("mtp.depth: must be 0 with model.arch glm5 for now: posttrain's MTP layer is a Llama "
                               "decoder layer, not GLM-5's (issue 46 step 7)")

@@ -59,6 +59,8 @@ class RouterHooks:
         self._rows = 1
         self.recorded: list[list[torch.Tensor]] | None = None
         self._replay: list[torch.Tensor] | None = None
+        self._calls: list[list[torch.Tensor]] | None = None   # replay_calls: one route list per coming forward
+        self.replayed = [0, 0]   # [token-layer routes replayed, of them a different expert set than the router's]
         self._handles = []
         if self.routers:
             self._handles.append(model.register_forward_pre_hook(self._see_mask, with_kwargs=True))
@@ -70,6 +72,8 @@ class RouterHooks:
         self._handles = []
 
     def _see_mask(self, module, args, kwargs):
+        if self._calls is not None:
+            self._replay = self._calls.pop(0) if self._calls else None
         mask = kwargs.get("attention_mask")
         ids = kwargs.get("input_ids", args[0] if args else None)
         t = ids.shape[-1] if ids is not None else None
@@ -85,8 +89,14 @@ class RouterHooks:
                 if forced.shape != idx.shape:
                     raise ValueError(f"routing replay: router {self.routers[i][0]} got {tuple(forced.shape)} "
                                      f"routes for {tuple(idx.shape)} tokens")
+                forced = forced.to(idx.device, idx.dtype)
                 fresh = (forced < 0).any(-1, keepdim=True)  # -1: no recorded route, the router chooses
-                idx = torch.where(fresh, idx, forced.to(idx.device))
+                with torch.no_grad():
+                    kept = ~fresh[:, 0] if valid is None else ~fresh[:, 0] & valid
+                    same = (forced.sort(-1).values == idx.sort(-1).values).all(-1)
+                    self.replayed[0] += int(kept.sum())
+                    self.replayed[1] += int((kept & ~same).sum())
+                idx = torch.where(fresh, idx, forced)
                 weights = _rescore(router, logits, idx)
             if self.recorded is not None:
                 self.recorded[i].append(idx.detach().clone())
@@ -109,12 +119,34 @@ class RouterHooks:
         out, self.recorded = self.recorded or [], None
         return out
 
+    def take_forward(self) -> torch.Tensor:
+        """The routes recorded since `record()`, from one forward: [routers, N, k]; recording goes on."""
+        calls = self.take_recorded()
+        self.record()
+        if any(len(c) != 1 for c in calls):
+            raise RuntimeError(f"routing record: expected one call per router, got {[len(c) for c in calls]}")
+        return torch.stack([c[0] for c in calls])
+
     def replay(self, routes: list[torch.Tensor] | None) -> None:
         """Force these experts in the next forwards: per router an [N, k] index tensor for the forward's N tokens,
         rows of -1 left to the router; None ends the replay."""
         if routes is not None and len(routes) != len(self.routers):
             raise ValueError(f"routing replay: {len(routes)} route tensors for {len(self.routers)} routers")
-        self._replay = routes
+        self._replay, self._calls = routes, None
+
+    def replay_calls(self, calls: list[list[torch.Tensor]] | None) -> None:
+        """Like `replay`, one route list per coming forward of the model, in order (a prefill, then its
+        continuation); forwards past the last run unforced. None ends the replay."""
+        for routes in calls or []:
+            if len(routes) != len(self.routers):
+                raise ValueError(f"routing replay: {len(routes)} route tensors for {len(self.routers)} routers")
+        self._replay, self._calls = None, (list(calls) if calls is not None else None)
+
+    def take_replayed(self) -> dict[str, float]:
+        """Routes replayed since the last call and the share of them where the router would have chosen other
+        experts (the rollout/trainer mismatch replay removed); {} when none were replayed."""
+        (n, differ), self.replayed = self.replayed, [0, 0]
+        return {"routes_replayed": float(n), "routes_differ": differ / n} if n else {}
 
     # balancing
     def after_step(self, rate: float) -> dict[str, float]:
@@ -166,13 +198,15 @@ class RouterHooks:
         return torch.stack(losses).mean() if losses else None
 
 
-SUMMARY = ("moe_cv", "moe_max_mean", "moe_dead")  # a step's figures across layers, what curves and MLflow keep
+SUMMARY = ("moe_cv", "moe_max_mean", "moe_dead", "routes_differ")  # a step's figures across layers (and what routing
+# replay changed), what curves and MLflow keep
 
 
 def step_summary(engine) -> dict[str, float]:
-    """The last optimizer step's expert-load figures of a train engine, per layer and across layers ({} for a dense
-    model)."""
-    return dict(getattr(engine, "moe_stats", {}))
+    """The last optimizer step's expert-load figures of a train engine, per layer and across layers, and under
+    routing replay the routes replayed since the last call ({} for a dense model)."""
+    replayed = engine.replay_stats() if hasattr(engine, "replay_stats") else {}
+    return dict(getattr(engine, "moe_stats", {})) | replayed
 
 
 PLOT = "expert_load.png"

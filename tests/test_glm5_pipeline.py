@@ -1,11 +1,13 @@
-"""The whole DAG on GLM-5's architecture (the glm5 preset at smoke size): every stage, W4A8 as GLM-5 deploys, lineage."""
+"""The whole DAG on GLM-5's architecture (the glm5 preset at smoke size): every stage, routing replay in RL and OPD,
+W4A8 as GLM-5 deploys, lineage."""
 import json
 
 from safetensors import safe_open
 from tests.test_pipeline_smoke import posttrain, stage_runs
 
 GLM5 = ["--set", "model.arch=glm5", "--set", "ramp.attention=sdpa", "--set", "model.num_layers=2",
-        "--set", "model.indexer_types=[full, shared]", "--set", "moe.aux_loss_weight=0.0001"]
+        "--set", "model.indexer_types=[full, shared]", "--set", "moe.aux_loss_weight=0.0001",
+        "--set", "rl.routing_replay=true"]
 
 
 def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
@@ -18,6 +20,8 @@ def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
     for stage in ("base", "sft", "rl-reasoning", "opd"):  # every trainer balanced the routers and logged their load
         metrics = stages[stage].data.metrics
         assert {"moe_cv_first", "moe_cv_last", "moe_max_mean_last"} <= set(metrics), stage
+    for stage in ("rl-reasoning", "rl-agentic", "opd"):  # the rollouts' experts replayed (agentic: multi-turn, PPO)
+        assert "routes_differ_last" in stages[stage].data.metrics, stage
     quantized = report["stages"]["quantize"]["artifact"]
     with safe_open(f"{quantized}/model.safetensors", "pt") as f:
         keys = set(f.keys())

@@ -50,10 +50,12 @@ def rollout_engine(name: str, checkpoint: str | Path) -> RolloutEngine:
 
 
 def train_engine(name: str, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
-                 moe=None) -> TrainEngine:
+                 moe=None, routing_replay: bool = False) -> TrainEngine:
     """A train engine for the checkpoint as `policy`, `critic` (a value head on its backbone) or `reference`
-    (forward only); `moe`: the MoEConfig a policy with routers trains under."""
-    return _cls(TRAIN, name, "rl.train_engine").from_checkpoint(checkpoint, role, lr=lr, moe=moe)
+    (forward only); `moe`: the MoEConfig a policy with routers trains under; `routing_replay`: a policy scores
+    samples through the experts their rollout chose (posttrain.routing_replay)."""
+    kw = {"routing_replay": True} if routing_replay else {}  # an engine without replay is never asked for it
+    return _cls(TRAIN, name, "rl.train_engine").from_checkpoint(checkpoint, role, lr=lr, moe=moe, **kw)
 
 
 def as_rollout_engine(model, tokenizer) -> RolloutEngine:

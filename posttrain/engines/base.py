@@ -17,6 +17,9 @@ class Generation:
     ids: list[int]
     logprobs: list[float]      # behaviour log-probability of each token, at the sampling temperature
     stop_reason: StopReason    # "stop": ended on a stop id (kept as the last id); "length": max_new_tokens
+    # the experts each position of prompt + ids ran through, [routers, positions, k] (posttrain.routing_replay);
+    # None unless the engine records them
+    routes: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 from posttrain.chat import chat_format
 from posttrain.engines.base import Generation, WeightSource
 from posttrain.engines.kv_cache import decode_cache, training_cache
+from posttrain.routing_replay import RolloutRoutes
 
 
 def prefill_distinct(model, prompts: list[list[int]], pad_id: int, cache=None, **extra):
@@ -64,13 +65,17 @@ def gumbel_draw(logp: torch.Tensor, generator: torch.Generator | None, noise: to
 
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
-           pad_id: int, generator: torch.Generator | None = None) -> list[Generation]:
-    """Generate for a batch of token-id prompts; temperature 0 is greedy.
+           pad_id: int, generator: torch.Generator | None = None, routes=None) -> list[Generation]:
+    """Generate for a batch of token-id prompts; temperature 0 is greedy. `routes`: a posttrain.moe.RouterHooks on
+    the model, to record each row's experts (`Generation.routes`, posttrain.routing_replay).
 
     Identical prompts (a GRPO group) are prefilled once and share their KV cache; finished rows leave
     the batch once an eighth of it has finished, so the cost follows the unfinished rows."""
     reserve = max(map(len, prompts)) + max_new_tokens
+    if routes is not None:
+        routes.record()
     out, cache, attn, which = prefill_distinct(model, prompts, pad_id, decode_cache(reserve, model))
+    log = RolloutRoutes(routes.take_forward(), prompts, which) if routes is not None else None
     logits = out.logits[:, -1].float()[which]
     dev = logits.device
     generator = on_device(generator, dev)
@@ -104,7 +109,12 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature:
         logits = model(input_ids=torch.where(live, nxt, pad_id)[:, None], attention_mask=attn,
                        position_ids=(attn.sum(-1) - 1)[:, None], past_key_values=cache,
                        use_cache=True).logits[:, -1].float()
-    return [Generation(i, lp, "stop" if s else "length") for i, lp, s in zip(out_ids, out_lp, stopped)]
+        if log is not None:
+            log.step(routes.take_forward(), rows, stopped)
+    if routes is not None:
+        routes.take_recorded()
+    return [Generation(i, lp, "stop" if s else "length", log.row(r) if log is not None else None)
+            for r, (i, lp, s) in enumerate(zip(out_ids, out_lp, stopped))]
 
 
 class TorchRolloutEngine:
@@ -120,6 +130,7 @@ class TorchRolloutEngine:
         # decode with the model's MTP layer as the draft when it has one (posttrain.mtp); `stats` counts its
         # verifications and the tokens they produced (acceptance length = accepted / verifications)
         self.speculative, self.stats = True, {}
+        self.routes = None  # record_routes(): the experts of every generated row (routing replay)
         self._open = threading.Event()
         self._open.set()
 
@@ -134,12 +145,21 @@ class TorchRolloutEngine:
                  generator: torch.Generator | None = None) -> list[Generation]:
         self._open.wait()
         from posttrain import mtp
-        if self.speculative and mtp.get(self.model) is not None:
+        if self.speculative and self.routes is None and mtp.get(self.model) is not None:
             from posttrain.engines.speculative import sample_speculative
             return sample_speculative(self.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                       stop_ids=stop_ids, pad_id=self.pad_id, generator=generator, stats=self.stats)
         return sample(self.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                      stop_ids=stop_ids, pad_id=self.pad_id, generator=generator)
+                      stop_ids=stop_ids, pad_id=self.pad_id, generator=generator, routes=self.routes)
+
+    def record_routes(self) -> None:
+        """From now on every Generation carries the experts each of its tokens went through (routing replay);
+        decoding is plain then, without the MTP draft. A model without routers is refused."""
+        from posttrain.moe import RouterHooks
+        hooks = RouterHooks(self.model)
+        if not hooks.routers:
+            raise ValueError(f"routing replay: {type(self.model).__name__} has no mixture-of-experts router to record")
+        self.routes = hooks
 
     @torch.no_grad()
     def score(self, items: list[tuple[list[int], list[int], list[int]]], *, mode: str = "sampled", top_k: int = 16,

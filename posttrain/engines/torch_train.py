@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ class TorchTrainEngine:
     def __init__(self, model: torch.nn.Module, forward: Forward, *, lr: float | None = None,
                  weight_decay: float = 0.0, optimizer: torch.optim.Optimizer | None = None,
                  schedule: Callable[[int], float] | None = None, device: str | torch.device | None = None,
-                 tokenizer=None, pad_id: int = 0, moe: MoEConfig | None = None):
+                 tokenizer=None, pad_id: int = 0, moe: MoEConfig | None = None, routing_replay: bool = False):
         from posttrain.device import device as default_device
         from posttrain.train import make_optimizer
         self.device = torch.device(device) if device is not None else default_device()
@@ -36,15 +37,21 @@ class TorchTrainEngine:
         self._forward, self.pad_id = forward, pad_id
         self.opt = optimizer or (make_optimizer(model, lr, weight_decay) if lr is not None else None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
-        # `moe` given, a model with routers trained: expert load per step and its balancing (posttrain/moe.py)
+        # `moe` given, a model with routers trained: expert load per step and its balancing (posttrain/moe.py);
+        # `routing_replay`: the policy's forwards run through the experts the samples' rollouts chose
         self.moe = moe or MoEConfig()
-        hooks = RouterHooks(self._module, aux=self.moe.aux_loss_weight > 0) if moe and self.opt is not None else None
+        trained = moe is not None and self.opt is not None
+        hooks = RouterHooks(self._module, aux=trained and self.moe.aux_loss_weight > 0) \
+            if trained or routing_replay else None
         self.routers = hooks if hooks is not None and hooks.routers else None
+        if routing_replay and self.routers is None:
+            raise ValueError(f"rl.routing_replay: {type(self._module).__name__} has no mixture-of-experts router")
+        self.routing_replay, self._balance = routing_replay, trained and self.routers is not None
         self.moe_stats: dict[str, float] = {}
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None,
-                        moe: MoEConfig | None = None) -> "TorchTrainEngine":
+                        moe: MoEConfig | None = None, routing_replay: bool = False) -> "TorchTrainEngine":
         from transformers import AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -60,7 +67,11 @@ class TorchTrainEngine:
         pad = pad_id(tok)
         if role == "reference":
             return cls(model.eval(), policy_logits(pad), tokenizer=tok, pad_id=pad)
-        return cls(model, policy_logits(pad), lr=lr, tokenizer=tok, pad_id=pad, moe=moe)
+        try:
+            return cls(model, policy_logits(pad), lr=lr, tokenizer=tok, pad_id=pad, moe=moe,
+                       routing_replay=routing_replay)
+        except ValueError as e:
+            raise ValueError(f"{e} (checkpoint {path})") from None
 
     @property
     def loss_fn(self) -> Forward:
@@ -83,15 +94,32 @@ class TorchTrainEngine:
         with autocast(self.device):
             return self._forward(self.model, samples)
 
+    @contextmanager
+    def _replaying(self, samples):
+        """Routing replay around one prefix forward (posttrain.routing_replay), when on."""
+        if not self.routing_replay:
+            yield
+            return
+        from posttrain.routing_replay import prefix_calls
+        self.routers.replay_calls(prefix_calls(samples, len(self.routers.routers)))
+        try:
+            yield
+        finally:
+            self.routers.replay_calls(None)
+
     def logprobs(self, samples, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         from posttrain.head import completion_scores
-        with autocast(self.device):
+        with autocast(self.device), self._replaying(samples):
             return completion_scores(self.model, samples, self.pad_id, temperature)
 
     def reverse_kl(self, samples, teacher: list[torch.Tensor], temperature: float) -> torch.Tensor:
         from posttrain.head import completion_reverse_kl
-        with autocast(self.device):
+        with autocast(self.device), self._replaying(samples):
             return completion_reverse_kl(self.model, samples, self.pad_id, teacher, temperature)
+
+    def replay_stats(self) -> dict[str, float]:
+        """Routes replayed since the last call and the share the router would have chosen otherwise."""
+        return self.routers.take_replayed() if self.routing_replay else {}
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -102,7 +130,7 @@ class TorchTrainEngine:
         if self.sched:
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        if self.routers is not None:
+        if self._balance:
             self.moe_stats = self.routers.after_step(self.moe.bias_update_rate)
         return norm
 

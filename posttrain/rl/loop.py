@@ -134,7 +134,7 @@ def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe
     """`rl`: the loop trains on rollouts (not distillation only), so the KL alarm has tokens to watch; `moe`: how a
     policy with routers balances them."""
     watch_kl = rl and r.alarms.enabled and r.alarms.reference_kl
-    return Engines(train_engine(r.train_engine, sft, lr=r.lr, moe=moe),
+    return Engines(train_engine(r.train_engine, sft, lr=r.lr, moe=moe, routing_replay=r.routing_replay),
                    train_engine(r.train_engine, sft, "critic", lr=r.critic_lr) if with_critic else None,
                    train_engine(r.train_engine, sft, "reference") if r.kl_coef > 0 or watch_kl else None)
 
@@ -310,7 +310,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=r.rollout_engine,
                            placement=distill.teacher_placement) if distill else None
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, r.worker_threads, teachers=teachers,
-                         engine=r.rollout_engine)
+                         engine=r.rollout_engine, record_routes=r.routing_replay)
     feed = Feed(r, pool, distill, workers, seed, st,
                 {**kw, "judge": (judge, tuple(r.judge.features)) if judge else None, "stop_check": r.stop_check})
     active_alarms: set[str] = set()

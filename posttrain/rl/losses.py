@@ -68,6 +68,8 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Ten
             "masked_fraction": ((mask - keep).sum() / n).item(),
             "clip_frac": ((((ratio - 1).abs() > clip_eps).float() * keep).sum() / n).item(),
             "ratio_mean": ((ratio * mask).sum() / n).item(),
+            # mean |log pi_train - log pi_rollout| over the generated tokens: how far trainer and rollout disagree
+            "logratio_abs": (log_ratio.abs().sum() / n).item(),
             # k3 estimator of KL(behaviour || current) on the behaviour policy's own samples, >= 0
             "kl_behaviour": (((ratio - 1) - log_ratio) * mask).sum().div(n).item(),
         }

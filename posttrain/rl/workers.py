@@ -38,6 +38,7 @@ class Sample:
     teacher: Any = None        # distillation samples: the teacher's scores of the generated tokens
     subtrace: int = 0          # its place among the episode's compacted sub-traces (0: the first or only one)
     truncated: bool = False    # the episode ended at the context budget (compaction off)
+    routes: Any = None         # the rollout's experts per position (rl.routing_replay; posttrain.routing_replay)
 
     @property
     def n_generated(self) -> int:
@@ -50,7 +51,7 @@ def samples_of(episodes: list, group_size: int, n_rl: int, version: int) -> list
     config refuses compaction for GRPO); its blocked calls are counted once, on the first."""
     return [Sample(e.task.id, i // group_size if i < n_rl else n_rl // group_size + i - n_rl, t.prompt_ids, t.ids,
                    t.gen_mask, t.logprobs, e.reward, version, e.blocked if j == 0 else [], e.task.domain,
-                   subtrace=j, truncated=e.truncated)
+                   subtrace=j, truncated=e.truncated, routes=t.routes)
             for i, e in enumerate(episodes) for j, t in enumerate(e.traces())]
 
 
@@ -69,9 +70,14 @@ def check_stops(episodes: list, tok, max_new_tokens: int) -> None:
 
 
 class RolloutWorker:
-    def __init__(self, checkpoint: str, threads: int = 1, teachers=None, engine: str = "torch"):
+    def __init__(self, checkpoint: str, threads: int = 1, teachers=None, engine: str = "torch",
+                 record_routes: bool = False):
         torch.set_num_threads(threads)
         self.engine: RolloutEngine = rollout_engine(engine, checkpoint)
+        if record_routes:  # routing replay: the samples carry the experts that produced them
+            if not hasattr(self.engine, "record_routes"):
+                raise ValueError(f"rl.routing_replay: the {engine!r} rollout engine does not record expert routes")
+            self.engine.record_routes()
         self.tok = self.engine.tokenizer
         self.teachers = teachers  # a TeacherPool: distillation samples are scored here, off the trainer
 
@@ -131,19 +137,19 @@ class WorkerPool:
     """n rollout workers; calls on one worker run in submission order (weights, then rollouts)."""
 
     def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, teachers=None,
-                 engine: str = "torch"):
+                 engine: str = "torch", record_routes: bool = False):
         import ray
         self.use_ray = ray.is_initialized()
         if self.use_ray:
             cls = ray.remote(RolloutWorker).options(num_cpus=num_cpus, max_restarts=0)
-            self.workers = [cls.remote(checkpoint, threads, teachers, engine) for _ in range(n)]
+            self.workers = [cls.remote(checkpoint, threads, teachers, engine, record_routes) for _ in range(n)]
             try:
                 ray.get([w.ready.remote() for w in self.workers], timeout=180)
             except ray.exceptions.GetTimeoutError:
                 raise RuntimeError(f"{n} rollout worker(s) of {num_cpus} CPU could not be scheduled in 180 s: raise "
                                    "runtime.ray_num_cpus or lower rl.worker_cpus / rl.rollout_workers") from None
         else:
-            self.workers = [RolloutWorker(checkpoint, threads, teachers, engine) for _ in range(n)]
+            self.workers = [RolloutWorker(checkpoint, threads, teachers, engine, record_routes) for _ in range(n)]
             self.pools = [ThreadPoolExecutor(1) for _ in range(n)]
 
     def __len__(self) -> int:
