@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from posttrain.data import load_tasks
-    from posttrain.model import load_checkpoint
+    from posttrain.models.preset import load_checkpoint
     from posttrain.rl.loop import train_policy
     cur = variant_data()
     sft = sft_model(cur, args.sft_steps)

@@ -68,7 +68,7 @@ def _conversations(vocab: int, n: int, lo: int, hi: int, seed: int) -> list:
 
 def sft(make, batch: int, lo: int, hi: int, dev: torch.device) -> dict:
     """Tokens/s, step time, first/last loss and peak memory, padded on sdpa and padding-free on varlen_sdpa."""
-    from posttrain import attention
+    from posttrain.models import attention
     from posttrain.train import flat_examples, pad_examples, train
     torch.manual_seed(0)
     vocab = make().config.vocab_size
@@ -104,7 +104,7 @@ def sft(make, batch: int, lo: int, hi: int, dev: torch.device) -> dict:
 
 def rl(make, tok, dev: torch.device) -> tuple[dict, list]:
     """The figures, and the 32 rollout samples they trained on (for `padded_policy`)."""
-    from posttrain import attention
+    from posttrain.models import attention
     from posttrain.config import RLConfig
     from posttrain.engines.torch_rollout import TorchRolloutEngine
     from posttrain.engines.torch_train import TorchTrainEngine, policy_logits
@@ -221,7 +221,7 @@ def _peak(dev: torch.device) -> float:
 
 
 def run(dev: torch.device, make=qwen05) -> dict:
-    from posttrain.model import load_checkpoint
+    from posttrain.models.preset import load_checkpoint
     base = _base()
     _, tok = load_checkpoint(base)
     fig = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,

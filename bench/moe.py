@@ -67,8 +67,8 @@ def pipeline(seed: int) -> tuple[Path, dict]:
 
 def param_counts(checkpoint: str) -> tuple[int, int]:
     """Total parameters, and those one token runs through (the routed experts it is not sent to left out)."""
-    from posttrain import moe
-    from posttrain.model import load_checkpoint
+    from posttrain.models import moe
+    from posttrain.models.preset import load_checkpoint
     model, _ = load_checkpoint(checkpoint)
     total = sum(p.numel() for p in model.parameters())
     idle = 0

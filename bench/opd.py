@@ -110,7 +110,7 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
 
     from posttrain.config import RuntimeConfig, load_config
     from posttrain.data import load_tasks
-    from posttrain.model import save_checkpoint
+    from posttrain.models.preset import save_checkpoint
     from posttrain.raysupport import ensure_ray
     from posttrain.rl.loop import Distill, mean_step_times, train_policy
     torch.set_num_threads(1)  # trainer, rollout worker and teacher: one thread each on the 2 cores
@@ -255,9 +255,10 @@ def reverse_kl_on_own_samples(student_dir: str, teacher_dir: str, n: int = KL_PR
     import torch
 
     from posttrain.data import load_tasks
-    from posttrain.model import load_checkpoint
+    from posttrain.models.preset import load_checkpoint
     from posttrain.rl.opd_loss import reverse_kl_terms
-    from posttrain.rl.batches import completion_batch, prefix_forward
+    from posttrain.rl.batches import completion_batch
+    from posttrain.models.prefix import prefix_forward
     from posttrain.rl.workers import RolloutWorker
     art = _inputs()
     tasks = load_tasks(art["curate"], "val", DOMAIN)[:n]

@@ -1,7 +1,7 @@
 """bench/ramp: training tokens/s and peak memory against sequence length, for the tiny model.
 
 Variants, each in its own process (peak RSS is per process): packed rows with sdpa's document masks, the
-same rows through `packed_sdpa` (the ramp's default: no scores between documents, posttrain.packed_attention),
+same rows through `packed_sdpa` (the ramp's default: no scores between documents, posttrain.models.packed_attention),
 the same rows with one causal mask over the row (classic packing: cheaper, documents see each other),
 masks + activation checkpointing, and no packing at all (one document per row, padded
 to the longest in the batch, up to PADDED_MAX): its tokens/s counts real tokens only. Every step holds
@@ -45,7 +45,7 @@ def _docs(n_tokens: int, seq_len: int, rng: random.Random) -> list[tuple[list[in
 def _measure(seq_len: int, mask: bool, ckpt: bool, packed: bool, attn: str = "sdpa") -> dict:
     import torch
 
-    from posttrain import attention
+    from posttrain.models import attention
     from posttrain.config import load_config
     from posttrain.memory import peak_memory
     from posttrain.packing import collate, pack

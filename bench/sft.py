@@ -84,7 +84,7 @@ def _prepare() -> None:
 
     import environments
     from posttrain.chat import train_tokenizer
-    from posttrain.model import build_model, save_checkpoint, seed_all
+    from posttrain.models.preset import build_model, save_checkpoint, seed_all
     from posttrain.sft import build_examples
     cfg = _cfg()
     seed_all(cfg.seed)
@@ -150,7 +150,7 @@ def _start():
     """Both sides start here: threads, seed, the shared initial model and batch order."""
     import torch
 
-    from posttrain.model import load_checkpoint
+    from posttrain.models.preset import load_checkpoint
     cfg = _cfg()
     torch.set_num_threads(cfg.runtime.torch_threads)
     torch.manual_seed(cfg.seed)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from posttrain import moe
+from posttrain.models import moe
 from posttrain.artifacts import dir_digest
 from posttrain.chat import ChatFormatError, chat_format, doc_end_id, train_tokenizer
 from posttrain.config import PipelineConfig
 from posttrain.data import load_pretrain_texts
-from posttrain.model import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
+from posttrain.models.preset import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
 from posttrain.pypi_checkpoints import source_of
 from posttrain.train import eval_loss, moe_metrics, pack_stream, row_sampler, summarize, train
 

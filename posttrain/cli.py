@@ -104,7 +104,7 @@ def _check_local_inputs(cfg) -> None:
     checkpoint (and its template) of base.init_from, the files of curate.inputs."""
     from posttrain.chat import ChatFormatError
     from posttrain.curate.read import BadRow, check_inputs
-    from posttrain.model import CheckpointError
+    from posttrain.models.preset import CheckpointError
     if cfg.base.init_from:
         from posttrain.base import check_checkpoint
         try:

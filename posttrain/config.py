@@ -214,7 +214,7 @@ class RampStage(_Strict):
 
 
 class DSAConfig(_Strict):
-    """DeepSeek Sparse Attention, adopted at the first ramp stage when `ramp.attention: dsa` (posttrain.dsa)."""
+    """DeepSeek Sparse Attention, adopted at the first ramp stage when `ramp.attention: dsa` (posttrain.models.dsa)."""
     top_k: AtLeast1 = 256         # keys each query attends to (GLM-5: 2048 at 200k)
     index_share: AtLeast1 = 1     # one indexer per this many layers, its selection reused (GLM-5.2 IndexShare: 4)
     # layers that keep an indexer of their own under IndexShare, the rest sharing in blocks of index_share: the
@@ -235,8 +235,8 @@ class RampConfig(_Strict):
     weight_decay: NonNegative = 0.1
     mask_documents: bool = True  # attention stays inside each packed document; positions restart
     activation_checkpointing: bool = False
-    # a transformers attention implementation, one from posttrain.attention.register, or dsa; packed_sdpa: sdpa
-    # that computes no scores between packed documents (posttrain.packed_attention)
+    # a transformers attention implementation, one from posttrain.models.attention.register, or dsa; packed_sdpa: sdpa
+    # that computes no scores between packed documents (posttrain.models.packed_attention)
     attention: str = "packed_sdpa"
     dsa: DSAConfig = DSAConfig()
     long_docs: AtLeast0 = 2000   # distinct long-context documents per stage, lengths spread up to seq_len
@@ -270,7 +270,7 @@ class RampConfig(_Strict):
 
 
 class MTPConfig(_Strict):
-    """Multi-token prediction (posttrain.mtp): one shared extra layer drafting `depth` tokens, trained as an
+    """Multi-token prediction (posttrain.models.mtp): one shared extra layer drafting `depth` tokens, trained as an
     auxiliary loss in the ramp (installed at its first stage) and sft; rollouts and evaluation then decode
     speculatively with it. 0: off."""
     depth: AtLeast0 = 0           # draft tokens per verification (GLM-5: 3 layers' worth, shared; GLM-5.2: 5)
@@ -278,8 +278,8 @@ class MTPConfig(_Strict):
 
 
 class MoEConfig(_Strict):
-    """Mixture-of-experts training (posttrain/moe.py), for a model with routers (arch glm5, or a GLM-5 / DeepSeek-V3
-    checkpoint); nothing for a dense one. Every stage that trains applies it."""
+    """Mixture-of-experts training (posttrain/models/moe.py), for a model with routers (arch glm5, or a GLM-5 /
+    DeepSeek-V3 checkpoint); nothing for a dense one. Every stage that trains applies it."""
     # aux-loss-free balancing: each router's e_score_correction_bias moves this much toward uniform expert load
     # after every optimizer step (DeepSeek-V3's gamma: 1e-3). 0: the bias stays as the checkpoint holds it
     bias_update_rate: NonNegative = 1e-3

@@ -16,7 +16,8 @@ import torch
 
 import environments
 from environments import long_context
-from posttrain import moe, report_html
+from posttrain import report_html
+from posttrain.models import moe
 from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
@@ -173,7 +174,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         if p:
             result["pass_at_k"][ck] = p
         print(f"[evaluate] {ck}: {kv(s)}", flush=True)
-    for stage, path in inputs.items():  # a model with routers: each trainer's expert-load plot (posttrain.moe)
+    for stage, path in inputs.items():  # a model with routers: each trainer's expert-load plot (posttrain.models.moe)
         if (Path(path) / moe.PLOT).is_file():
             shutil.copyfile(Path(path) / moe.PLOT, out / f"expert_load_{stage}.png")
             result.setdefault("extra_plots", {})[f"expert_load_{stage}.png"] = f"Expert load during {stage}"

@@ -17,14 +17,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from environments import long_context
 from environments.base import Task
-from posttrain import attention, dsa, mtp
+from posttrain.models import attention, dsa, mtp
 from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig, RampStage
 from posttrain.console import kv
 from posttrain.data import load_pretrain_texts
 from posttrain.memory import peak_memory
-from posttrain.model import load_checkpoint, save_checkpoint, seed_all
+from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack, packing_efficiency
 from posttrain.store import checkpointed
 from posttrain.train import eval_loss, masked_lm_loss, moe_metrics, summarize, train

@@ -8,8 +8,8 @@ every position the rollout ran through the model (the last generated token never
 routes are the last turn's, whose prefill re-ran the earlier turns and the tool outputs (R3 keeps the same per
 request); positions without a route (-1) are left to the router.
 
-The hooks themselves are posttrain.moe.RouterHooks (record / replay_calls); here is where the routes of a batched
-rollout are cut into samples and laid out again for the trainer's prefix forward (posttrain.rl.batches)."""
+The hooks themselves are posttrain.models.moe.RouterHooks (record / replay_calls); here is where the routes of a batched
+rollout are cut into samples and laid out again for the trainer's prefix forward (posttrain.models.prefix)."""
 from __future__ import annotations
 
 import torch
@@ -39,8 +39,8 @@ class RolloutRoutes:
 
 
 def prefix_calls(samples: list, n_routers: int) -> list[list[torch.Tensor]]:
-    """The samples' routes laid out as posttrain.rl.batches.prefix_forward runs them: the distinct prompts left-padded
-    (its prefill), then every completion right-padded (its continuation); one [N, k] tensor per router and forward,
+    """The samples' routes laid out as posttrain.models.prefix.prefix_forward runs them: the distinct prompts
+    left-padded (its prefill), then every completion right-padded (its continuation); one [N, k] tensor per router and forward,
     -1 where a position has no route (padding, the last token, a sample without routes)."""
     have = [s.routes for s in samples if getattr(s, "routes", None) is not None]
     if not have:

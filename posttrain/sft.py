@@ -17,12 +17,13 @@ import torch
 import environments
 from environments import long_context
 from environments.base import Task
-from posttrain import attention, moe, mtp, replay
+from posttrain import replay
+from posttrain.models import attention, moe, mtp
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.device import stage_gpus
-from posttrain.model import load_checkpoint, save_checkpoint, seed_all
+from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
 from posttrain.store import train_storage
 from posttrain.train import eval_loss, flat_examples, masked_lm_loss, moe_metrics, pad_examples, summarize, train
@@ -103,7 +104,7 @@ def _batches(cfg: PipelineConfig, examples: list) -> Callable[[int], list]:
 
 def collator(tok, model, max_len: int, packing: bool = False) -> Callable[[list], dict]:
     """Conversations (`packing`: rows of packed conversations) -> tensors. Where the model's attention reads
-    documents from the positions (posttrain.attention.padding_free), all of them go in as one row without padding
+    documents from the positions (posttrain.models.attention.padding_free), all of them go in as one row without padding
     (1.3-1.4x faster steps on bench/sft's tiny-model batches, 38% padding; the stage's length buckets pad 27%); else
     padded rows."""
     pad = pad_id(tok)

@@ -10,8 +10,8 @@ import torch
 from tqdm import tqdm
 
 from posttrain.config import MoEConfig
-from posttrain.head import sequence_logprobs
-from posttrain.moe import step_summary, with_aux_loss
+from posttrain.models.head import sequence_logprobs
+from posttrain.models.moe import step_summary, with_aux_loss
 from posttrain.packing import collate
 
 Batch = dict[str, torch.Tensor]
@@ -19,7 +19,7 @@ Batch = dict[str, torch.Tensor]
 
 def masked_lm_loss(model, batch: Batch) -> torch.Tensor:
     """Next-token cross-entropy, the mean weighted by `loss_mask` of the target token (0: no loss; those
-    positions never reach the output head on the fused path, posttrain.head).
+    positions never reach the output head on the fused path, posttrain.models.head).
 
     No KV cache: with one, transformers would not read packed documents out of `position_ids`."""
     dev = next(model.parameters()).device
@@ -59,7 +59,7 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
     function of the step, so resuming from `state` (what `checkpoint` was given) continues exactly.
     A loss of exactly 0 over the first steps means nothing is being trained (an empty loss mask): it stops,
     naming `desc` and `zero_loss_hint`. `loss_fn(model, batch)` is the masked LM loss unless given. A model with
-    routers balances them under `moe` (posttrain/moe.py; None: not at all) and adds the `moe_*` curves.
+    routers balances them under `moe` (posttrain/models/moe.py; None: not at all) and adds the `moe_*` curves.
     """
     from posttrain.engines.torch_train import TorchTrainEngine
     engine = TorchTrainEngine(model, loss_fn, lr=lr, weight_decay=weight_decay,
@@ -133,7 +133,7 @@ def pad_examples(examples: list[tuple[list[int], list[int]]], pad_id: int, max_l
 def flat_examples(examples: list[tuple[list[int], list[int]]], pad_id: int, max_len: int) -> Batch:
     """(ids, loss_mask) pairs, each truncated to `max_len`, as one row of documents with positions restarting at
     each and no padding: the same loss as `pad_examples`, with nothing computed for padding, for a model whose
-    attention reads the documents from the positions (posttrain.attention.padding_free)."""
+    attention reads the documents from the positions (posttrain.models.attention.padding_free)."""
     return collate([[(ids[:max_len], m[:max_len]) for ids, m in examples]], pad_id)
 
 
@@ -152,6 +152,6 @@ def summarize(hist: dict[str, list[float]], key: str = "loss", k: int = 10) -> d
 
 def moe_metrics(hist: dict[str, list[float]], k: int = 10) -> dict[str, float]:
     """The expert-load curves' first and last means (a model with routers; {} for a dense one)."""
-    from posttrain.moe import SUMMARY
+    from posttrain.models.moe import SUMMARY
     return {key: v for c in SUMMARY for key, v in summarize(hist, c, k).items()}
 

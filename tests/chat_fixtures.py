@@ -78,7 +78,7 @@ def make_tokenizer(family: str, path: Path, vocab_size: int = 400):
 def make_checkpoint(family: str, path: Path):
     """A tiny random Llama with a `family` tokenizer, saved as a plain Hugging Face folder."""
     from posttrain.config import ModelConfig
-    from posttrain.model import build_model
+    from posttrain.models.preset import build_model
     tok = make_tokenizer(family, path)
     model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
                                     max_position_embeddings=64), tok)

@@ -100,7 +100,7 @@ def test_an_alarm_is_tagged_on_the_stage_run_as_it_fires(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def ckpt(tok, tmp_path_factory):
-    from posttrain.model import build_model, save_checkpoint
+    from posttrain.models.preset import build_model, save_checkpoint
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("policy")
     save_checkpoint(build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,

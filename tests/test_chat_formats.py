@@ -108,7 +108,7 @@ def test_sft_stops_when_every_mask_is_empty(tok):
 def test_training_stops_when_the_loss_is_exactly_zero(tok):
     """A mask that is all zeros gives a loss of exactly 0: the loop stops, naming the node and the hint."""
     from posttrain.config import ModelConfig
-    from posttrain.model import build_model
+    from posttrain.models.preset import build_model
     model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
     batch = {"input_ids": torch.ones(2, 8, dtype=torch.long), "loss_mask": torch.zeros(2, 8)}
     with pytest.raises(RuntimeError, match="sft: the loss was exactly 0.*chat template chatml"):

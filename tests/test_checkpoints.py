@@ -10,7 +10,7 @@ import torch
 from chat_fixtures import make_checkpoint
 from safetensors import safe_open
 
-from posttrain.model import CheckpointError, check_folder, load_checkpoint, save_checkpoint
+from posttrain.models.preset import CheckpointError, check_folder, load_checkpoint, save_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -134,12 +134,12 @@ def test_ppo_trains_on_compacted_subtraces(tok):
     import copy
     from posttrain.config import ModelConfig
     from posttrain.engines.torch_train import TorchTrainEngine, policy_logits
-    from posttrain.model import build_model
+    from posttrain.models.preset import build_model
     from posttrain.rl.critic import ValueModel
     from posttrain.rl.step import train_step
     from posttrain.train import make_optimizer
     import tempfile
-    from posttrain.model import save_checkpoint
+    from posttrain.models.preset import save_checkpoint
     tasks = _tasks("test", 8)
     budget, new = _budget(tok, tasks)
     eps = run_episodes(Oracle(tok, tasks), tok, tasks, max_turns=6, max_new_tokens=new, context_budget=budget)
@@ -183,7 +183,7 @@ def completion_mask(samples) -> torch.Tensor:
 
 def test_the_loop_records_how_episodes_were_split(tok, tmp_path):
     from posttrain.config import ModelConfig
-    from posttrain.model import build_model, save_checkpoint
+    from posttrain.models.preset import build_model, save_checkpoint
     from posttrain.rl.loop import train_policy
     torch.manual_seed(0)
     save_checkpoint(build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from posttrain import dsa, ramp
+from posttrain import ramp
+from posttrain.models import dsa
 from posttrain.config import ConfigError, ModelConfig, load_config
-from posttrain.model import build_model, load_checkpoint, save_checkpoint
+from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
 from posttrain.packing import collate, pack
 
 

@@ -8,7 +8,7 @@ import environments
 from posttrain.chat import chat_format, render_ids
 from posttrain.config import ModelConfig
 from posttrain.engines import check, rollout_engine, train_engine
-from posttrain.model import build_model, save_checkpoint
+from posttrain.models.preset import build_model, save_checkpoint
 from posttrain.rl.workers import RolloutWorker
 
 
@@ -118,7 +118,7 @@ def test_the_decode_cache_writes_in_place_and_matches_transformers_cache(ckpts, 
     from transformers import DynamicCache
 
     from posttrain.engines import torch_rollout
-    from posttrain.engines.kv_cache import decode_cache
+    from posttrain.models.kv_cache import decode_cache
     model = rollout_engine("torch", ckpts[0]).model
     prompts = _prompts(tok, 4)
     prompts[1] = prompts[1][:-5]  # rows of different lengths, and two rows sharing a prompt

@@ -4,15 +4,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain import attention
+from posttrain.models import attention
 from posttrain.engines.torch_rollout import sample
-from posttrain.rl.batches import prefix_forward
+from posttrain.models.prefix import prefix_forward
 from tests.test_moe import tiny_glm
 
 
 def sparse_glm(seed: int = 0, top_k: int = 8):
     """The toy with DSA selecting `top_k` keys per query (fewer than the sequences here)."""
-    import posttrain.model  # noqa: F401  (installs the stable indexer)
+    import posttrain.models.preset  # noqa: F401  (installs the stable indexer)
     model = tiny_glm(seed).eval()
     for layer in model.model.layers:
         if layer.self_attn.indexer is not None:
@@ -79,7 +79,7 @@ def test_glm5_keeps_padded_batches_and_refuses_attention_without_a_full_mask():
 def test_a_saved_glm5_checkpoint_generates_through_the_rollout_engine(tok, tmp_path):
     from posttrain.config import ModelConfig
     from posttrain.engines import rollout_engine
-    from posttrain.model import build_model, save_checkpoint
+    from posttrain.models.preset import build_model, save_checkpoint
     from tests.test_glm5_model import GLM5
     save_checkpoint(build_model(ModelConfig(**GLM5), tok), tok, tmp_path)
     engine = rollout_engine("torch", tmp_path)
@@ -91,7 +91,7 @@ def test_a_saved_glm5_checkpoint_generates_through_the_rollout_engine(tok, tmp_p
 
 
 def test_packed_training_rows_keep_their_documents_apart():
-    from posttrain.head import sequence_logprobs
+    from posttrain.models.head import sequence_logprobs
     from posttrain.packing import collate
     model = sparse_glm(top_k=64)
     a, b = list(range(5, 25)), list(range(40, 52))

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from posttrain import moe
+from posttrain.models import moe
 from posttrain.config import ConfigError, ModelConfig, load_config
-from posttrain.model import build_model, load_checkpoint, save_checkpoint
+from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
 
 GLM5 = dict(arch="glm5", hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64, moe_intermediate_size=16,
             n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -96,7 +96,7 @@ def test_the_preset_learns_and_balances_its_experts(tok):
 
 
 def test_a_glm5_checkpoint_whose_indexer_pattern_misses_layers_fails_naming_key_and_file(tok, tmp_path):
-    from posttrain.model import CheckpointError, check_folder
+    from posttrain.models.preset import CheckpointError, check_folder
     save_checkpoint(build_model(ModelConfig(**GLM5), tok), tok, tmp_path)
     check_folder(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())

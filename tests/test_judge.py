@@ -79,7 +79,7 @@ def test_a_real_checkpoint_answers_and_an_untrained_one_stops_the_stage(tok, tmp
     """Any chat checkpoint can judge; one that has not learned to (a fresh model) misses the floors, and the RL
     stage refuses to train with it, naming the floors and the way out."""
     from posttrain.config import ModelConfig, load_config
-    from posttrain.model import build_model, save_checkpoint
+    from posttrain.models.preset import build_model, save_checkpoint
     from posttrain.rl.specialist import checked_judge
     torch.manual_seed(0)
     ck = tmp_path / "sft"

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kernels import selfcheck
-from posttrain import head
+from posttrain.models import head
 from posttrain.config import ModelConfig
-from posttrain.model import build_model
+from posttrain.models.preset import build_model
 from posttrain.train import masked_lm_loss
 
 TOL = 1e-3  # fp32 against fp32 references at |values| of a few units: errors are ~1e-5

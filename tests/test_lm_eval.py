@@ -9,7 +9,7 @@ from environments.base import export_jsonl
 from posttrain.chat import train_tokenizer
 from posttrain.config import ModelConfig, QuantizeConfig
 from posttrain.lm_eval_adapter import EXAMPLE_TASKS, run
-from posttrain.model import build_model, save_checkpoint
+from posttrain.models.preset import build_model, save_checkpoint
 from posttrain.quant.stage import calibrate, export
 
 

@@ -1,10 +1,10 @@
-"""MoE care for GLM-5-shaped models (posttrain/moe.py) on a tiny transformers GlmMoeDsaForCausalLM."""
+"""MoE care for GLM-5-shaped models (posttrain/models/moe.py) on a tiny transformers GlmMoeDsaForCausalLM."""
 import numpy as np
 import pytest
 import torch
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from posttrain import moe
+from posttrain.models import moe
 
 
 def tiny_glm(seed: int = 0, **kw) -> GlmMoeDsaForCausalLM:

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from posttrain import mtp
+from posttrain.models import mtp
 from posttrain.config import ModelConfig
 from posttrain.engines.speculative import sample_speculative, verify
 from posttrain.engines.torch_rollout import TorchRolloutEngine, sample
-from posttrain.model import build_model, load_checkpoint, save_checkpoint
+from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
 from posttrain.train import masked_lm_loss, train
 
 
@@ -57,7 +57,7 @@ def test_greedy_speculative_decoding_is_plain_greedy_decoding(model, variant):
     if variant != "as installed":
         scramble(model)
     if variant == "dsa":  # sparse attention over a cache with rejected slots masked out
-        from posttrain import dsa
+        from posttrain.models import dsa
         dsa.install(model, top_k=4)
     prompts = [[5, 6, 7, 8, 9], [40, 41], [5, 6, 7, 8, 9], [100] * 9]
     stop = {model.config.eos_token_id, 7}

@@ -4,10 +4,11 @@ import torch
 
 import environments
 from posttrain.config import ConfigError, ModelConfig, RLConfig, load_config
-from posttrain.model import build_model, load_checkpoint, save_checkpoint
+from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
 from posttrain.rl.opd_loss import reverse_kl_terms
 from posttrain.rl.loop import Distill, train_policy
-from posttrain.rl.batches import completion_batch, prefix_forward
+from posttrain.rl.batches import completion_batch
+from posttrain.models.prefix import prefix_forward
 from posttrain.rl.losses import policy_loss
 from posttrain.rl.workers import RolloutWorker
 from posttrain.rl.teachers import Teacher, TeacherPool

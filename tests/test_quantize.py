@@ -8,7 +8,7 @@ from posttrain.chat import train_tokenizer
 from posttrain.config import ModelConfig, QuantizeConfig
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import IntLinear, load_compressed
-from posttrain.model import build_model, save_checkpoint
+from posttrain.models.preset import build_model, save_checkpoint
 from posttrain.quant.stage import calibrate, export, linear_bytes, load_check, targets
 
 

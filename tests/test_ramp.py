@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from posttrain import attention, packed_attention
+from posttrain.models import attention, packed_attention
 from posttrain.config import ConfigError, load_config
 from posttrain.packing import collate, pack
 from posttrain.train import masked_lm_loss

@@ -6,11 +6,12 @@ import torch
 import environments
 from posttrain.config import ModelConfig, RLConfig
 from posttrain.engines.torch_train import TorchTrainEngine, policy_logits
-from posttrain.model import build_model, save_checkpoint
+from posttrain.models.preset import build_model, save_checkpoint
 from posttrain.rl.loop import train_policy
 from posttrain.rl.step import train_step
 from posttrain.rl.losses import gae, group_advantages, policy_loss
-from posttrain.rl.batches import completion_batch, prefix_forward
+from posttrain.rl.batches import completion_batch
+from posttrain.models.prefix import prefix_forward
 from posttrain.rl.rollout import episode_batch, token_logits
 from posttrain.rl.workers import RolloutBuffer, RolloutWorker, Sample
 
@@ -119,12 +120,12 @@ def test_prefix_shared_forward_equals_the_full_sequence_forward(ckpt, tok):
 
 
 def test_padding_free_forward_equals_the_cached_forward_with_its_gradients(ckpt, tok):
-    """One row per batch, no padding, no cache (rl.batches.flat_forward): the same logits, hidden states and
+    """One row per batch, no padding, no cache (models.prefix.flat_forward): the same logits, hidden states and
     gradients as the prefix-cached path; taken where samples do not share prompts enough to pay for padding."""
     from types import SimpleNamespace
 
-    from posttrain.attention import padding_free
-    from posttrain.rl.batches import cached_tokens, flat_tokens, pad_rows
+    from posttrain.models.attention import padding_free
+    from posttrain.models.prefix import cached_tokens, flat_tokens, pad_rows
     from posttrain.rl.critic import ValueModel
     g = torch.Generator().manual_seed(0)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from posttrain import moe
+from posttrain.models import moe
 from posttrain.config import RLConfig
 from posttrain.engines.torch_rollout import sample
 from posttrain.engines.torch_train import TorchTrainEngine, policy_logits

@@ -44,7 +44,7 @@ def test_padding_free_batches_give_the_padded_loss_and_gradients_mtp_included():
 
     from transformers import MistralConfig, MistralForCausalLM
 
-    from posttrain import attention, mtp
+    from posttrain.models import attention, mtp
     from posttrain.sft import collator
     rng = random.Random(0)
     # conversation-like: untrained prompt tokens, then the trained answer

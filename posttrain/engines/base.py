@@ -53,7 +53,7 @@ class TrainEngine(Protocol):
 
     def forward(self, samples: list) -> torch.Tensor:
         """The model's output at the position predicting each completion token ([samples, longest, ...]):
-        logits for a policy, values for a critic (posttrain.rl.batches's completion layout)."""
+        logits for a policy, values for a critic (posttrain.models.prefix's completion layout)."""
 
     def logprobs(self, samples: list, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """A policy's (log-probability, entropy) of each completion token at `temperature`, [samples, longest]:

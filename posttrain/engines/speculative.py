@@ -1,4 +1,4 @@
-"""Speculative decoding with the model's own MTP layer (posttrain.mtp): draft `depth` tokens, check them in one
+"""Speculative decoding with the model's own MTP layer (posttrain.models.mtp): draft `depth` tokens, check them in one
 forward of the model, keep what the model itself would have produced.
 
 Greedy: a draft is kept while it equals the model's argmax, and the model's own next token follows, so the
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from posttrain import mtp as mtp_module
+from posttrain.models import mtp as mtp_module
 from posttrain.engines.base import Generation
-from posttrain.engines.kv_cache import decode_cache
-from posttrain.engines.torch_rollout import exponential_noise, gumbel_draw, on_device, prefill_distinct
+from posttrain.models.kv_cache import decode_cache
+from posttrain.engines.torch_rollout import exponential_noise, gumbel_draw, on_device
+from posttrain.models.prefix import prefill_distinct
 
 
 def verify(logp: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tensor, temperature: float,

@@ -7,33 +7,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from posttrain.chat import chat_format
 from posttrain.engines.base import Generation, WeightSource
-from posttrain.engines.kv_cache import decode_cache, training_cache
+from posttrain.models.kv_cache import decode_cache
+from posttrain.models.prefix import micro_batches, prefill_distinct, prefix_forward
 from posttrain.routing_replay import RolloutRoutes
-
-
-def prefill_distinct(model, prompts: list[list[int]], pad_id: int, cache=None, **extra):
-    """Run each distinct prompt once (left-padded) and index its KV cache (`cache`, default transformers'
-    DynamicCache) out to every row that has it.
-
-    Returns (the model's output for the distinct prompts, the per-row cache, the per-row attention mask,
-    `which`: row -> distinct prompt). Groups of samples share a prompt; this is where they share its work."""
-    uniq: dict[tuple[int, ...], int] = {}
-    dev = next(model.parameters()).device
-    which = torch.tensor([uniq.setdefault(tuple(p), len(uniq)) for p in prompts], device=dev)
-    L = max(map(len, uniq))
-    ids = torch.tensor([[pad_id] * (L - len(p)) + list(p) for p in uniq], device=dev)
-    attn = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in uniq], device=dev)
-    cache = training_cache(model) if cache is None else cache
-    if hasattr(model, "lm_head"):  # a causal LM computes logits only where they are used: the last position
-        extra["logits_to_keep"] = 1
-    out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=cache, use_cache=True, **extra)
-    cache.batch_select_indices(which)
-    return out, cache, attn[which], which
 
 
 def on_device(generator: torch.Generator | None, device) -> torch.Generator | None:
@@ -66,8 +45,8 @@ def gumbel_draw(logp: torch.Tensor, generator: torch.Generator | None, noise: to
 @torch.no_grad()
 def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
            pad_id: int, generator: torch.Generator | None = None, routes=None) -> list[Generation]:
-    """Generate for a batch of token-id prompts; temperature 0 is greedy. `routes`: a posttrain.moe.RouterHooks on
-    the model, to record each row's experts (`Generation.routes`, posttrain.routing_replay).
+    """Generate for a batch of token-id prompts; temperature 0 is greedy. `routes`: a
+    posttrain.models.moe.RouterHooks on the model, to record each row's experts (`Generation.routes`, posttrain.routing_replay).
 
     Identical prompts (a GRPO group) are prefilled once and share their KV cache; finished rows leave
     the batch once an eighth of it has finished, so the cost follows the unfinished rows."""
@@ -122,12 +101,12 @@ class TorchRolloutEngine:
     (validation) sees its updates at once; workers and teachers hold their own copy."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_cells: int = 4096):
-        from posttrain.attention import fast_decoding
+        from posttrain.models.attention import fast_decoding
         fast_decoding(model)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.pad_id, self.max_cells = chat_format(tokenizer).pad_id, max_cells
         self.version = 0
-        # decode with the model's MTP layer as the draft when it has one (posttrain.mtp); `stats` counts its
+        # decode with the model's MTP layer as the draft when it has one (posttrain.models.mtp); `stats` counts its
         # verifications and the tokens they produced (acceptance length = accepted / verifications)
         self.speculative, self.stats = True, {}
         self.routes = None  # record_routes(): the experts of every generated row (routing replay)
@@ -144,7 +123,7 @@ class TorchRolloutEngine:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
                  generator: torch.Generator | None = None) -> list[Generation]:
         self._open.wait()
-        from posttrain import mtp
+        from posttrain.models import mtp
         if self.speculative and self.routes is None and mtp.get(self.model) is not None:
             from posttrain.engines.speculative import sample_speculative
             return sample_speculative(self.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -155,7 +134,7 @@ class TorchRolloutEngine:
     def record_routes(self) -> None:
         """From now on every Generation carries the experts each of its tokens went through (routing replay);
         decoding is plain then, without the MTP draft. A model without routers is refused."""
-        from posttrain.moe import RouterHooks
+        from posttrain.models.moe import RouterHooks
         hooks = RouterHooks(self.model)
         if not hooks.routers:
             raise ValueError(f"routing replay: {type(self.model).__name__} has no mixture-of-experts router to record")
@@ -165,7 +144,6 @@ class TorchRolloutEngine:
     def score(self, items: list[tuple[list[int], list[int], list[int]]], *, mode: str = "sampled", top_k: int = 16,
               temperature: float = 1.0) -> list:
         """The teacher's distribution over each generated token, at the student's sampling temperature."""
-        from posttrain.rl.batches import micro_batches, prefix_forward
         samples = [SimpleNamespace(prompt_ids=p, ids=ids) for p, ids, _ in items]
         out: list = [None] * len(items)
         for idx in micro_batches(samples, self.max_cells):  # bounded memory for the [rows, T, V] logits
@@ -186,7 +164,7 @@ class TorchRolloutEngine:
 
     def update_weights(self, source: WeightSource, version: int) -> None:
         if isinstance(source, (str, Path)):  # weights by disk: a checkpoint folder
-            from posttrain.model import load_checkpoint
+            from posttrain.models.preset import load_checkpoint
             source = load_checkpoint(source)[0].state_dict()
         self.pause()
         try:

@@ -12,12 +12,12 @@ import torch
 from posttrain.config import MoEConfig
 from posttrain.device import autocast
 from posttrain.engines.base import Forward
-from posttrain.moe import RouterHooks
+from posttrain.models.moe import RouterHooks
 
 
 def policy_logits(pad_id: int) -> Forward:
     """A causal LM's logits in the completion layout (each distinct prompt run once)."""
-    from posttrain.rl.batches import prefix_forward
+    from posttrain.models.prefix import prefix_forward
     return lambda model, samples: prefix_forward(model, samples, pad_id)
 
 
@@ -37,7 +37,7 @@ class TorchTrainEngine:
         self._forward, self.pad_id = forward, pad_id
         self.opt = optimizer or (make_optimizer(model, lr, weight_decay) if lr is not None else None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
-        # `moe` given, a model with routers trained: expert load per step and its balancing (posttrain/moe.py);
+        # `moe` given, a model with routers trained: expert load per step and its balancing (posttrain/models/moe.py);
         # `routing_replay`: the policy's forwards run through the experts the samples' rollouts chose
         self.moe = moe or MoEConfig()
         trained = moe is not None and self.opt is not None
@@ -55,15 +55,15 @@ class TorchTrainEngine:
         from transformers import AutoTokenizer
 
         from posttrain.chat import pad_id
-        from posttrain.model import load_checkpoint
+        from posttrain.models.preset import load_checkpoint
         if role == "critic":
             from posttrain.rl.critic import ValueModel
             tok = AutoTokenizer.from_pretrained(path)
             pad = pad_id(tok)
             return cls(ValueModel(path), lambda m, samples: m(samples, pad), lr=lr, tokenizer=tok)
-        from posttrain.attention import padding_free
+        from posttrain.models.attention import padding_free
         model, tok = load_checkpoint(path)
-        padding_free(model)  # completions scored as one row without padding where that is cheaper (rl.batches)
+        padding_free(model)  # completions scored as one row without padding where that is cheaper (models.prefix)
         pad = pad_id(tok)
         if role == "reference":
             return cls(model.eval(), policy_logits(pad), tokenizer=tok, pad_id=pad)
@@ -108,12 +108,12 @@ class TorchTrainEngine:
             self.routers.replay_calls(None)
 
     def logprobs(self, samples, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        from posttrain.head import completion_scores
+        from posttrain.models.head import completion_scores
         with autocast(self.device), self._replaying(samples):
             return completion_scores(self.model, samples, self.pad_id, temperature)
 
     def reverse_kl(self, samples, teacher: list[torch.Tensor], temperature: float) -> torch.Tensor:
-        from posttrain.head import completion_reverse_kl
+        from posttrain.models.head import completion_reverse_kl
         with autocast(self.device), self._replaying(samples):
             return completion_reverse_kl(self.model, samples, self.pad_id, teacher, temperature)
 

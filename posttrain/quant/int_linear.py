@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kernels import use_triton
-from posttrain import dsa, moe, mtp
+from posttrain.models import dsa, moe, mtp
 
 
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -121,7 +121,7 @@ def is_compressed(path: str | Path) -> bool:
 
 def load_any(path: str | Path):
     """A checkpoint folder, plain or compressed-tensors W4A8, as (model, tokenizer)."""
-    from posttrain.model import load_checkpoint
+    from posttrain.models.preset import load_checkpoint
     return load_compressed(path) if is_compressed(path) else load_checkpoint(path)
 
 

@@ -20,15 +20,16 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 import environments
-from posttrain import loadcheck, moe
+from posttrain import loadcheck
+from posttrain.models import moe
 from posttrain.chat import render_ids
 from posttrain.config import PipelineConfig, QuantizeConfig
 from posttrain.console import kv
 from posttrain.data import load_tasks
-from posttrain.glm5 import is_glm5
+from posttrain.models.glm5 import is_glm5
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import load_compressed
-from posttrain.model import load_checkpoint, seed_all
+from posttrain.models.preset import load_checkpoint, seed_all
 
 MLP = ("gate_proj", "up_proj", "down_proj")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -65,7 +66,7 @@ def scheme(qcfg: QuantizeConfig, glm5: bool = False) -> QuantizationConfig:
 
 def targets(model, qcfg: QuantizeConfig) -> dict[str, tuple[torch.nn.Linear, int, int]]:
     """Quantized Linear name -> (module, bits, group size), as `scheme` says; refuses a group size that does not
-    divide. A GLM-5 model's experts must be unfused first (posttrain.moe.unfuse_experts)."""
+    divide. A GLM-5 model's experts must be unfused first (posttrain.models.moe.unfuse_experts)."""
     glm, out = is_glm5(model), {}
     for name, m in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]

@@ -1,33 +1,10 @@
-"""Training batches for RL in completion layout, and a forward pass that runs each prompt once.
-
-The samples of one group share their prompt; a full-sequence forward would redo the prompt for every
-sample (8x for GRPO's groups). Here each distinct prompt runs once, its KV cache is indexed out to its
-samples, and the completions run on top. Gradients flow through the shared cache (indexing sums them),
-so the loss and its gradient equal the full-sequence forward's; only the repeated work is gone.
-"""
+"""Training batches for RL in the completion layout: column j of a sample's row is its completion token ids[j],
+what posttrain.models.prefix.prefix_forward's output at column j predicts."""
 from __future__ import annotations
 
 import torch
 
-from posttrain.attention import reads_documents
-from posttrain.engines.torch_rollout import prefill_distinct
-
-
-def pad_rows(rows: list[list], value, dtype=None, device=None) -> torch.Tensor:
-    n = max(1, max(map(len, rows)))
-    return torch.tensor([list(r) + [value] * (n - len(r)) for r in rows], dtype=dtype, device=device)
-
-
-def micro_batches(samples: list, max_cells: int) -> list[list[int]]:
-    """Sample indices sorted by completion length and cut so a micro-batch pads to at most ~`max_cells`
-    completion cells: short completions no longer pad to the longest of the whole batch."""
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].ids))
-    chunks: list[list[int]] = [[]]
-    for i in order:  # ascending, so sample i is the longest of its chunk so far
-        if chunks[-1] and (len(chunks[-1]) + 1) * len(samples[i].ids) > max_cells:
-            chunks.append([])
-        chunks[-1].append(i)
-    return chunks
+from posttrain.models.prefix import pad_rows
 
 
 def completion_batch(samples: list, device=None) -> dict[str, torch.Tensor]:
@@ -37,67 +14,3 @@ def completion_batch(samples: list, device=None) -> dict[str, torch.Tensor]:
             "old_logprobs": pad_rows([s.logprobs for s in samples], 0.0, torch.float, device)}
 
 
-def prefix_forward(model, samples: list, pad_id: int, output: str = "logits"):
-    """`output` ("logits" or "last_hidden_state") at the position predicting each completion token:
-    result[:, j] is computed from the prompt and ids[:j], shape [samples, longest completion, dim].
-    "hidden" (a causal LM's last hidden state, its head run on one position only, posttrain.head) returns
-    (that, the model's output for the completions).
-
-    Where the model reads packed documents from the positions (posttrain.attention.padding_free) and its
-    prompts are not shared enough to pay for the padding, each sample runs whole, the batch as one row
-    without padding (`flat_forward`)."""
-    if reads_documents(model) and flat_tokens(samples) < cached_tokens(samples):
-        return flat_forward(model, samples, output)
-    hidden = output == "hidden"
-    extra = {"output_hidden_states": True, "logits_to_keep": 1} if hidden else {}
-    head, cache, p_att, which = prefill_distinct(model, [s.prompt_ids for s in samples], pad_id, **extra)
-    c_ids = pad_rows([s.ids for s in samples], pad_id, device=p_att.device)
-    c_att = pad_rows([[1] * len(s.ids) for s in samples], 0, device=p_att.device)
-    tail = model(input_ids=c_ids, attention_mask=torch.cat([p_att, c_att], 1),
-                 position_ids=p_att.sum(-1)[:, None] + torch.arange(c_ids.size(1), device=p_att.device),
-                 past_key_values=cache,
-                 use_cache=True, **extra)
-    if hidden:
-        first, rest = head.hidden_states[-1][:, -1][which], tail.hidden_states[-1]
-    else:
-        first, rest = getattr(head, output)[:, -1][which], getattr(tail, output)
-    out = torch.cat([first[:, None], rest[:, :-1]], 1)
-    return (out, tail) if hidden else out
-
-
-def flat_tokens(samples: list) -> int:
-    """Tokens `flat_forward` runs: every sample's prompt and completion."""
-    return sum(len(s.prompt_ids) + len(s.ids) for s in samples)
-
-
-def cached_tokens(samples: list) -> int:
-    """Token slots the cached path runs: each distinct prompt once, padded to the longest, then every
-    completion padded to the longest."""
-    distinct = {tuple(s.prompt_ids) for s in samples}
-    return len(distinct) * max(map(len, distinct)) + len(samples) * max(1, max(len(s.ids) for s in samples))
-
-
-def flat_forward(model, samples: list, output: str = "logits"):
-    """prefix_forward's result from one row holding each sample's prompt and completion, positions restarting
-    at each: no padding and no cache; the output head runs where a completion token is predicted only."""
-    dev = next(model.parameters()).device
-    rows = [list(s.prompt_ids) + list(s.ids) for s in samples]
-    ids = torch.tensor([t for r in rows for t in r], device=dev)[None]
-    pos = torch.cat([torch.arange(len(r)) for r in rows]).to(dev)[None]
-    at, keep = 0, []
-    for r, s in zip(rows, samples):  # the position predicting completion token j: the one before it
-        keep.extend(range(at + len(s.prompt_ids) - 1, at + len(r) - 1))
-        at += len(r)
-    keep = torch.tensor(keep, dtype=torch.long, device=dev)
-    real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, dev)
-    out = None
-    if output == "last_hidden_state":
-        vals = model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state[0, keep]
-    elif output == "hidden":
-        out = model(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-        vals = out.hidden_states[-1][0, keep]
-    else:
-        vals = getattr(model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep), output)[0]
-    res = vals.new_zeros(*real.shape, vals.shape[-1])
-    res[real] = vals
-    return (res, out) if output == "hidden" else res

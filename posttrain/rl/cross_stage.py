@@ -11,7 +11,7 @@ from pathlib import Path
 
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
-from posttrain.model import save_checkpoint
+from posttrain.models.preset import save_checkpoint
 from posttrain.rl import alarms
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.rl.specialist import plot_curves

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain import moe
+from posttrain.models import moe
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.data import load_tasks
-from posttrain.model import save_checkpoint
+from posttrain.models.preset import save_checkpoint
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.train import moe_metrics, summarize
 

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import environments
-from posttrain import moe
+from posttrain.models import moe
 from posttrain.config import PipelineConfig
 from posttrain.console import kv
 from posttrain.data import load_tasks
-from posttrain.model import save_checkpoint
+from posttrain.models.preset import save_checkpoint
 from posttrain.judge import ModelJudge, measure
 from posttrain.rl import alarms
 from posttrain.rl.loop import train_policy

@@ -29,7 +29,7 @@ class Teacher:
             torch.set_num_threads(threads)
         self.engine = rollout_engine(engine, checkpoint)
         if isinstance(getattr(self.engine, "model", None), torch.nn.Module):  # the torch engine scores the student's
-            from posttrain.attention import padding_free  # completions as one row without padding (rl.batches)
+            from posttrain.models.attention import padding_free  # one row, no padding (models.prefix)
             padding_free(self.engine.model)
 
     def ready(self) -> bool:

@@ -59,7 +59,7 @@ def _nothing_scored(model, fused_path: bool, input_ids: torch.Tensor, inputs: di
     own, so a loss summed over it is 0 and backpropagates nothing: the parameters' gradients stay as they were and
     AdamW skips those that have none. Two callers need the forward itself, and get it on one kept position, the
     result then an empty slice of its logits: DDP (every rank must join the gradient all-reduce; this one adds
-    zeros) and a model whose MTP layer is capturing this forward's hidden states for its loss (posttrain.mtp)."""
+    zeros) and a model whose MTP layer is capturing this forward's hidden states for its loss (posttrain.models.mtp)."""
     m = unwrap(model)
     params = next(m.parameters(), None)
     dev = params.device if params is not None else input_ids.device
@@ -106,8 +106,8 @@ def sequence_logprobs(model, input_ids: torch.Tensor, targets_mask: torch.Tensor
 
 def completion_scores(model, samples: list, pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability, entropy) [samples, longest completion] of each completion token at `temperature`
-    (0 past a completion's end), in posttrain.rl.batches's completion layout."""
-    from posttrain.rl.batches import pad_rows, prefix_forward
+    (0 past a completion's end), in posttrain.models.prefix's completion layout."""
+    from posttrain.models.prefix import pad_rows, prefix_forward
     dev = next(model.parameters()).device
     ids = pad_rows([s.ids for s in samples], 0, device=dev)
     real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, dev)
@@ -125,7 +125,7 @@ def completion_reverse_kl(model, samples: list, pad_id: int, teacher: list[torch
                           temperature: float) -> torch.Tensor:
     """Full-vocabulary KL(student || teacher) [samples, longest completion] at each sample's generated
     positions (0 elsewhere); `teacher[i]` holds the teacher's log-probabilities there, [generated, vocab]."""
-    from posttrain.rl.batches import pad_rows, prefix_forward
+    from posttrain.models.prefix import pad_rows, prefix_forward
     dev = next(model.parameters()).device
     mask = pad_rows([s.gen_mask for s in samples], 0, device=dev) > 0
     lt = torch.cat([t.float() for t in teacher]).to(dev)

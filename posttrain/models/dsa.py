@@ -120,7 +120,8 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
     """transformers' attention-function signature: (output [B, Lq, H, D], None)."""
     st: DSAState | None = getattr(module, "dsa_state", None)
     if st is None:
-        raise ValueError("attention 'dsa' needs lightning indexers: posttrain.dsa.install(model, top_k=..., ...)")
+        raise ValueError("attention 'dsa' needs lightning indexers: "
+                         "posttrain.models.dsa.install(model, top_k=..., ...)")
     hidden, (cos, sin) = module.__dict__.pop("_dsa_in")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     b, _, lq, _ = query.shape
@@ -211,7 +212,7 @@ def restore(model, checkpoint: str | Path | None = None):
         return model
     install(model, **settings)
     if checkpoint is not None:
-        from posttrain.model import load_added_weights
+        from posttrain.models.preset import load_added_weights
         load_added_weights(model, checkpoint, lambda k: ".indexer." in k, "DSA indexers")
     return model
 

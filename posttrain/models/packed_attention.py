@@ -8,7 +8,7 @@ with `is_causal`: the work is the sum of the documents' squared lengths instead 
 kernel does this on CPU (flash-attention's varlen kernels are CUDA only; flex attention needs a compiler).
 
 "varlen_sdpa" is the same path at every length: for a batch flattened into one row of documents with no padding
-(posttrain.attention.padding_free, SFT's batches), where the row is as long as the whole batch and a dense mask
+(posttrain.models.attention.padding_free, SFT's batches), where the row is as long as the whole batch and a dense mask
 would cost its length squared. On the ramp's own rows grouping loses below MIN_LEN (tiny model, 2 CPU cores,
 pretraining-like documents: 12,100 against 14,250 tokens/s at 256, 10,750 against 11,600 at 512; many short
 groups, each an sdpa call), which is why "packed_sdpa" keeps the dense mask there.
@@ -18,7 +18,7 @@ as fast or faster there (one measurement of a tiny-ramp training step, B8, 2 CPU
 length: 0.17 s against 0.18 s at 256 tokens, 0.40 against 0.39 at 512, 1.05 against 0.83 at 1024; from 1024
 on, `python -m bench ramp` compares the two). Decoding steps (a few queries against a KV cache) take
 `decode_attention` on CPU; rollout engines switch an sdpa model to packed_sdpa for it
-(posttrain.attention.fast_decoding). Anything else (a padding mask, a prefill into a KV cache, a model with
+(posttrain.models.attention.fast_decoding). Anything else (a padding mask, a prefill into a KV cache, a model with
 sliding-window layers, whose window lives in the mask) runs transformers' sdpa unchanged.
 """
 from __future__ import annotations

@@ -110,7 +110,7 @@ def install(model, depth: int):
     """Give `model` an MTP layer of `depth` draft steps (new: a copy of its last layer); kept if it has one."""
     if depth < 1:
         raise ValueError(f"mtp: depth must be >= 1 (got {depth})")
-    from posttrain.head import _SCALING
+    from posttrain.models.head import _SCALING
     scaled = [k for k in _SCALING if getattr(model.config, k, None) not in (None, 1, 1.0)]
     head = model.get_output_embeddings()
     if scaled or not isinstance(head, nn.Linear) or head.bias is not None:
@@ -132,7 +132,7 @@ def restore(model, checkpoint: str | Path | None = None):
         return model
     install(model, **settings)
     if checkpoint is not None:
-        from posttrain.model import load_added_weights
+        from posttrain.models.preset import load_added_weights
         load_added_weights(model, checkpoint, lambda k: k.startswith("mtp."), "an MTP layer")
     return model
 

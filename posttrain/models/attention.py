@@ -1,10 +1,10 @@
 """The attention implementation is chosen by config (`ramp.attention`): the seam sparse attention plugs into.
 
 transformers dispatches attention (and the mask built for it) through two registries; `register` adds a
-name to both; posttrain.dsa registers "dsa" this way (its indexers installed by `posttrain.dsa.install`), and
-posttrain.packed_attention "packed_sdpa" (the ramp's default: sdpa that skips the scores between packed
-documents) and "varlen_sdpa" (the same at every length, for padding-free batches). "sdpa" and "eager" are the
-dense references.
+name to both; posttrain.models.dsa registers "dsa" this way (its indexers installed by
+`posttrain.models.dsa.install`), and posttrain.models.packed_attention "packed_sdpa" (the ramp's default: sdpa
+that skips the scores between packed documents) and "varlen_sdpa" (the same at every length, for padding-free
+batches). "sdpa" and "eager" are the dense references.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from collections.abc import Callable
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from posttrain import dsa as _dsa  # noqa: F401  (registers "dsa")
-from posttrain import packed_attention
-from posttrain.glm5 import is_glm5
+from posttrain.models import dsa as _dsa  # noqa: F401  (registers "dsa")
+from posttrain.models import packed_attention
+from posttrain.models.glm5 import is_glm5
 
 
 def register(name: str, attention: Callable, mask: Callable = sdpa_mask) -> None:
@@ -48,7 +48,7 @@ def padding_free(model) -> bool:
 
 def fast_decoding(model) -> None:
     """A model on sdpa is switched to packed_sdpa, the same attention with `decode_attention` for decoding steps
-    (posttrain.packed_attention); its MTP layer follows. Others keep theirs (varlen_sdpa has it already)."""
+    (posttrain.models.packed_attention); its MTP layer follows. Others keep theirs (varlen_sdpa has it already)."""
     m = getattr(model, "module", model)
     if m.config._attn_implementation == "sdpa" and not is_glm5(m):
         _switch(m, "packed_sdpa")
@@ -56,7 +56,7 @@ def fast_decoding(model) -> None:
 
 def _switch(model, name: str) -> None:
     """`model` to attention `name`, its MTP layer following."""
-    from posttrain import mtp
+    from posttrain.models import mtp
     use(model, name)
     if (draft := mtp.get(model)) is not None:
         draft.follow_attention(model)
@@ -76,12 +76,12 @@ def use(model, name: str):
     """Switch `model` to attention `name`; an unknown name fails naming the known ones."""
     if name not in known():
         raise ValueError(f"unknown attention implementation {name!r}; known: {', '.join(known())} "
-                         f"(add one with posttrain.attention.register)")
+                         f"(add one with posttrain.models.attention.register)")
     if is_glm5(model) and name not in ("sdpa", "eager"):
         raise ValueError(f"attention {name!r}: GLM-5's DSA indexer selects keys through a full 4D mask, which only "
                          f"transformers' sdpa and eager build; use one of those")
     if name == "dsa" and not hasattr(model.model.layers[0].self_attn, "dsa_state"):
-        raise ValueError("attention 'dsa' needs lightning indexers: posttrain.dsa.install(model, top_k=...) "
+        raise ValueError("attention 'dsa' needs lightning indexers: posttrain.models.dsa.install(model, top_k=...) "
                          "(the ramp does it for ramp.attention: dsa)")
     model.set_attn_implementation(name)
     return model

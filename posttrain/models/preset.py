@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from posttrain import glm5
+from posttrain.models import glm5
 from posttrain.config import ModelConfig
 
 hf_logging.disable_progress_bar()  # per-load bars drown the stage progress
-glm5.patch_indexer()  # GLM-5's DSA selection, stable across lengths (posttrain/glm5.py)
+glm5.patch_indexer()  # GLM-5's DSA selection, stable across lengths (posttrain/models/glm5.py)
 
 
 def seed_all(seed: int) -> None:
@@ -128,7 +128,7 @@ def load_checkpoint(path: str | Path) -> tuple[LlamaForCausalLM, object]:
 def load_pretrained(auto_class, path: str | Path):
     """`auto_class.from_pretrained` in fp32, with the DSA indexers and MTP layer the checkpoint's config names
     reinstalled."""
-    from posttrain import dsa, mtp
+    from posttrain.models import dsa, mtp
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # else transformers reports the indexers' weights as unexpected
     try:
