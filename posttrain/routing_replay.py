@@ -40,8 +40,8 @@ class RolloutRoutes:
 
 def prefix_calls(samples: list, n_routers: int) -> list[list[torch.Tensor]]:
     """The samples' routes laid out as posttrain.models.prefix.prefix_forward runs them: the distinct prompts
-    left-padded (its prefill), then every completion right-padded (its continuation); one [N, k] tensor per router and forward,
-    -1 where a position has no route (padding, the last token, a sample without routes)."""
+    left-padded (its prefill), then every completion right-padded (its continuation); one [N, k] tensor per router
+    and forward, -1 where a position has no route (padding, the last token, a sample without routes)."""
     have = [s.routes for s in samples if getattr(s, "routes", None) is not None]
     if not have:
         raise ValueError("routing replay: no sample carries routes (the rollout engine did not record them)")

@@ -46,7 +46,8 @@ def gumbel_draw(logp: torch.Tensor, generator: torch.Generator | None, noise: to
 def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
            pad_id: int, generator: torch.Generator | None = None, routes=None) -> list[Generation]:
     """Generate for a batch of token-id prompts; temperature 0 is greedy. `routes`: a
-    posttrain.models.moe.RouterHooks on the model, to record each row's experts (`Generation.routes`, posttrain.routing_replay).
+    posttrain.models.moe.RouterHooks on the model, to record each row's experts (`Generation.routes`,
+    posttrain.routing_replay).
 
     Identical prompts (a GRPO group) are prefilled once and share their KV cache; finished rows leave
     the batch once an eighth of it has finished, so the cost follows the unfinished rows."""
@@ -106,8 +107,8 @@ class TorchRolloutEngine:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.pad_id, self.max_cells = chat_format(tokenizer).pad_id, max_cells
         self.version = 0
-        # decode with the model's MTP layer as the draft when it has one (posttrain.models.mtp); `stats` counts its
-        # verifications and the tokens they produced (acceptance length = accepted / verifications)
+        # decode with the model's MTP layer as the draft when it has one (posttrain.models.mtp); `stats` counts
+        # its verifications and the tokens they produced (acceptance length = accepted / verifications)
         self.speculative, self.stats = True, {}
         self.routes = None  # record_routes(): the experts of every generated row (routing replay)
         self._open = threading.Event()
