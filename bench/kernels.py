@@ -1,7 +1,15 @@
-"""bench/kernels: each Triton kernel against its plain-torch reference, and the fused log-probability kernel
-against Liger-Kernel's fused linear cross-entropy, forward + backward, time (median of REPS after a warm-up)
-and peak memory above the inputs, at realistic shapes on a GPU: 16k tokens, hidden 4096, vocab 152k, bf16;
-the W4A8 GEMM at 4096 -> 14336 against the bf16 matmul for batches 1..256.
+"""bench/kernels: each Triton kernel against its plain-torch reference and its peer on a GPU, in one run:
+
+- log-probability forward + backward at 16k tokens, hidden 4096, vocab 152k, bf16: the full logits (torch), our
+  any-loss form (`linear_logprob`: the backward recomputes the logits), our gradient-in-forward form
+  (`linear_logprob_loss`) and Liger-Kernel's fused linear cross-entropy, all on the mean NLL; time (median of REPS
+  after a warm-up) and peak memory above the inputs;
+- the full-vocabulary reverse KL at 4k tokens, the same three ways of ours against torch;
+- the W4A8 GEMM at 4096 -> 14336 against the bf16 matmul at 1..256 rows, each timed by Triton's `do_bench` and
+  inside a CUDA graph (`do_bench_cudagraph`, how a serving engine runs a decode step: launches cost nothing);
+  the tiles are swept first (split-K deterministic only) and the best per row count is what is timed;
+- the grouped expert GEMM (a GLM-5 gate projection: 256 experts, 6144 -> 2048, top 8) at 16 and 512 tokens
+  against the loop over experts (our dense kernel per expert) and against torch's bf16 grouped matmul.
 
 Without a GPU it records the interpreter's correctness (`kernels.selfcheck` under TRITON_INTERPRET=1) and
 null GPU figures, saying so. `python -m bench.kernels --dry` runs the GPU figures' code at tiny shapes on CPU
@@ -27,9 +35,14 @@ from bench import mark, out_dir, peer, size, small
 OUT = out_dir()
 REPS = size(5, 1)
 FULL = {"tokens": 16384, "hidden": 4096, "vocab": 152064, "kl_tokens": 4096, "w4a8_k": 4096, "w4a8_n": 14336,
-        "batches": [1, 4, 16, 64, 256], "group": 128}
+        "batches": [1, 4, 16, 64, 256], "group": 128,
+        "moe": {"experts": 256, "top_k": 8, "k": 6144, "n": 2048, "tokens": [16, 512]}}
 DRY = {"tokens": 64, "hidden": 32, "vocab": 500, "kl_tokens": 32, "w4a8_k": 64, "w4a8_n": 48,
-       "batches": [1, 16], "group": 32}
+       "batches": [1, 16], "group": 32, "moe": {"experts": 4, "top_k": 2, "k": 64, "n": 48, "tokens": [3, 9]}}
+# the W4A8 tile sweep (deterministic configurations only: split-K adds fixed-order partial sums)
+SWEEP = {"BN": [32, 64, 128], "SPLIT_K": [1, 4, 8], "num_stages": [3, 4]}
+ROW_SWEEP = [{"BLOCK": 4096, "num_warps": 8}, {"BLOCK": 8192, "num_warps": 16}, {"BLOCK": 16384, "num_warps": 16},
+             {"BLOCK": 32768, "num_warps": 32}]
 
 
 def _sync(device: str) -> None:
@@ -57,28 +70,58 @@ def _measure(fn, device: str, reps: int = REPS) -> tuple[float, float | None]:
     return statistics.median(times), peak
 
 
+def _fast(fn, device: str, graph: bool = False, rep: int = 100) -> float:
+    """Median seconds of a short call: Triton's event timing on a GPU (in a CUDA graph where `graph`), the wall
+    clock elsewhere."""
+    if device != "cuda":
+        return _measure(fn, device, reps=3)[0]
+    import triton.testing
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") / 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") / 1e3
+
+
 def _ratio(a, b):
     return None if a is None or b is None or not b else round(a / b, 3)
 
 
-def gpu_figures(device: str, s: dict, dtype: torch.dtype) -> dict:
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from kernels.logprob import linear_logprob, linear_logprob_reference
-    from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_reference
-    from kernels.w4a8 import quantize_activations_fused, w4a8_matmul
-    g = torch.Generator(device=device).manual_seed(0)
+def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
+    from kernels import logprob
+    from kernels.logprob import linear_logprob, linear_logprob_loss, linear_logprob_reference
+    from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_loss, linear_reverse_kl_reference
     n, d, v = s["tokens"], s["hidden"], s["vocab"]
     h = (torch.randn(n, d, device=device, generator=g, dtype=dtype) * 0.5).requires_grad_()
     w = (torch.randn(v, d, device=device, generator=g, dtype=dtype) * 0.02).requires_grad_()
     target = torch.randint(0, v, (n,), device=device, generator=g)
+    rows_launch = None
+    if device == "cuda":  # the row kernels' block and warps, on one chunk of logits at this shape
+        from kernels.logprob import _grad_in_place, _stats, default_chunk
+        z = torch.randn(default_chunk(n, v, d), v, device=device, dtype=dtype)
+        t = target[:z.size(0)]
+        ones = torch.ones(z.size(0), device=device)
+        timed = {}
+        for cfg in ROW_SWEEP:
+            logprob.ROW_LAUNCH = cfg
+
+            def rows_step():
+                logp, ent, lse = _stats(z, t, 1.0)
+                _grad_in_place(z.clone(), t, lse, ent, ones, ones * 0, 1.0)
+            timed[json.dumps(cfg)] = _fast(rows_step, device)
+        rows_launch = {"seconds": timed, "chosen": json.loads(min(timed, key=timed.get))}
+        logprob.ROW_LAUNCH = rows_launch["chosen"]
+        del z
 
     def step(loss_fn):
         def run():
             h.grad = w.grad = None
             loss_fn().backward()
         return run
+
+    def nll(lp, ent, rows):
+        return -lp.sum() / n
     rows = {"torch": step(lambda: -linear_logprob_reference(h, w, target)[0].mean()),
-            "fused": step(lambda: -linear_logprob(h, w, target)[0].mean())}
+            "fused": step(lambda: -linear_logprob(h, w, target)[0].mean()),
+            "fused_loss": step(lambda: linear_logprob_loss(h, w, target, nll)[0])}
     if peer("liger_kernel", "kernels"):
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -86,7 +129,7 @@ def gpu_figures(device: str, s: dict, dtype: torch.dtype) -> dict:
         liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100, lse_square_scale=0.0, label_smoothing=0.0,
                                                  reduction="mean", softcap=None, return_z_loss=False)
         rows["liger"] = step(lambda: liger(w, h, target))
-    logprob = {k: _measure(f, device) for k, f in rows.items()}
+    lp = {k: _measure(f, device) for k, f in rows.items()}
     m = s["kl_tokens"]
     hk = h[:m].detach().clone().requires_grad_()
     teacher = torch.log_softmax(torch.randn(m, v, device=device, generator=g), -1)
@@ -94,42 +137,142 @@ def gpu_figures(device: str, s: dict, dtype: torch.dtype) -> dict:
     def kl_step(fn):
         def run():
             hk.grad = w.grad = None
-            fn(hk, w, teacher).mean().backward()
+            fn().backward()
         return run
-    kl = {"torch": _measure(kl_step(linear_reverse_kl_reference), device),
-          "fused": _measure(kl_step(linear_reverse_kl), device)}
-    k, cols, group = s["w4a8_k"], s["w4a8_n"], s["group"]
-    q = torch.randint(-8, 8, (cols, k), dtype=torch.int8)
-    packed = pack_to_int32(q, 4).to(device)
-    scales = (torch.rand(cols, k // group) * 0.01).to(device)
-    w_bf16 = (q.float() * 0.01).to(device, dtype)
-    w4a8 = {}
-    for b in s["batches"]:
-        x = torch.randn(b, k, device=device, dtype=dtype)
-        t_bf16, _ = _measure(lambda: x @ w_bf16.t(), device, reps=20)
-        # the quantized layer's path (activations quantized in one launch, then the GEMM); the GEMM alone; and
-        # split-K 8, faster at a few rows but not the default (its atomics make the sums' order vary)
-        t_w4a8, _ = _measure(lambda: w4a8_matmul(*quantize_activations_fused(x), packed, scales), device, reps=20)
-        xq, sx = quantize_activations_fused(x)
-        t_gemm, _ = _measure(lambda: w4a8_matmul(xq, sx, packed, scales), device, reps=20)
-        t_split, _ = _measure(lambda: w4a8_matmul(xq, sx, packed, scales, config={"SPLIT_K": 8}), device, reps=20)
-        w4a8[b] = {"bf16_s": t_bf16, "w4a8_s": t_w4a8, "speedup": _ratio(t_bf16, t_w4a8), "gemm_s": t_gemm,
-                   "gemm_split_k8_s": t_split}
-    few = [w4a8[b]["speedup"] for b in s["batches"] if b <= 16]
+    kl = {"torch": _measure(kl_step(lambda: linear_reverse_kl_reference(hk, w, teacher).mean()), device),
+          "fused": _measure(kl_step(lambda: linear_reverse_kl(hk, w, teacher).mean()), device),
+          "fused_loss": _measure(kl_step(lambda: linear_reverse_kl_loss(hk, w, teacher,
+                                                                         lambda k, r: k.sum() / m)[0]), device)}
     return {
-        "logprob_peak_mem_ratio_vs_torch": _ratio(logprob["fused"][1], logprob["torch"][1]),
-        "logprob_speed_ratio_vs_liger": _ratio(logprob["liger"][0], logprob["fused"][0])
-        if "liger" in logprob else None,
-        "logprob_speed_ratio_vs_torch": _ratio(logprob["torch"][0], logprob["fused"][0]),
-        "reverse_kl_peak_mem_ratio_vs_torch": _ratio(kl["fused"][1], kl["torch"][1]),
-        "reverse_kl_speed_ratio_vs_torch": _ratio(kl["torch"][0], kl["fused"][0]),
-        "w4a8_speed_ratio_vs_bf16": min(few) if few and None not in few else None,
-        "logprob": {k: {"s": t, "peak_mb": p} for k, (t, p) in logprob.items()},
+        "logprob_peak_mem_ratio_vs_torch": _ratio(lp["fused_loss"][1], lp["torch"][1]),
+        "logprob_peak_mem_ratio_vs_liger": _ratio(lp["fused_loss"][1], lp["liger"][1]) if "liger" in lp else None,
+        "logprob_speed_ratio_vs_liger": _ratio(lp["liger"][0], lp["fused_loss"][0]) if "liger" in lp else None,
+        "logprob_speed_ratio_vs_torch": _ratio(lp["torch"][0], lp["fused_loss"][0]),
+        "logprob_any_loss_speed_ratio_vs_liger": _ratio(lp["liger"][0], lp["fused"][0]) if "liger" in lp else None,
+        "reverse_kl_peak_mem_ratio_vs_torch": _ratio(kl["fused_loss"][1], kl["torch"][1]),
+        "reverse_kl_speed_ratio_vs_torch": _ratio(kl["torch"][0], kl["fused_loss"][0]),
+        "logprob": {k: {"s": t, "peak_mb": p} for k, (t, p) in lp.items()},
         "reverse_kl": {k: {"s": t, "peak_mb": p} for k, (t, p) in kl.items()},
-        "w4a8": w4a8, "shapes": s, "dtype": str(dtype).removeprefix("torch."), "reps": REPS,
+        "row_kernel_launch": rows_launch}
+
+
+def _sweep(fn, device: str, base: dict) -> tuple[dict, dict]:
+    """The fastest configuration of `fn(config)` in a CUDA graph over SWEEP, then with the activation quantization
+    in the prologue or not: (best config, seconds per tried config)."""
+    import itertools
+    if device != "cuda":
+        return dict(base), {}
+    tried = {}
+    for bn, split, stages in itertools.product(*SWEEP.values()):
+        cfg = {**base, "BN": bn, "SPLIT_K": split, "num_stages": stages, "fuse_quant": False}
+        tried[json.dumps(cfg)] = _fast(lambda: fn(cfg), device, graph=True, rep=30)
+    best = json.loads(min(tried, key=tried.get))
+    fused = {**best, "fuse_quant": True}
+    tried[json.dumps(fused)] = _fast(lambda: fn(fused), device, graph=True, rep=30)
+    return json.loads(min(tried, key=tried.get)), tried
+
+
+def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
+    from kernels.w4a8 import default_config, pack_int4, w4a8_linear
+    k, cols, group = s["w4a8_k"], s["w4a8_n"], s["group"]
+    q = torch.randint(-8, 8, (cols, k), dtype=torch.int8, device=device, generator=g)
+    packed = pack_int4(q)
+    scales = torch.rand(cols, k // group, device=device, generator=g) * 0.01
+    w_bf16 = (q.float() * 0.01).to(dtype)
+    out = {}
+    for b in s["batches"]:
+        x = torch.randn(b, k, device=device, dtype=dtype, generator=g)
+        best, tried = _sweep(lambda c: w4a8_linear(x, packed, scales, config=c), device, default_config(b, group))
+        row = {"config": best, "default_config": default_config(b, group)}
+        for mode in ("graph", "plain"):
+            graph = mode == "graph"
+            t_bf16 = _fast(lambda: x @ w_bf16.t(), device, graph)
+            t_best = _fast(lambda: w4a8_linear(x, packed, scales, config=best), device, graph)
+            t_default = _fast(lambda: w4a8_linear(x, packed, scales), device, graph)
+            row[mode] = {"bf16_s": t_bf16, "w4a8_s": t_best, "w4a8_default_s": t_default,
+                         "speedup": _ratio(t_bf16, t_best), "speedup_default": _ratio(t_bf16, t_default)}
+        first = w4a8_linear(x, packed, scales, config=best)
+        row["deterministic"] = all(torch.equal(first, w4a8_linear(x, packed, scales, config=best)) for _ in range(5))
+        row["sweep"] = tried
+        out[b] = row
+    return out
+
+
+def _moe_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """Routed experts at GLM-5's gate-projection shape: grouped (one launch) against the loop over experts and
+    against torch's bf16 grouped matmul (or a bf16 loop where this torch has none)."""
+    from kernels.w4a8 import default_config, pack_int4, w4a8_grouped, w4a8_linear
+    e, top, k, n = s["experts"], s["top_k"], s["k"], s["n"]
+    group = s.get("group", 128) if k % 128 == 0 else 32
+    packed = torch.empty(e, n, k // 8, dtype=torch.int32, device=device)
+    w_bf16 = torch.empty(e, n, k, dtype=dtype, device=device)
+    for i in range(e):  # per expert: the packing's int64 intermediates of all experts at once would not fit
+        q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=device, generator=g)
+        packed[i] = pack_int4(q)
+        w_bf16[i] = (q.float() * 0.01).to(dtype)
+    scales = torch.rand(e, n, k // group, device=device, generator=g) * 0.01
+    out = {}
+    for tokens in s["tokens"]:
+        logits = torch.randn(tokens, e, device=device, generator=g)
+        experts = logits.topk(top, -1).indices.flatten()
+        order = experts.argsort(stable=True)
+        counts = torch.bincount(experts, minlength=e)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        x = torch.randn(tokens, k, device=device, dtype=dtype, generator=g)[order // top]  # rows sorted by expert
+        bounds = offsets.tolist()
+        used = [(i, bounds[i], bounds[i + 1]) for i in range(e) if bounds[i + 1] > bounds[i]]
+        rows = x.size(0)
+        best, tried = _sweep(lambda c: w4a8_grouped(x, offsets, packed, scales, config=c), device,
+                             default_config(max(1, rows // e), group))
+
+        def loop():
+            return [w4a8_linear(x[a:b], packed[i], scales[i]) for i, a, b in used]
+
+        def loop_bf16():
+            return [x[a:b] @ w_bf16[i].t() for i, a, b in used]
+        bf16_name = "torch._grouped_mm"
+        try:
+            def grouped_bf16():
+                return torch._grouped_mm(x, w_bf16.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
+            grouped_bf16()
+        except Exception as err:  # noqa: BLE001 - no grouped bf16 matmul in this torch or on this device
+            bf16_name, grouped_bf16 = f"loop of bf16 matmuls ({type(err).__name__}: {str(err)[:120]})", loop_bf16
+        row = {"rows": rows, "experts_used": len(used), "config": best, "bf16_peer": bf16_name}
+        for mode in ("graph", "plain"):
+            graph = mode == "graph"
+            row[mode] = {"grouped_s": _fast(lambda: w4a8_grouped(x, offsets, packed, scales, config=best), device, graph),
+                         "loop_s": _fast(loop, device, graph), "bf16_grouped_s": _fast(grouped_bf16, device, graph)}
+        want = torch.cat(loop())
+        got = w4a8_grouped(x, offsets, packed, scales, config=best)
+        row["max_abs_err_vs_loop"] = (got - want).abs().max().item()
+        row["sweep"] = tried
+        out[tokens] = row
+    return out
+
+
+def gpu_figures(device: str, s: dict, dtype: torch.dtype) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    fig = _logprob_figures(device, s, dtype, g)
+    w4a8 = _w4a8_figures(device, s, dtype, g)
+    moe = _moe_figures(device, s["moe"], dtype, g)
+    big = max(s["moe"]["tokens"])
+    few = [w4a8[b]["graph"]["speedup"] for b in s["batches"] if b <= 16]
+    fig.update({
+        "w4a8_speed_ratio_vs_bf16": min(few) if few and None not in few else None,
+        **{f"w4a8_speed_ratio_vs_bf16_rows{b}": w4a8[b]["graph"]["speedup"] for b in (1, 16, 64) if b in w4a8},
+        "w4a8_deterministic": all(r["deterministic"] for r in w4a8.values()),
+        "moe_grouped_speed_ratio_vs_loop": _ratio(moe[big]["graph"]["loop_s"], moe[big]["graph"]["grouped_s"]),
+        "moe_grouped_speed_ratio_vs_bf16": _ratio(moe[big]["graph"]["bf16_grouped_s"], moe[big]["graph"]["grouped_s"]),
+        "w4a8": w4a8, "moe": moe, "shapes": s, "dtype": str(dtype).removeprefix("torch."), "reps": REPS,
+        "timing": "logprob and reverse_kl: median wall time of synchronised calls (REPS after a warm-up); w4a8 and "
+                  "moe: triton.testing.do_bench_cudagraph medians (ratios; CUDA graphs, as serving runs decode) and "
+                  "do_bench medians ('plain', each launch from Python)",
         "peers": {"liger": "liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss(ignore_index=-100, "
                            "lse_square_scale=0, label_smoothing=0, reduction='mean', softcap=None, "
-                           "return_z_loss=False): the mean NLL, as ours", "torch": "log_softmax over the full logits"}}
+                           "return_z_loss=False): the mean NLL, as ours",
+                  "torch": "log_softmax over the full logits", "bf16": "x @ W.T in bf16 (cuBLAS)",
+                  "moe_loop": "our dense W4A8 kernel once per expert with rows"}})
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,8 +289,11 @@ def main(argv: list[str] | None = None) -> None:
         if not torch.cuda.is_available():
             raise
         fig["interpret_failed"] = str(e)[-500:]
-    null = dict.fromkeys(["logprob_peak_mem_ratio_vs_torch", "logprob_speed_ratio_vs_liger",
-                          "reverse_kl_peak_mem_ratio_vs_torch", "w4a8_speed_ratio_vs_bf16"])
+    null = dict.fromkeys(["logprob_peak_mem_ratio_vs_torch", "logprob_peak_mem_ratio_vs_liger",
+                          "logprob_speed_ratio_vs_liger", "reverse_kl_peak_mem_ratio_vs_torch",
+                          "reverse_kl_speed_ratio_vs_torch", "w4a8_speed_ratio_vs_bf16",
+                          "w4a8_speed_ratio_vs_bf16_rows1", "w4a8_speed_ratio_vs_bf16_rows16",
+                          "w4a8_speed_ratio_vs_bf16_rows64", "moe_grouped_speed_ratio_vs_loop"])
     if torch.cuda.is_available():
         from kernels.selfcheck import check
         fig["device"] = torch.cuda.get_device_name()

@@ -15,9 +15,11 @@ import math
 
 import torch
 
-from kernels import jit_cache, use_triton
+from kernels import interpreting, jit_cache, use_triton
 
 BLOCK_V = 1024
+# a row kernel's vocabulary block and warps on a GPU: Liger's (32k, 32 warps) unless bench/kernels' sweep says
+ROW_LAUNCH = {"BLOCK": 32768, "num_warps": 32}
 
 
 def linear_logprob_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -83,7 +85,8 @@ def _stats(z: torch.Tensor, target: torch.Tensor, inv_t: float):
     n, v = z.shape
     if use_triton(z):
         lse, logp, ent = (torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(3))
-        _kernels()[0][(n,)](z, target, lse, logp, ent, v, z.stride(0), inv_t, BLOCK=pow2_block(v))
+        _kernels()[0][(n,)](z, target, lse, logp, ent, v, z.stride(0), inv_t, BLOCK=pow2_block(v),
+                             num_warps=row_warps())
         return logp, ent, lse
     zf = z.float() * inv_t
     lse = zf.logsumexp(-1)
@@ -94,7 +97,8 @@ def _stats(z: torch.Tensor, target: torch.Tensor, inv_t: float):
 def _grad_in_place(z: torch.Tensor, target: torch.Tensor, lse, ent, g_lp, g_ent, inv_t: float) -> torch.Tensor:
     n, v = z.shape
     if use_triton(z):
-        _kernels()[1][(n,)](z, target, lse, ent, g_lp, g_ent, v, z.stride(0), inv_t, BLOCK=pow2_block(v))
+        _kernels()[1][(n,)](z, target, lse, ent, g_lp, g_ent, v, z.stride(0), inv_t, BLOCK=pow2_block(v),
+                             num_warps=row_warps())
         return z
     logp = z.float() * inv_t - lse[:, None]
     dz = -logp.exp() * (g_lp[:, None] + g_ent[:, None] * (logp + ent[:, None]))
@@ -103,8 +107,24 @@ def _grad_in_place(z: torch.Tensor, target: torch.Tensor, lse, ent, g_lp, g_ent,
 
 
 def pow2_block(v: int) -> int:
-    """The vocabulary block of a row kernel: a power of 2, at least 16, at most BLOCK_V."""
-    return min(BLOCK_V, 1 << max(4, (v - 1).bit_length()))
+    """The vocabulary block of a row kernel: a power of 2, at least 16, at most ROW_LAUNCH's block on a GPU
+    (BLOCK_V under the interpreter, where a ragged last block is what the tests need to see)."""
+    top = BLOCK_V if interpreting() else ROW_LAUNCH["BLOCK"]
+    return min(top, 1 << max(4, (v - 1).bit_length()))
+
+
+def row_warps() -> int:
+    return 4 if interpreting() else ROW_LAUNCH["num_warps"]
+
+
+def _add_weight_grad(d_weight: torch.Tensor, dz: torch.Tensor, h: torch.Tensor) -> None:
+    """d_weight += dz.T @ h: in place in the matmul's epilogue where the dtypes agree (bf16 weights accumulate in
+    bf16, as Liger's default does: no [vocab, hidden] fp32 copy); fp32 weights under bf16 autocast (the pipeline's
+    fp32 master weights) add a bf16 product into the fp32 sum."""
+    if d_weight.dtype == dz.dtype == h.dtype:
+        d_weight.addmm_(dz.t(), h)
+    else:
+        d_weight += dz.t() @ h
 
 
 def head_forward(hidden: torch.Tensor, weight: torch.Tensor, chunk: int, stats_of) -> tuple[torch.Tensor, ...]:
@@ -114,22 +134,30 @@ def head_forward(hidden: torch.Tensor, weight: torch.Tensor, chunk: int, stats_o
     return tuple(torch.cat(x) for x in zip(*outs))
 
 
-def head_backward(hidden: torch.Tensor, weight: torch.Tensor, chunk: int, needs: tuple[bool, bool], dz_of):
-    """Gradients of `hidden` and `weight` from a chunk's logits gradient `dz_of(logits, rows)`, the logits
-    recomputed chunk by chunk; the head's gradient accumulates in fp32."""
+def head_grads(hidden: torch.Tensor, weight: torch.Tensor, chunk: int, needs: tuple[bool, bool], dz_of):
+    """Gradients of `hidden` and `weight` from a chunk's logits gradient `dz_of(logits, rows)` (which may record
+    what it computes on the way), chunk by chunk, a chunk's logits dropped before the next one's exist."""
     d_hidden = torch.empty_like(hidden) if needs[0] else None
-    d_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs[1] else None
+    d_weight = torch.zeros_like(weight) if needs[1] else None
     for a in range(0, hidden.size(0), chunk):
         h, rows = hidden[a:a + chunk], slice(a, a + chunk)
         dz = dz_of(h @ weight.t(), rows)
         if d_hidden is not None:
             d_hidden[rows] = dz @ weight
-        if d_weight is not None:  # in the inputs' dtype (bf16 tensor cores on GPU), summed over chunks in fp32
-            if dz.dtype == torch.float32:
-                d_weight.addmm_(dz.t(), h)
-            else:
-                d_weight += dz.t() @ h
-    return d_hidden, None if d_weight is None else d_weight.to(weight.dtype)
+        if d_weight is not None:
+            _add_weight_grad(d_weight, dz, h)
+    return d_hidden, d_weight
+
+
+def token_loss_grads(token_loss, values: tuple[torch.Tensor, ...], rows: slice) -> tuple[torch.Tensor, list]:
+    """(the loss of these rows, d loss / d each of `values`): `token_loss(*values, rows)` differentiated on its own
+    rows, which is exact where the loss is a sum of per-token terms (a mean over a count known beforehand is one)."""
+    leaves = [v.detach().requires_grad_() for v in values]
+    with torch.enable_grad():
+        loss = token_loss(*leaves, rows)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
+    return loss.detach().float(), [torch.zeros_like(v) if g is None else g.float().contiguous()
+                                   for v, g in zip(values, grads)]
 
 
 class _LinearLogprob(torch.autograd.Function):
@@ -148,10 +176,53 @@ class _LinearLogprob(torch.autograd.Function):
         hidden, weight, target, lse, ent = ctx.saved_tensors
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp.float().contiguous()
         g_ent = torch.zeros_like(lse) if g_ent is None else g_ent.float().contiguous()
-        d_hidden, d_weight = head_backward(
+        d_hidden, d_weight = head_grads(
             hidden, weight, ctx.chunk, ctx.needs_input_grad[:2],
             lambda z, sl: _grad_in_place(z, target[sl], lse[sl], ent[sl], g_lp[sl], g_ent[sl], ctx.inv_t))
         return d_hidden, d_weight, None, None, None
+
+
+class _LinearLogprobLoss(torch.autograd.Function):
+    """Liger's order: the gradient in the forward, the logits made once; the backward scales it."""
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, hidden, weight, target, temperature, chunk, token_loss):
+        inv_t = 1.0 / temperature
+        losses, logps, ents = [], [], []
+
+        def stats(z, rows):
+            logp, ent, lse = _stats(z, target[rows], inv_t)
+            logps.append(logp)
+            ents.append(ent)
+            return logp, ent, lse
+
+        def dz_of(z, rows):
+            logp, ent, lse = stats(z, rows)
+            loss, (g_lp, g_ent) = token_loss_grads(token_loss, (logp, ent), rows)
+            losses.append(loss)
+            return _grad_in_place(z, target[rows], lse, ent, g_lp, g_ent, inv_t)
+
+        needs = ctx.needs_input_grad[:2]
+        d_hidden = d_weight = None
+        if any(needs):
+            d_hidden, d_weight = head_grads(hidden, weight, chunk, needs, dz_of)
+        else:  # no gradient wanted (evaluation): the statistics and the loss alone
+            head_forward(hidden, weight, chunk, lambda z, rows: stats(z, rows)[:1])
+            losses = [token_loss(lp, en, slice(a, a + chunk)).detach().float()
+                      for a, lp, en in zip(range(0, hidden.size(0), chunk), logps, ents)]
+        ctx.save_for_backward(d_hidden, d_weight)
+        logp, ent = torch.cat(logps), torch.cat(ents)
+        ctx.mark_non_differentiable(logp, ent)  # the gradient went into the loss's
+        return torch.stack(losses).sum(), logp, ent
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, g_loss, _g_lp, _g_ent):
+        d_hidden, d_weight = ctx.saved_tensors
+        if not torch.equal(g_loss, torch.ones_like(g_loss)):  # a loss scaled after the fact (accumulation)
+            d_hidden = None if d_hidden is None else d_hidden.mul_(g_loss.to(d_hidden.dtype))
+            d_weight = None if d_weight is None else d_weight.mul_(g_loss.to(d_weight.dtype))
+        return d_hidden, d_weight, None, None, None, None
 
 
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, temperature: float = 1.0,
@@ -163,3 +234,22 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
                          f"{tuple(target.shape)}")
     chunk = chunk_tokens or default_chunk(hidden.size(0), weight.size(0), weight.size(1))
     return _LinearLogprob.apply(hidden.contiguous(), weight, target.contiguous(), float(temperature), chunk)
+
+
+def linear_logprob_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, token_loss,
+                        temperature: float = 1.0, chunk_tokens: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, log p(target), entropy) where loss = sum over chunks of `token_loss(logp, entropy, rows)`, `rows` the
+    chunk's slice of the N tokens; differentiable in `hidden` and `weight` through the loss only (the log-probabilities
+    and entropies come back detached, for logging).
+
+    For a loss that is a sum of per-token terms (an SFT mean NLL over a known count of tokens, a per-token clipped
+    policy loss with its advantages and old log-probabilities indexed by `rows`): the backward is certain, so the
+    gradient is made in the forward, as Liger-Kernel does, and the chunk's logits are computed once instead of twice.
+    A loss that couples tokens (a sequence-level ratio) needs `linear_logprob`."""
+    if hidden.dim() != 2 or target.shape != hidden.shape[:1]:
+        raise ValueError(f"linear_logprob_loss: hidden must be [N, D] and target [N]; got {tuple(hidden.shape)} and "
+                         f"{tuple(target.shape)}")
+    chunk = chunk_tokens or default_chunk(hidden.size(0), weight.size(0), weight.size(1))
+    return _LinearLogprobLoss.apply(hidden.contiguous(), weight, target.contiguous(), float(temperature), chunk,
+                                    token_loss)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels import jit_cache, use_triton
-from kernels.logprob import default_chunk, head_backward, head_forward, pow2_block
+from kernels.logprob import default_chunk, head_forward, head_grads, pow2_block, row_warps, token_loss_grads
 
 
 def linear_reverse_kl_reference(hidden: torch.Tensor, weight: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -69,7 +69,8 @@ def _stats(z, lt, inv_t):
     n, v = z.shape
     if use_triton(z):
         lse, kl = (torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(2))
-        _kernels()[0][(n,)](z, lt, lse, kl, v, z.stride(0), lt.stride(0), inv_t, BLOCK=pow2_block(v))
+        _kernels()[0][(n,)](z, lt, lse, kl, v, z.stride(0), lt.stride(0), inv_t, BLOCK=pow2_block(v),
+                             num_warps=row_warps())
         return kl, lse
     ls = torch.log_softmax(z.float() * inv_t, -1)
     return (ls.exp() * (ls - lt.float())).sum(-1), (z.float() * inv_t).logsumexp(-1)
@@ -78,7 +79,8 @@ def _stats(z, lt, inv_t):
 def _grad_in_place(z, lt, lse, kl, g, inv_t):
     n, v = z.shape
     if use_triton(z):
-        _kernels()[1][(n,)](z, lt, lse, kl, g, v, z.stride(0), lt.stride(0), inv_t, BLOCK=pow2_block(v))
+        _kernels()[1][(n,)](z, lt, lse, kl, g, v, z.stride(0), lt.stride(0), inv_t, BLOCK=pow2_block(v),
+                             num_warps=row_warps())
         return z
     ls = z.float() * inv_t - lse[:, None]
     return (g[:, None] * ls.exp() * (ls - lt.float() - kl[:, None]) * inv_t).to(z.dtype)
@@ -99,10 +101,49 @@ class _LinearReverseKL(torch.autograd.Function):
     def backward(ctx, g):
         hidden, weight, teacher, lse, kl = ctx.saved_tensors
         g = g.float().contiguous()
-        d_hidden, d_weight = head_backward(
+        d_hidden, d_weight = head_grads(
             hidden, weight, ctx.chunk, ctx.needs_input_grad[:2],
             lambda z, sl: _grad_in_place(z, teacher[sl], lse[sl], kl[sl], g[sl], ctx.inv_t))
         return d_hidden, d_weight, None, None, None
+
+
+class _LinearReverseKLLoss(torch.autograd.Function):
+    """The gradient in the forward (kernels.logprob's _LinearLogprobLoss, for the KL)."""
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, hidden, weight, teacher, temperature, chunk, token_loss):
+        inv_t = 1.0 / temperature
+        losses, kls = [], []
+
+        def dz_of(z, rows):
+            kl, lse = _stats(z, teacher[rows], inv_t)
+            kls.append(kl)
+            loss, (g,) = token_loss_grads(token_loss, (kl,), rows)
+            losses.append(loss)
+            return _grad_in_place(z, teacher[rows], lse, kl, g, inv_t)
+
+        needs = ctx.needs_input_grad[:2]
+        d_hidden = d_weight = None
+        if any(needs):
+            d_hidden, d_weight = head_grads(hidden, weight, chunk, needs, dz_of)
+        else:
+            kls = list(head_forward(hidden, weight, chunk, lambda z, rows: _stats(z, teacher[rows], inv_t)[:1])[0]
+                       .split(chunk))
+            losses = [token_loss(kl, slice(a, a + chunk)).detach().float()
+                      for a, kl in zip(range(0, hidden.size(0), chunk), kls)]
+        ctx.save_for_backward(d_hidden, d_weight)
+        kl = torch.cat(kls)
+        ctx.mark_non_differentiable(kl)
+        return torch.stack(losses).sum(), kl
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, g_loss, _g_kl):
+        d_hidden, d_weight = ctx.saved_tensors
+        if not torch.equal(g_loss, torch.ones_like(g_loss)):
+            d_hidden = None if d_hidden is None else d_hidden.mul_(g_loss.to(d_hidden.dtype))
+            d_weight = None if d_weight is None else d_weight.mul_(g_loss.to(d_weight.dtype))
+        return d_hidden, d_weight, None, None, None, None
 
 
 def linear_reverse_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_logprobs: torch.Tensor,
@@ -115,3 +156,16 @@ def linear_reverse_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_logpro
     chunk = chunk_tokens or default_chunk(hidden.size(0), weight.size(0), weight.size(1))
     return _LinearReverseKL.apply(hidden.contiguous(), weight, teacher_logprobs.contiguous(), float(temperature),
                                   chunk)
+
+
+def linear_reverse_kl_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_logprobs: torch.Tensor, token_loss,
+                           temperature: float = 1.0, chunk_tokens: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, per-token KL detached) with loss = sum over chunks of `token_loss(kl, rows)`: `linear_reverse_kl` with
+    the gradient made in the forward (`kernels.logprob.linear_logprob_loss` says when that is exact)."""
+    if hidden.dim() != 2 or teacher_logprobs.shape != (hidden.size(0), weight.size(0)):
+        raise ValueError(f"linear_reverse_kl_loss: hidden must be [N, D] and teacher_logprobs [N, vocab="
+                         f"{weight.size(0)}]; got {tuple(hidden.shape)} and {tuple(teacher_logprobs.shape)}")
+    chunk = chunk_tokens or default_chunk(hidden.size(0), weight.size(0), weight.size(1))
+    return _LinearReverseKLLoss.apply(hidden.contiguous(), weight, teacher_logprobs.contiguous(), float(temperature),
+                                      chunk, token_loss)

@@ -28,12 +28,8 @@ def _worst(a, b) -> float:
 
 
 def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    from kernels.logprob import linear_logprob, linear_logprob_reference
-    from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_reference
-    from kernels.w4a8 import quantize_activations, quantize_activations_fused, w4a8_matmul, w4a8_reference
-    from posttrain.quant.int_linear import IntLinear
+    from kernels.logprob import linear_logprob, linear_logprob_loss, linear_logprob_reference
+    from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_loss, linear_reverse_kl_reference
     g = torch.Generator().manual_seed(seed)
     out: dict[str, float] = {}
     # vocab 2500: blocks of 1024 with a ragged last; 37 tokens in chunks of 8 with a ragged last
@@ -50,20 +46,71 @@ def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
     got_out, got_grad = _grads(lambda a, b: linear_reverse_kl(a, b, teacher, temp, chunk_tokens=8), [h, w],
                                weights[:1])
     out["reverse_kl_forward"], out["reverse_kl_backward"] = _worst(got_out, ref_out), _worst(got_grad, ref_grad)
-    m, k, cols, group = 5, 96, 70, 32
+    out.update(_check_losses(device, g, h, w, target, teacher, temp, linear_logprob_reference, linear_logprob_loss,
+                             linear_reverse_kl_reference, linear_reverse_kl_loss))
+    out.update(_check_w4a8(device, g))
+    out.update(_check_dsa(device, g))
+    out["triton"] = float(use_triton(h))
+    return out
+
+
+def _check_losses(device, g, h, w, target, teacher, temp, lp_ref, lp_loss, kl_ref, kl_loss) -> dict[str, float]:
+    """The gradient-in-forward forms on a per-token loss like the RL policy's (clipped ratio, advantages, an
+    entropy bonus) and a weighted KL, the loss scaled afterwards (gradient accumulation): loss and gradients."""
+    n = h.size(0)
+    adv, old, wt = (torch.randn(n, generator=g).to(device) for _ in range(3))
+
+    def policy(lp, ent, rows):
+        ratio = torch.exp(lp - old[rows] - 4)
+        return (-torch.minimum(ratio * adv[rows], ratio.clamp(0.8, 1.2) * adv[rows]) - 0.01 * ent).sum() / n
+
+    def kl_term(kl, rows):
+        return (kl * wt[rows]).sum()
+    out = {}
+    for name, ref, got in (
+            ("logprob_loss", lambda a, b: policy(*lp_ref(a, b, target, temp), slice(None)),
+             lambda a, b: lp_loss(a, b, target, policy, temp, chunk_tokens=8)[0]),
+            ("reverse_kl_loss", lambda a, b: kl_term(kl_ref(a, b, teacher, temp), slice(None)),
+             lambda a, b: kl_loss(a, b, teacher, kl_term, temp, chunk_tokens=8)[0])):
+        want = ref(h, w) * 3
+        have = got(h, w) * 3
+        out[name] = max(_worst([have.detach()], [want.detach()]),
+                        _worst(torch.autograd.grad(have, [h, w]), torch.autograd.grad(want, [h, w])))
+    return out
+
+
+def _check_w4a8(device: str, g: torch.Generator) -> dict[str, float]:
+    """The W4A8 GEMM on pre-quantized activations (split-K 1 and 2), with the quantization in its prologue, the
+    one-launch quantization, the grouped launch over experts (one with no rows), and the model's layer."""
+    from kernels.w4a8 import (pack_int4, quantize_activations, quantize_activations_fused, w4a8_grouped,
+                              w4a8_grouped_reference, w4a8_linear, w4a8_matmul, w4a8_reference)
+    out: dict[str, float] = {}
+    m, k, cols, group, experts = 5, 96, 70, 32, 4
     q = torch.randint(-8, 8, (cols, k), generator=g, dtype=torch.int8)
     scales = torch.rand(cols, k // group, generator=g) * 0.01
     x = torch.randn(m, k, generator=g)
-    layer = IntLinear(q, scales, act_bits=8, weight_bits=4)
     xq, sx = quantize_activations(x)
-    ref = w4a8_reference(xq, sx, pack_to_int32(q, 4), scales)
+    ref = w4a8_reference(xq, sx, pack_int4(q), scales)
+    qe = torch.randint(-8, 8, (experts, cols, k), generator=g, dtype=torch.int8)
+    se = torch.rand(experts, cols, k // group, generator=g) * 0.01
+    offsets = torch.tensor([0, 3, 3, 20, 23])
+    xe = torch.randn(23, k, generator=g)
+    ref_e = w4a8_grouped_reference(xe, offsets, pack_int4(qe), se)
     if use_triton(x.to(device)):
-        args = [t.to(device) for t in (xq, sx, pack_to_int32(q, 4), scales)]
-        out["w4a8"] = max(_worst([w4a8_matmul(*args, config=dict(SPLIT_K=split))], [ref]) for split in (1, 2))
+        d = [t.to(device) for t in (xq, sx, pack_int4(q), scales)]
+        out["w4a8"] = max(_worst([w4a8_matmul(*d, config=dict(SPLIT_K=split))], [ref]) for split in (1, 2))
+        out["w4a8_fused_quant"] = max(_worst([w4a8_linear(x.to(device), *d[2:], config=dict(SPLIT_K=s, fuse_quant=True))],
+                                             [ref]) for s in (1, 3))
         out["quantize_activations"] = _worst(quantize_activations_fused(x.to(device)), (xq, sx))
-    out["int_linear"] = _worst([layer.to(device)(x.to(device))], [ref])  # the model's layer: kernel or _int_mm
-    out.update(_check_dsa(device, g))
-    out["triton"] = float(use_triton(x.to(device)))
+        de = [t.to(device) for t in (xe, offsets, pack_int4(qe), se)]
+        out["w4a8_grouped"] = max(_worst([w4a8_grouped(*de, config=dict(SPLIT_K=s, fuse_quant=f))], [ref_e])
+                                  for s in (1, 2) for f in (False, True))
+    try:  # the model's layer (kernel or _int_mm); it loads checkpoints through compressed-tensors, not on every GPU box
+        from posttrain.quant.int_linear import IntLinear
+    except ImportError:
+        return out
+    layer = IntLinear(q, scales, act_bits=8, weight_bits=4)
+    out["int_linear"] = _worst([layer.to(device)(x.to(device))], [ref])
     return out
 
 

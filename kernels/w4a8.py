@@ -1,10 +1,15 @@
 """W4A8 GEMM: int4 group-quantized weights, packed as compressed-tensors packs them (8 signed nibbles per
 int32 along the input dimension, stored +8), times int8 per-token activations; int32 accumulation per group,
-rescaled by the group's weight scale and the token's activation scale.
+rescaled by the group's weight scale and the token's activation scale. One kernel serves a dense layer and a
+mixture-of-experts layer's routed experts (`w4a8_grouped`: rows sorted by expert, every expert in one launch).
 
 torch has no int4 x int8 matmul (`torch._int_mm` is int8 x int8 and needs the weights unpacked, 2x the
 bytes); the kernel reads the packed weights and unpacks them in registers, which is where the speed at small
-batch comes from (the GEMM is bound by reading the weights)."""
+batch comes from (the GEMM is bound by reading the weights). The activations' per-token int8 quantization can
+run in the GEMM's prologue (`fuse_quant`): each program takes its rows' absolute maximum itself, then quantizes
+each tile of activations as it loads it, so a decode step is one launch. Split-K (more programs than column
+tiles, for the few rows of a decode step) writes per-split partial sums that one `sum` adds in a fixed order:
+the result is the same from run to run (atomics would let a greedy decode vary)."""
 from __future__ import annotations
 
 import torch
@@ -20,9 +25,17 @@ def quantize_activations(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, 
 
 
 def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    """[N, K/8] int32 -> [N, K] int8 in -8..7 (the inverse of compressed-tensors' pack_to_int32 at 4 bits)."""
+    """[..., N, K/8] int32 -> [..., N, K] int8 in -8..7 (the inverse of compressed-tensors' pack_to_int32 at 4 bits)."""
     k = torch.arange(in_features, device=packed.device)
-    return (((packed[:, k // 8] >> ((k % 8) * 4)) & 0xF) - 8).to(torch.int8)
+    return (((packed[..., k // 8] >> ((k % 8) * 4)) & 0xF) - 8).to(torch.int8)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[..., N, K] int in -8..7 -> [..., N, K/8] int32, compressed-tensors' packing (nibble j of word c is column
+    8c + j, stored +8); here so the kernels and their benchmark need no compressed-tensors."""
+    u = (q.to(torch.int64) + 8).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
+    word = (u << (torch.arange(8, device=q.device) * 4)).sum(-1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
 
 
 def w4a8_reference(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -36,55 +49,89 @@ def w4a8_reference(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, sca
     return ((acc * scales.double()).sum(-1) * sx.double()[:, None]).float()
 
 
+def w4a8_grouped_reference(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor,
+                           scales: torch.Tensor) -> torch.Tensor:
+    """Rows `offsets[e]:offsets[e+1]` of `x` [rows, K] (float, quantized per token here) through expert e's
+    weights `packed[e]`, `scales[e]`: [rows, N] fp32, the loop over experts the grouped kernel replaces."""
+    xq, sx = quantize_activations(x)
+    out = torch.zeros(x.size(0), scales.size(1), dtype=torch.float32, device=x.device)
+    bounds = offsets.tolist()
+    for e in range(packed.size(0)):
+        a, b = bounds[e], bounds[e + 1]
+        if b > a:
+            out[a:b] = w4a8_reference(xq[a:b], sx[a:b], packed[e], scales[e])
+    return out
+
+
 @jit_cache
 def _kernel():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def gemm(x_ptr, sx_ptr, w_ptr, s_ptr, o_ptr, M, N, K, GROUP, stride_xm, stride_wn, stride_sn, stride_om,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):
-        # SPLIT_K > 1: each program sums its share of the groups into the zeroed output with atomics (a decode
-        # step's few rows leave too few column tiles to keep the memory system busy)
-        rn = tl.program_id(0) * BN + tl.arange(0, BN)  # columns on the first axis: many more of them than rows
-        rm = tl.program_id(1) * BM + tl.arange(0, BM)
-        rk = tl.arange(0, BK)
-        rc = tl.arange(0, BK // 8)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        per = tl.cdiv(K // GROUP, SPLIT_K) * GROUP
-        for g0 in range(tl.program_id(2) * per, tl.minimum(K, tl.program_id(2) * per + per), GROUP):
-            acc_g = tl.zeros([BM, BN], dtype=tl.int32)
-            for k0 in range(g0, g0 + GROUP, BK):
-                x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :],
-                            mask=(rm < M)[:, None], other=0)
-                p = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 // 8 + rc)[None, :],
-                            mask=(rn < N)[:, None], other=0)
-                # nibble j of packed column c is weight 8c + j: joins stack the eight nibbles in registers (the
-                # last three joined dimensions index 4a + 2b + d), so each packed word is loaded once, K-contiguous
-                a00 = tl.join(((p & 15) - 8).to(tl.int8), (((p >> 16) & 15) - 8).to(tl.int8))
-                a01 = tl.join((((p >> 4) & 15) - 8).to(tl.int8), (((p >> 20) & 15) - 8).to(tl.int8))
-                a10 = tl.join((((p >> 8) & 15) - 8).to(tl.int8), (((p >> 24) & 15) - 8).to(tl.int8))
-                a11 = tl.join((((p >> 12) & 15) - 8).to(tl.int8), (((p >> 28) & 15) - 8).to(tl.int8))
-                w = tl.reshape(tl.join(tl.join(a00, a10), tl.join(a01, a11)), [BN, BK])
-                acc_g = tl.dot(x, tl.trans(w), acc_g, out_dtype=tl.int32)
-            s = tl.load(s_ptr + rn.to(tl.int64) * stride_sn + g0 // GROUP, mask=rn < N, other=0.0)
-            acc += acc_g.to(tl.float32) * s[None, :]
-        sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
-        optr = o_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-        if SPLIT_K == 1:
-            tl.store(optr, acc * sx[:, None], mask=(rm < M)[:, None] & (rn < N)[None, :])
-        else:
-            tl.atomic_add(optr, acc * sx[:, None], mask=(rm < M)[:, None] & (rn < N)[None, :])
+    def gemm(x_ptr, sx_ptr, w_ptr, s_ptr, o_ptr, blocks_ptr, M, N, K, GROUP,
+             stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+             FUSE_QUANT: tl.constexpr, GROUPED: tl.constexpr):
+        pid_m = tl.program_id(1)
+        if GROUPED:  # the block table: this block's expert and rows (an expert's rows are contiguous)
+            expert = tl.load(blocks_ptr + pid_m * 3)
+            row0 = tl.load(blocks_ptr + pid_m * 3 + 1)
+            row_end = tl.load(blocks_ptr + pid_m * 3 + 2)
+        else:  # a tensor like the grouped branch's (stride_we is 0)
+            expert = pid_m * 0
+            row0 = pid_m * BM
+            row_end = M
+        if expert >= 0:  # a grouped launch has more blocks than it needs (its grid is sized without a sync)
+            rn = tl.program_id(0) * BN + tl.arange(0, BN)  # columns on the first axis: more of them than rows
+            rm = row0 + tl.arange(0, BM)
+            live = rm < row_end
+            rk = tl.arange(0, BK)
+            rc = tl.arange(0, BK // 8)
+            x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+            if FUSE_QUANT:  # the rows' absolute maximum, as quantize_activations takes it (they stay in cache)
+                amax = tl.zeros([BM], dtype=tl.float32)
+                for k0 in range(0, K, BK):
+                    xf = tl.load(x_rows + (k0 + rk)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                    amax = tl.maximum(amax, tl.max(tl.abs(xf), 1))
+                sx = tl.maximum(tl.div_rn(amax, 127.0), 1e-8)
+            else:
+                sx = tl.load(sx_ptr + rm, mask=live, other=0.0)
+            w_rows = w_ptr + expert.to(tl.int64) * stride_we + rn[:, None].to(tl.int64) * stride_wn
+            s_rows = s_ptr + expert.to(tl.int64) * stride_se + rn.to(tl.int64) * stride_sn
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            per = tl.cdiv(K // GROUP, SPLIT_K) * GROUP
+            for g0 in range(tl.program_id(2) * per, tl.minimum(K, tl.program_id(2) * per + per), GROUP):
+                acc_g = tl.zeros([BM, BN], dtype=tl.int32)
+                for k0 in range(g0, g0 + GROUP, BK):
+                    if FUSE_QUANT:  # round half to even as torch.round: 1.5 * 2^23 leaves fp32 no fraction bits
+                        xf = tl.load(x_rows + (k0 + rk)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                        r = (tl.div_rn(xf, sx[:, None]) + 12582912.0) - 12582912.0
+                        x = tl.minimum(tl.maximum(r, -128.0), 127.0).to(tl.int8)
+                    else:
+                        x = tl.load(x_rows + (k0 + rk)[None, :], mask=live[:, None], other=0)
+                    p = tl.load(w_rows + (k0 // 8 + rc)[None, :], mask=(rn < N)[:, None], other=0)
+                    # nibble j of packed column c is weight 8c + j: joins stack the eight nibbles in registers (the
+                    # last three joined dimensions index 4a + 2b + d), so each packed word is loaded once
+                    a00 = tl.join(((p & 15) - 8).to(tl.int8), (((p >> 16) & 15) - 8).to(tl.int8))
+                    a01 = tl.join((((p >> 4) & 15) - 8).to(tl.int8), (((p >> 20) & 15) - 8).to(tl.int8))
+                    a10 = tl.join((((p >> 8) & 15) - 8).to(tl.int8), (((p >> 24) & 15) - 8).to(tl.int8))
+                    a11 = tl.join((((p >> 12) & 15) - 8).to(tl.int8), (((p >> 28) & 15) - 8).to(tl.int8))
+                    w = tl.reshape(tl.join(tl.join(a00, a10), tl.join(a01, a11)), [BN, BK])
+                    acc_g = tl.dot(x, tl.trans(w), acc_g, out_dtype=tl.int32)
+                s = tl.load(s_rows + g0 // GROUP, mask=rn < N, other=0.0)
+                acc += acc_g.to(tl.float32) * s[None, :]
+            optr = o_ptr + tl.program_id(2).to(tl.int64) * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+            tl.store(optr, acc * sx[:, None], mask=live[:, None] & (rn < N)[None, :])
 
     @triton.jit
     def quantize(x_ptr, q_ptr, s_ptr, K, stride_xm, TOP: tl.constexpr, BLOCK: tl.constexpr):
-        # one row: absmax scale, then round half to even as torch.round does (adding and taking away 1.5 * 2^23
-        # leaves fp32 no fraction bits: exact for |v| <= 2^22, far above 127)
+        # one row: absmax scale, then round half to even as torch.round does
         row = tl.program_id(0)
         rk = tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
-        sx = tl.maximum(tl.max(tl.abs(x), 0) / TOP, 1e-8)
-        r = (x / sx + 12582912.0) - 12582912.0
+        sx = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 0), TOP * 1.0), 1e-8)
+        r = (tl.div_rn(x, sx) + 12582912.0) - 12582912.0
         tl.store(q_ptr + row.to(tl.int64) * K + rk, tl.minimum(tl.maximum(r, -TOP - 1), TOP).to(tl.int8), mask=rk < K)
         tl.store(s_ptr + row + tl.arange(0, 1), tl.full([1], 0.0, tl.float32) + sx)
 
@@ -103,26 +150,89 @@ def quantize_activations_fused(x: torch.Tensor, bits: int = 8) -> tuple[torch.Te
     return xq, sx
 
 
+def default_config(m: int, group: int, fuse_quant: bool = True) -> dict:
+    """Tiles and launch settings by rows (rows per expert for a grouped launch); `bench/kernels.py --sweep` picks
+    them on a GPU. BK is the largest power of 2 dividing the group, <= 128."""
+    cfg = dict(BM=16 if m <= 16 else 32 if m <= 32 else 64, BN=64 if m <= 64 else 128, SPLIT_K=4 if m <= 16 else 1,
+               num_warps=4, num_stages=3, fuse_quant=fuse_quant and m <= 16)
+    cfg["BK"] = max(16, min(128, group & -group))
+    return cfg
+
+
+def _launch(x, sx, packed, scales, out_rows: int, blocks, grid_m: int, cfg: dict) -> torch.Tensor:
+    import triton
+    grouped = blocks is not None
+    e_dims = 1 if grouped else 0
+    n, groups = scales.shape[-2:]
+    k = x.size(1)
+    group = k // groups
+    if k % 8 or group * groups != k or group % 16 or packed.shape[-2:] != (n, k // 8):
+        raise ValueError(f"w4a8: K={k} must split into {groups} groups of a multiple of 16 columns, packed "
+                         f"[{n}, {k // 8}] int32 (got {tuple(packed.shape)})")
+    cfg = dict(cfg)
+    split, fuse = cfg.pop("SPLIT_K"), cfg.pop("fuse_quant")
+    split = max(1, min(split, groups))
+    out = torch.empty(split, out_rows, n, device=x.device, dtype=torch.float32)
+    scales = scales.float().contiguous()
+    packed = packed.contiguous()
+    grid = (triton.cdiv(n, cfg["BN"]), grid_m, split)
+    _kernel()[0][grid](x, x if sx is None else sx, packed, scales, out, x if blocks is None else blocks, out_rows, n,
+                       k, group, x.stride(0), packed.stride(0) if e_dims else 0, packed.stride(-2),
+                       scales.stride(0) if e_dims else 0, scales.stride(-2), out.stride(0), out.stride(1),
+                       SPLIT_K=split, FUSE_QUANT=fuse, GROUPED=grouped, **cfg)
+    return out[0] if split == 1 else out.sum(0)  # a fixed order: deterministic
+
+
 def w4a8_matmul(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 config: dict | None = None) -> torch.Tensor:
-    """The Triton kernel of `w4a8_reference` (CUDA tensors, or CPU under TRITON_INTERPRET=1). `config` overrides
-    the tile sizes and launch settings (BM, BN, BK, SPLIT_K, num_warps, num_stages), for benchmarks."""
-    import triton
-    m, k = xq.shape
-    n, groups = scales.shape
-    group = k // groups
-    if k % 8 or group * groups != k or group % 16 or packed.shape != (n, k // 8):
-        raise ValueError(f"w4a8_matmul: K={k} must split into {groups} groups of a multiple of 16 columns, packed "
-                         f"[{n}, {k // 8}] int32 (got {tuple(packed.shape)})")
-    # the fastest split-free tiles of a sweep on an H100 at 4096 -> 14336. SPLIT_K 8 was faster at up to 16 rows
-    # (40 against 53 us) but its atomics make the sums' order, so a greedy decode, vary from run to run
-    cfg = dict(BM=16 if m <= 16 else 32 if m <= 32 else 64, BN=32 if m <= 64 else 128,
-               BK=max(16, min(128, group & -group)), SPLIT_K=1, num_warps=4, num_stages=2)
-    cfg.update(config or {})  # BK above: the largest power of 2 dividing the group, <= 128
-    split = cfg["SPLIT_K"]
-    out = (torch.zeros if split > 1 else torch.empty)(m, n, device=xq.device, dtype=torch.float32)
-    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split)
-    scales = scales.float().contiguous()
-    _kernel()[0][grid](xq.contiguous(), sx.float().contiguous(), packed.contiguous(), scales, out, m, n, k, group,
-                       k, packed.stride(0), scales.stride(0), n, **cfg)
-    return out
+    """The Triton kernel of `w4a8_reference` on activations already quantized (CUDA tensors, or CPU under
+    TRITON_INTERPRET=1). `config` overrides the tiles and launch settings (BM, BN, BK, SPLIT_K, num_warps,
+    num_stages), for benchmarks."""
+    m = xq.size(0)
+    cfg = {**default_config(m, xq.size(1) // scales.size(1)), **(config or {}), "fuse_quant": False}
+    return _launch(xq.contiguous(), sx.float().contiguous(), packed, scales, m, None,
+                   -(-m // cfg["BM"]), cfg)
+
+
+def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] float -> [M, N] fp32: `w4a8_reference(*quantize_activations(x), packed, scales)`, the quantization
+    in the GEMM's prologue at decode sizes (one launch) or in one launch before it."""
+    m = x.size(0)
+    cfg = {**default_config(m, x.size(1) // scales.size(1)), **(config or {})}
+    x = x.contiguous()
+    if cfg["fuse_quant"]:
+        return _launch(x, None, packed, scales, m, None, -(-m // cfg["BM"]), cfg)
+    xq, sx = quantize_activations_fused(x)
+    return _launch(xq, sx, packed, scales, m, None, -(-m // cfg["BM"]), cfg)
+
+
+def block_table(offsets: torch.Tensor, bm: int, blocks: int) -> torch.Tensor:
+    """[blocks, 3] int32 (expert, first row, the expert's end row) of each block of `bm` rows of a grouped launch,
+    -1 past the last; computed on the device without a sync (`blocks` is an upper bound the host knows)."""
+    offsets = offsets.to(torch.int64)
+    count = offsets[1:] - offsets[:-1]
+    per = (count + bm - 1) // bm
+    ends = torch.cumsum(per, 0)
+    b = torch.arange(blocks, device=offsets.device)
+    e = torch.searchsorted(ends, b, right=True).clamp(max=count.numel() - 1)
+    used = b < ends[-1]
+    row0 = offsets[e] + (b - (ends[e] - per[e])) * bm
+    table = torch.stack([torch.where(used, e, -1), row0, offsets[e + 1]], 1)
+    return table.to(torch.int32).contiguous()
+
+
+def w4a8_grouped(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                 config: dict | None = None) -> torch.Tensor:
+    """A mixture-of-experts layer's routed experts in one launch: `x` [rows, K] float, sorted by expert, rows
+    `offsets[e]:offsets[e+1]` going through expert e (`packed` [E, N, K/8] int32, `scales` [E, N, groups]);
+    [rows, N] fp32, `w4a8_grouped_reference`. Tiles by the mean rows per expert."""
+    rows, e = x.size(0), packed.size(0)
+    cfg = {**default_config(max(1, rows // e), x.size(1) // scales.size(-1)), **(config or {})}
+    bm = cfg["BM"]
+    blocks = -(-rows // bm) + e
+    table = block_table(offsets.to(x.device), bm, blocks)
+    x = x.contiguous()
+    if cfg["fuse_quant"]:
+        return _launch(x, None, packed, scales, rows, table, blocks, cfg)
+    xq, sx = quantize_activations_fused(x)
+    return _launch(xq, sx, packed, scales, rows, table, blocks, cfg)
