@@ -39,8 +39,10 @@ FULL = {"tokens": 16384, "hidden": 4096, "vocab": 152064, "kl_tokens": 4096, "w4
         "moe": {"experts": 256, "top_k": 8, "k": 6144, "n": 2048, "tokens": [16, 512]}}
 DRY = {"tokens": 64, "hidden": 32, "vocab": 500, "kl_tokens": 32, "w4a8_k": 64, "w4a8_n": 48,
        "batches": [1, 16], "group": 32, "moe": {"experts": 4, "top_k": 2, "k": 64, "n": 48, "tokens": [3, 9]}}
-# the W4A8 tile sweep (deterministic configurations only: split-K adds fixed-order partial sums)
-SWEEP = {"BN": [32, 64, 128], "SPLIT_K": [1, 4, 8], "num_stages": [3, 4]}
+# the W4A8 tile sweep (deterministic configurations only: split-K adds fixed-order partial sums); at up to 4 rows
+# also the multiply-add form without tensor cores (gemv)
+SWEEP = {"BN": [64, 128], "SPLIT_K": [1, 4, 8], "layout": ["kn", "nk"]}
+GEMV_SWEEP = {"BN": [64, 128], "SPLIT_K": [4, 8]}
 ROW_SWEEP = [{"BLOCK": 4096, "num_warps": 8}, {"BLOCK": 8192, "num_warps": 16}, {"BLOCK": 16384, "num_warps": 16},
              {"BLOCK": 32768, "num_warps": 32}]
 
@@ -156,15 +158,20 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
         "row_kernel_launch": rows_launch}
 
 
-def _sweep(fn, device: str, base: dict) -> tuple[dict, dict]:
-    """The fastest configuration of `fn(config)` in a CUDA graph over SWEEP, then with the activation quantization
-    in the prologue or not: (best config, seconds per tried config)."""
+def _sweep(fn, device: str, base: dict, m: int) -> tuple[dict, dict]:
+    """The fastest configuration of `fn(config)` in a CUDA graph over SWEEP (and GEMV_SWEEP at up to 4 rows), then
+    with the activation quantization in the prologue or not: (best config, seconds per tried config). `fn` gets
+    the weights in the config's layout."""
     import itertools
     if device != "cuda":
         return dict(base), {}
     tried = {}
-    for bn, split, stages in itertools.product(*SWEEP.values()):
-        cfg = {**base, "BN": bn, "SPLIT_K": split, "num_stages": stages, "fuse_quant": False}
+    configs = [{**base, "BN": bn, "SPLIT_K": split, "layout": lay, "fuse_quant": False}
+               for bn, split, lay in itertools.product(*SWEEP.values())]
+    if m <= 4:
+        configs += [{**base, "BN": bn, "SPLIT_K": split, "layout": "kn", "gemv": True, "BM": 1 << (m - 1).bit_length(),
+                     "fuse_quant": False} for bn, split in itertools.product(*GEMV_SWEEP.values())]
+    for cfg in configs:
         tried[json.dumps(cfg)] = _fast(lambda: fn(cfg), device, graph=True, rep=30)
     best = json.loads(min(tried, key=tried.get))
     fused = {**best, "fuse_quant": True}
@@ -173,22 +180,25 @@ def _sweep(fn, device: str, base: dict) -> tuple[dict, dict]:
 
 
 def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
-    from kernels.w4a8 import default_config, pack_int4, w4a8_linear
+    from kernels.w4a8 import default_config, kernel_layout, pack_int4, w4a8_linear
     k, cols, group = s["w4a8_k"], s["w4a8_n"], s["group"]
     q = torch.randint(-8, 8, (cols, k), dtype=torch.int8, device=device, generator=g)
-    packed = pack_int4(q)
+    layouts = {name: kernel_layout(pack_int4(q), name) for name in ("kn", "nk")}
     scales = torch.rand(cols, k // group, device=device, generator=g) * 0.01
     w_bf16 = (q.float() * 0.01).to(dtype)
     out = {}
     for b in s["batches"]:
         x = torch.randn(b, k, device=device, dtype=dtype, generator=g)
-        best, tried = _sweep(lambda c: w4a8_linear(x, packed, scales, config=c), device, default_config(b, group))
+        best, tried = _sweep(lambda c: w4a8_linear(x, layouts[c["layout"]], scales, config=c), device,
+                             default_config(b, group), b)
+        packed = layouts[best["layout"]]
         row = {"config": best, "default_config": default_config(b, group)}
         for mode in ("graph", "plain"):
             graph = mode == "graph"
             t_bf16 = _fast(lambda: x @ w_bf16.t(), device, graph)
             t_best = _fast(lambda: w4a8_linear(x, packed, scales, config=best), device, graph)
-            t_default = _fast(lambda: w4a8_linear(x, packed, scales), device, graph)
+            t_default = _fast(lambda: w4a8_linear(x, layouts[default_config(b, group)["layout"]], scales), device,
+                              graph)
             row[mode] = {"bf16_s": t_bf16, "w4a8_s": t_best, "w4a8_default_s": t_default,
                          "speedup": _ratio(t_bf16, t_best), "speedup_default": _ratio(t_bf16, t_default)}
         first = w4a8_linear(x, packed, scales, config=best)
@@ -201,14 +211,16 @@ def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) 
 def _moe_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
     """Routed experts at GLM-5's gate-projection shape: grouped (one launch) against the loop over experts and
     against torch's bf16 grouped matmul (or a bf16 loop where this torch has none)."""
-    from kernels.w4a8 import default_config, pack_int4, w4a8_grouped, w4a8_linear
+    from kernels.w4a8 import default_config, kernel_layout, pack_int4, w4a8_grouped, w4a8_linear
     e, top, k, n = s["experts"], s["top_k"], s["k"], s["n"]
     group = s.get("group", 128) if k % 128 == 0 else 32
-    packed = torch.empty(e, n, k // 8, dtype=torch.int32, device=device)
+    layouts = {"nk": torch.empty(e, n, k // 8, dtype=torch.int32, device=device),
+               "kn": torch.empty(e, k // 8, n, dtype=torch.int32, device=device)}
     w_bf16 = torch.empty(e, n, k, dtype=dtype, device=device)
     for i in range(e):  # per expert: the packing's int64 intermediates of all experts at once would not fit
         q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=device, generator=g)
-        packed[i] = pack_int4(q)
+        for name, packed in layouts.items():
+            packed[i] = kernel_layout(pack_int4(q), name)
         w_bf16[i] = (q.float() * 0.01).to(dtype)
     scales = torch.rand(e, n, k // group, device=device, generator=g) * 0.01
     out = {}
@@ -222,11 +234,13 @@ def _moe_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -
         bounds = offsets.tolist()
         used = [(i, bounds[i], bounds[i + 1]) for i in range(e) if bounds[i + 1] > bounds[i]]
         rows = x.size(0)
-        best, tried = _sweep(lambda c: w4a8_grouped(x, offsets, packed, scales, config=c), device,
-                             default_config(max(1, rows // e), group))
+        best, tried = _sweep(lambda c: w4a8_grouped(x, offsets, layouts[c["layout"]], scales, config=c), device,
+                             default_config(max(1, rows // e), group), 16)
+        packed = layouts[best["layout"]]
+        per_expert = default_config(max(1, rows // len(used)), group)
 
         def loop():
-            return [w4a8_linear(x[a:b], packed[i], scales[i]) for i, a, b in used]
+            return [w4a8_linear(x[a:b], layouts[per_expert["layout"]][i], scales[i]) for i, a, b in used]
 
         def loop_bf16():
             return [x[a:b] @ w_bf16[i].t() for i, a, b in used]
@@ -317,7 +331,28 @@ def main(argv: list[str] | None = None) -> None:
     name = "kernels-dry.json" if "--dry" in argv and not torch.cuda.is_available() else "kernels.json"
     fig = mark(fig)
     (OUT / name).write_text(json.dumps(fig, indent=1))
-    print(json.dumps(fig, indent=1))
+    print(json.dumps({k: v for k, v in fig.items() if k not in ("w4a8", "moe")}, indent=1))
+    print(summary(fig))
+
+
+def summary(fig: dict) -> str:
+    """The figures a reader looks for, one line each (the full JSON has the sweeps)."""
+    lines = [f"bench/kernels on {fig.get('device')}"]
+    for key in ("logprob", "reverse_kl"):
+        for name, row in (fig.get(key) or {}).items():
+            lines.append(f"  {key:10} {name:10} {row['s'] * 1e3:9.1f} ms  peak {row['peak_mb'] or 0:9.0f} MB")
+    for b, row in (fig.get("w4a8") or {}).items():
+        gr, pl = row["graph"], row["plain"]
+        lines.append(f"  w4a8 rows {b:>4}: graph {gr['w4a8_s'] * 1e6:7.1f} us vs bf16 {gr['bf16_s'] * 1e6:7.1f} "
+                     f"({gr['speedup']}x; default tiles {gr['speedup_default']}x), plain {pl['speedup']}x, "
+                     f"{json.dumps({k: row['config'][k] for k in ('BM', 'BN', 'SPLIT_K', 'num_stages', 'fuse_quant')})}")
+    for t, row in (fig.get("moe") or {}).items():
+        gr = row["graph"]
+        lines.append(f"  moe tokens {t:>4} ({row['rows']} rows, {row['experts_used']} experts): grouped "
+                     f"{gr['grouped_s'] * 1e6:8.1f} us, loop {gr['loop_s'] * 1e6:8.1f}, bf16 grouped "
+                     f"{gr['bf16_grouped_s'] * 1e6:8.1f} ({row['bf16_peer'][:40]}), err {row['max_abs_err_vs_loop']:.2g}")
+    lines += [f"  {k} = {v}" for k, v in fig.items() if "_ratio_" in k or k == "w4a8_deterministic"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

