@@ -39,10 +39,9 @@ FULL = {"tokens": 16384, "hidden": 4096, "vocab": 152064, "kl_tokens": 4096, "w4
         "moe": {"experts": 256, "top_k": 8, "k": 6144, "n": 2048, "tokens": [16, 512]}}
 DRY = {"tokens": 64, "hidden": 32, "vocab": 500, "kl_tokens": 32, "w4a8_k": 64, "w4a8_n": 48,
        "batches": [1, 16], "group": 32, "moe": {"experts": 4, "top_k": 2, "k": 64, "n": 48, "tokens": [3, 9]}}
-# the W4A8 tile sweep (deterministic configurations only: split-K adds fixed-order partial sums); at up to 4 rows
-# also the multiply-add form without tensor cores (gemv)
-SWEEP = {"BN": [64, 128], "SPLIT_K": [1, 4, 8], "layout": ["kn", "nk"]}
-GEMV_SWEEP = {"BN": [64, 128], "SPLIT_K": [4, 8]}
+# the W4A8 tile sweep (deterministic configurations only: split-K adds fixed-order partial sums), both weight
+# layouts; 8 warps on the wider tiles; 128-row tiles from 128 rows
+SWEEP = {"BN": [64, 128], "SPLIT_K": [1, 4, 8], "layout": ["planes", "nk"], "num_warps": [4, 8]}
 ROW_SWEEP = [{"BLOCK": 4096, "num_warps": 8}, {"BLOCK": 8192, "num_warps": 16}, {"BLOCK": 16384, "num_warps": 16},
              {"BLOCK": 32768, "num_warps": 32}]
 
@@ -89,7 +88,7 @@ def _ratio(a, b):
 
 def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
     from kernels import logprob
-    from kernels.logprob import linear_logprob, linear_logprob_loss, linear_logprob_reference
+    from kernels.logprob import default_chunk, linear_logprob, linear_logprob_loss, linear_logprob_reference
     from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_loss, linear_reverse_kl_reference
     n, d, v = s["tokens"], s["hidden"], s["vocab"]
     h = (torch.randn(n, d, device=device, generator=g, dtype=dtype) * 0.5).requires_grad_()
@@ -97,7 +96,7 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
     target = torch.randint(0, v, (n,), device=device, generator=g)
     rows_launch = None
     if device == "cuda":  # the row kernels' block and warps, on one chunk of logits at this shape
-        from kernels.logprob import _grad_in_place, _stats, default_chunk
+        from kernels.logprob import _grad_in_place, _stats
         z = torch.randn(default_chunk(n, v, d), v, device=device, dtype=dtype)
         t = target[:z.size(0)]
         ones = torch.ones(z.size(0), device=device)
@@ -123,7 +122,10 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
         return -lp.sum() / n
     rows = {"torch": step(lambda: -linear_logprob_reference(h, w, target)[0].mean()),
             "fused": step(lambda: -linear_logprob(h, w, target)[0].mean()),
-            "fused_loss": step(lambda: linear_logprob_loss(h, w, target, nll)[0])}
+            "fused_loss": step(lambda: linear_logprob_loss(h, w, target, nll)[0]),
+            # twice the chunk (twice the logits at the peak): half the passes over the head's weight gradient
+            "fused_loss_2x_chunk": step(lambda: linear_logprob_loss(h, w, target, nll,
+                                                                    chunk_tokens=2 * default_chunk(n, v, d))[0])}
     if peer("liger_kernel", "kernels"):
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -158,19 +160,18 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
         "row_kernel_launch": rows_launch}
 
 
-def _sweep(fn, device: str, base: dict, m: int) -> tuple[dict, dict]:
-    """The fastest configuration of `fn(config)` in a CUDA graph over SWEEP (and GEMV_SWEEP at up to 4 rows), then
-    with the activation quantization in the prologue or not: (best config, seconds per tried config). `fn` gets
-    the weights in the config's layout."""
+def _sweep(fn, device: str, base: dict, m: int, layouts) -> tuple[dict, dict]:
+    """The fastest configuration of `fn(config)` in a CUDA graph over SWEEP, then with the activation quantization
+    in the prologue or not: (best config, seconds per tried config). `fn` gets the weights in the config's layout."""
     import itertools
     if device != "cuda":
         return dict(base), {}
+    configs = [{**base, "BN": bn, "SPLIT_K": split, "layout": lay, "num_warps": warps, "fuse_quant": False}
+               for bn, split, lay, warps in itertools.product(*SWEEP.values())
+               if (warps == 4 or bn == 128) and lay in layouts]
+    if m >= 128:
+        configs += [{**c, "BM": 128} for c in configs if c["SPLIT_K"] == 1 and c["layout"] == "planes"]
     tried = {}
-    configs = [{**base, "BN": bn, "SPLIT_K": split, "layout": lay, "fuse_quant": False}
-               for bn, split, lay in itertools.product(*SWEEP.values())]
-    if m <= 4:
-        configs += [{**base, "BN": bn, "SPLIT_K": split, "layout": "kn", "gemv": True, "BM": 1 << (m - 1).bit_length(),
-                     "fuse_quant": False} for bn, split in itertools.product(*GEMV_SWEEP.values())]
     for cfg in configs:
         tried[json.dumps(cfg)] = _fast(lambda: fn(cfg), device, graph=True, rep=30)
     best = json.loads(min(tried, key=tried.get))
@@ -180,24 +181,24 @@ def _sweep(fn, device: str, base: dict, m: int) -> tuple[dict, dict]:
 
 
 def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
-    from kernels.w4a8 import default_config, kernel_layout, pack_int4, w4a8_linear
+    from kernels.w4a8 import default_config, kernel_layout, layout_for, pack_int4, w4a8_linear
     k, cols, group = s["w4a8_k"], s["w4a8_n"], s["group"]
     q = torch.randint(-8, 8, (cols, k), dtype=torch.int8, device=device, generator=g)
-    layouts = {name: kernel_layout(pack_int4(q), name) for name in ("kn", "nk")}
+    layouts = {name: kernel_layout(pack_int4(q), name) for name in {layout_for(k, group), "nk"}}
     scales = torch.rand(cols, k // group, device=device, generator=g) * 0.01
     w_bf16 = (q.float() * 0.01).to(dtype)
     out = {}
     for b in s["batches"]:
         x = torch.randn(b, k, device=device, dtype=dtype, generator=g)
         best, tried = _sweep(lambda c: w4a8_linear(x, layouts[c["layout"]], scales, config=c), device,
-                             default_config(b, group), b)
+                             default_config(b, k, group), b, layouts)
         packed = layouts[best["layout"]]
-        row = {"config": best, "default_config": default_config(b, group)}
+        row = {"config": best, "default_config": default_config(b, k, group)}
         for mode in ("graph", "plain"):
             graph = mode == "graph"
             t_bf16 = _fast(lambda: x @ w_bf16.t(), device, graph)
             t_best = _fast(lambda: w4a8_linear(x, packed, scales, config=best), device, graph)
-            t_default = _fast(lambda: w4a8_linear(x, layouts[default_config(b, group)["layout"]], scales), device,
+            t_default = _fast(lambda: w4a8_linear(x, layouts[default_config(b, k, group)["layout"]], scales), device,
                               graph)
             row[mode] = {"bf16_s": t_bf16, "w4a8_s": t_best, "w4a8_default_s": t_default,
                          "speedup": _ratio(t_bf16, t_best), "speedup_default": _ratio(t_bf16, t_default)}
@@ -211,11 +212,12 @@ def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) 
 def _moe_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
     """Routed experts at GLM-5's gate-projection shape: grouped (one launch) against the loop over experts and
     against torch's bf16 grouped matmul (or a bf16 loop where this torch has none)."""
-    from kernels.w4a8 import default_config, kernel_layout, pack_int4, w4a8_grouped, w4a8_linear
+    from kernels.w4a8 import default_config, kernel_layout, layout_for, pack_int4, w4a8_grouped, w4a8_linear
     e, top, k, n = s["experts"], s["top_k"], s["k"], s["n"]
     group = s.get("group", 128) if k % 128 == 0 else 32
-    layouts = {"nk": torch.empty(e, n, k // 8, dtype=torch.int32, device=device),
-               "kn": torch.empty(e, k // 8, n, dtype=torch.int32, device=device)}
+    layouts = {"nk": torch.empty(e, n, k // 8, dtype=torch.int32, device=device)}
+    if layout_for(k, group) == "planes":
+        layouts["planes"] = torch.empty(e, k // 8, n, dtype=torch.int32, device=device)
     w_bf16 = torch.empty(e, n, k, dtype=dtype, device=device)
     for i in range(e):  # per expert: the packing's int64 intermediates of all experts at once would not fit
         q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=device, generator=g)
@@ -235,9 +237,9 @@ def _moe_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -
         used = [(i, bounds[i], bounds[i + 1]) for i in range(e) if bounds[i + 1] > bounds[i]]
         rows = x.size(0)
         best, tried = _sweep(lambda c: w4a8_grouped(x, offsets, layouts[c["layout"]], scales, config=c), device,
-                             default_config(max(1, rows // e), group), 16)
+                             default_config(max(1, rows // e), k, group), 16, layouts)
         packed = layouts[best["layout"]]
-        per_expert = default_config(max(1, rows // len(used)), group)
+        per_expert = default_config(max(1, rows // len(used)), k, group)
 
         def loop():
             return [w4a8_linear(x[a:b], layouts[per_expert["layout"]][i], scales[i]) for i, a, b in used]
@@ -340,12 +342,12 @@ def summary(fig: dict) -> str:
     lines = [f"bench/kernels on {fig.get('device')}"]
     for key in ("logprob", "reverse_kl"):
         for name, row in (fig.get(key) or {}).items():
-            lines.append(f"  {key:10} {name:10} {row['s'] * 1e3:9.1f} ms  peak {row['peak_mb'] or 0:9.0f} MB")
+            lines.append(f"  {key:10} {name:20} {row['s'] * 1e3:9.1f} ms  peak {row['peak_mb'] or 0:9.0f} MB")
     for b, row in (fig.get("w4a8") or {}).items():
         gr, pl = row["graph"], row["plain"]
         lines.append(f"  w4a8 rows {b:>4}: graph {gr['w4a8_s'] * 1e6:7.1f} us vs bf16 {gr['bf16_s'] * 1e6:7.1f} "
                      f"({gr['speedup']}x; default tiles {gr['speedup_default']}x), plain {pl['speedup']}x, "
-                     f"{json.dumps({k: row['config'][k] for k in ('BM', 'BN', 'SPLIT_K', 'num_stages', 'fuse_quant')})}")
+                     f"{json.dumps({k: row['config'][k] for k in ('BM', 'BN', 'SPLIT_K', 'num_warps', 'layout', 'fuse_quant')})}")
     for t, row in (fig.get("moe") or {}).items():
         gr = row["graph"]
         lines.append(f"  moe tokens {t:>4} ({row['rows']} rows, {row['experts_used']} experts): grouped "

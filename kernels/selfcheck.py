@@ -80,41 +80,50 @@ def _check_losses(device, g, h, w, target, teacher, temp, lp_ref, lp_loss, kl_re
 
 
 def _check_w4a8(device: str, g: torch.Generator) -> dict[str, float]:
-    """The W4A8 GEMM on pre-quantized activations (split-K 1 and 2), with the quantization in its prologue, the
-    one-launch quantization, the grouped launch over experts (one with no rows), and the model's layer."""
+    """The W4A8 GEMM in both weight layouts ("nk" at K 96, "planes" at K 512 with groups of 32, 128 and 512) on
+    pre-quantized activations (split-K 1 and 2), with the quantization in its prologue, the one-launch quantization,
+    the grouped launch over experts (one with no rows), and the model's layer."""
     from kernels.w4a8 import (kernel_layout, pack_int4, quantize_activations, quantize_activations_fused,
                               w4a8_grouped, w4a8_grouped_reference, w4a8_linear, w4a8_matmul, w4a8_reference)
-    out: dict[str, float] = {}
-    m, k, cols, group, experts = 5, 96, 70, 32, 4
-    q = torch.randint(-8, 8, (cols, k), generator=g, dtype=torch.int8)
-    scales = torch.rand(cols, k // group, generator=g) * 0.01
-    x = torch.randn(m, k, generator=g)
-    xq, sx = quantize_activations(x)
-    ref = w4a8_reference(xq, sx, pack_int4(q), scales)
-    qe = torch.randint(-8, 8, (experts, cols, k), generator=g, dtype=torch.int8)
-    se = torch.rand(experts, cols, k // group, generator=g) * 0.01
+    out: dict[str, float] = {"w4a8": 0.0, "w4a8_fused_quant": 0.0, "w4a8_grouped": 0.0}
+    m, cols, experts = 5, 70, 4
     offsets = torch.tensor([0, 3, 3, 20, 23])
-    xe = torch.randn(23, k, generator=g)
-    ref_e = w4a8_grouped_reference(xe, offsets, pack_int4(qe), se)
-    if use_triton(x.to(device)):
-        layouts = {name: kernel_layout(pack_int4(q).to(device), name) for name in ("kn", "nk")}
-        xd, sxd, sd = x.to(device), sx.to(device), scales.to(device)
-        out["w4a8"] = max(_worst([w4a8_matmul(xq.to(device), sxd, layouts[lay], sd, config=dict(
-            SPLIT_K=split, layout=lay, gemv=gemv, BM=4 if gemv else 16))], [ref])
-            for split in (1, 2) for lay in layouts for gemv in (False, True))
-        out["w4a8_fused_quant"] = max(_worst([w4a8_linear(xd, layouts[lay], sd, config=dict(
-            SPLIT_K=s, fuse_quant=True, layout=lay))], [ref]) for s in (1, 3) for lay in layouts)
-        out["quantize_activations"] = _worst(quantize_activations_fused(xd), (xq, sxd))
-        pe = {name: kernel_layout(pack_int4(qe).to(device), name) for name in ("kn", "nk")}
+    for k, group, layout in ((96, 32, "nk"), (512, 32, "planes"), (512, 128, "planes"), (512, 512, "planes")):
+        q = torch.randint(-8, 8, (cols, k), generator=g, dtype=torch.int8)
+        scales = torch.rand(cols, k // group, generator=g) * 0.01
+        x = torch.randn(m, k, generator=g)
+        xq, sx = quantize_activations(x)
+        ref = w4a8_reference(xq, sx, pack_int4(q), scales)
+        qe = torch.randint(-8, 8, (experts, cols, k), generator=g, dtype=torch.int8)
+        se = torch.rand(experts, cols, k // group, generator=g) * 0.01
+        xe = torch.randn(23, k, generator=g)
+        ref_e = w4a8_grouped_reference(xe, offsets, pack_int4(qe), se)
+        if not use_triton(x.to(device)):
+            break
+        packed = kernel_layout(pack_int4(q).to(device), layout)
+        xd, sd = x.to(device), scales.to(device)
+        out["w4a8"] = max(out["w4a8"], *(_worst([w4a8_matmul(xq.to(device), sx.to(device), packed, sd, config=dict(
+            SPLIT_K=split, layout=layout))], [ref]) for split in (1, 2)))
+        out["w4a8_fused_quant"] = max(out["w4a8_fused_quant"], *(_worst([w4a8_linear(xd, packed, sd, config=dict(
+            SPLIT_K=split, fuse_quant=True, layout=layout))], [ref]) for split in (1, 3)))
+        out["quantize_activations"] = _worst(quantize_activations_fused(xd), (xq, sx.to(device)))
+        pe = kernel_layout(pack_int4(qe).to(device), layout)
         xed, od, sed = xe.to(device), offsets.to(device), se.to(device)
-        out["w4a8_grouped"] = max(_worst([w4a8_grouped(xed, od, pe[lay], sed, config=dict(
-            SPLIT_K=s, fuse_quant=f, layout=lay))], [ref_e]) for s in (1, 2) for f in (False, True) for lay in pe)
+        out["w4a8_grouped"] = max(out["w4a8_grouped"], *(_worst([w4a8_grouped(xed, od, pe, sed, config=dict(
+            SPLIT_K=split, fuse_quant=f, layout=layout))], [ref_e]) for split in (1, 2) for f in (False, True)))
+    if not use_triton(x.to(device)):
+        out = {}
     try:  # the model's layer (kernel or _int_mm); it loads checkpoints through compressed-tensors, not on every GPU box
         from posttrain.quant.int_linear import IntLinear
     except ImportError:
         return out
-    layer = IntLinear(q, scales, act_bits=8, weight_bits=4)
-    out["int_linear"] = _worst([layer.to(device)(x.to(device))], [ref])
+    for k, group in ((96, 32), (512, 128)):
+        q = torch.randint(-8, 8, (cols, k), generator=g, dtype=torch.int8)
+        scales = torch.rand(cols, k // group, generator=g) * 0.01
+        x = torch.randn(m, k, generator=g)
+        ref = w4a8_reference(*quantize_activations(x), pack_int4(q), scales)
+        layer = IntLinear(q, scales, act_bits=8, weight_bits=4)
+        out["int_linear"] = max(out.get("int_linear", 0.0), _worst([layer.to(device)(x.to(device))], [ref]))
     return out
 
 

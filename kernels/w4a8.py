@@ -72,7 +72,7 @@ def _kernel():
     def gemm(x_ptr, sx_ptr, w_ptr, s_ptr, o_ptr, blocks_ptr, M, N, K, GROUP,
              stride_xm, stride_we, stride_w, stride_se, stride_sn, stride_os, stride_om,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
-             FUSE_QUANT: tl.constexpr, GROUPED: tl.constexpr, KN: tl.constexpr, GEMV: tl.constexpr):
+             FUSE_QUANT: tl.constexpr, GROUPED: tl.constexpr, PLANES: tl.constexpr, PLANES_PER_SCALE: tl.constexpr):
         pid_m = tl.program_id(1)
         if GROUPED:  # the block table: this block's expert and rows (an expert's rows are contiguous)
             expert = tl.load(blocks_ptr + pid_m * 3)
@@ -87,7 +87,6 @@ def _kernel():
             rm = row0 + tl.arange(0, BM)
             live = rm < row_end
             rk = tl.arange(0, BK)
-            rc = tl.arange(0, BK // 8)
             x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
             if FUSE_QUANT:  # the rows' absolute maximum, as quantize_activations takes it (they stay in cache)
                 amax = tl.zeros([BM], dtype=tl.float32)
@@ -100,35 +99,57 @@ def _kernel():
             w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_rows = s_ptr + expert.to(tl.int64) * stride_se + rn.to(tl.int64) * stride_sn
             acc = tl.zeros([BM, BN], dtype=tl.float32)
-            per = tl.cdiv(K // GROUP, SPLIT_K) * GROUP
-            for g0 in range(tl.program_id(2) * per, tl.minimum(K, tl.program_id(2) * per + per), GROUP):
-                acc_g = tl.zeros([BM, BN], dtype=tl.int32)
-                for k0 in range(g0, g0 + GROUP, BK):
-                    if FUSE_QUANT:  # round half to even as torch.round: 1.5 * 2^23 leaves fp32 no fraction bits
-                        xf = tl.load(x_rows + (k0 + rk)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-                        r = (tl.div_rn(xf, sx[:, None]) + 12582912.0) - 12582912.0
-                        x = tl.minimum(tl.maximum(r, -128.0), 127.0).to(tl.int8)
-                    else:
-                        x = tl.load(x_rows + (k0 + rk)[None, :], mask=live[:, None], other=0)
-                    if KN:  # [K/8, N] words: each loaded for its 8 rows of k (one address, cached), N contiguous
-                        p = tl.load(w_base + (k0 // 8 + rk // 8)[:, None].to(tl.int64) * stride_w + rn[None, :],
-                                    mask=(rn < N)[None, :], other=0)
-                        w = (((p >> ((rk % 8) * 4)[:, None]) & 15) - 8).to(tl.int8)  # [BK, BN]
-                    else:  # compressed-tensors' [N, K/8]: nibble j of packed column c is weight 8c + j; joins stack
-                        # the eight nibbles in registers (the last three joined dimensions index 4a + 2b + d)
+            if PLANES:
+                # the "planes" layout ([K/8, N] words; in each block of 256 columns, nibble j of word c is column
+                # 32j + c): a block's eight nibble planes are eight [32, N] int8 tiles, each one tl.dot's operand as
+                # it is (two integer operations per weight, no register shuffles). Nibbles stay unsigned (0..15):
+                # sum x (v - 8) = sum x v - 8 sum x, the correction one sum over the activations.
+                rp = tl.arange(0, 32)
+                per = tl.cdiv(K // 256, SPLIT_K) * 256
+                for k0 in range(tl.program_id(2) * per, tl.minimum(K, tl.program_id(2) * per + per), 256):
+                    p = tl.load(w_base + (k0 // 8 + rp)[:, None].to(tl.int64) * stride_w + rn[None, :],
+                                mask=(rn < N)[None, :], other=0)
+                    acc_g = tl.zeros([BM, BN], dtype=tl.int32)
+                    xsum = tl.zeros([BM], dtype=tl.int32)
+                    for j in tl.static_range(8):
+                        cols = k0 + 32 * j + rp
+                        if FUSE_QUANT:  # round half to even as torch.round: 1.5 * 2^23 leaves fp32 no fraction bits
+                            xf = tl.load(x_rows + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                            r = (tl.div_rn(xf, sx[:, None]) + 12582912.0) - 12582912.0
+                            x = tl.minimum(tl.maximum(r, -128.0), 127.0).to(tl.int8)
+                        else:
+                            x = tl.load(x_rows + cols[None, :], mask=live[:, None], other=0)
+                        xsum += tl.sum(x.to(tl.int32), 1)
+                        acc_g = tl.dot(x, ((p >> (4 * j)) & 15).to(tl.int8), acc_g, out_dtype=tl.int32)
+                        if (j + 1) % PLANES_PER_SCALE == 0:
+                            s = tl.load(s_rows + (k0 + 32 * j) // GROUP, mask=rn < N, other=0.0)
+                            acc += (acc_g - 8 * xsum[:, None]).to(tl.float32) * s[None, :]
+                            acc_g = tl.zeros([BM, BN], dtype=tl.int32)
+                            xsum = tl.zeros([BM], dtype=tl.int32)
+            else:
+                # compressed-tensors' [N, K/8]: nibble j of packed column c is weight 8c + j; joins stack the eight
+                # nibbles in registers (the last three joined dimensions index 4a + 2b + d)
+                rc = tl.arange(0, BK // 8)
+                per = tl.cdiv(K // GROUP, SPLIT_K) * GROUP
+                for g0 in range(tl.program_id(2) * per, tl.minimum(K, tl.program_id(2) * per + per), GROUP):
+                    acc_g = tl.zeros([BM, BN], dtype=tl.int32)
+                    for k0 in range(g0, g0 + GROUP, BK):
+                        if FUSE_QUANT:
+                            xf = tl.load(x_rows + (k0 + rk)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                            r = (tl.div_rn(xf, sx[:, None]) + 12582912.0) - 12582912.0
+                            x = tl.minimum(tl.maximum(r, -128.0), 127.0).to(tl.int8)
+                        else:
+                            x = tl.load(x_rows + (k0 + rk)[None, :], mask=live[:, None], other=0)
                         p = tl.load(w_base + rn[:, None].to(tl.int64) * stride_w + (k0 // 8 + rc)[None, :],
                                     mask=(rn < N)[:, None], other=0)
                         a00 = tl.join(((p & 15) - 8).to(tl.int8), (((p >> 16) & 15) - 8).to(tl.int8))
                         a01 = tl.join((((p >> 4) & 15) - 8).to(tl.int8), (((p >> 20) & 15) - 8).to(tl.int8))
                         a10 = tl.join((((p >> 8) & 15) - 8).to(tl.int8), (((p >> 24) & 15) - 8).to(tl.int8))
                         a11 = tl.join((((p >> 12) & 15) - 8).to(tl.int8), (((p >> 28) & 15) - 8).to(tl.int8))
-                        w = tl.trans(tl.reshape(tl.join(tl.join(a00, a10), tl.join(a01, a11)), [BN, BK]))
-                    if GEMV:  # a few rows: multiply-adds in registers, no tensor-core tile of 16 rows
-                        acc_g += tl.sum(x.to(tl.int32)[:, :, None] * w.to(tl.int32)[None, :, :], 1)
-                    else:
-                        acc_g = tl.dot(x, w, acc_g, out_dtype=tl.int32)
-                s = tl.load(s_rows + g0 // GROUP, mask=rn < N, other=0.0)
-                acc += acc_g.to(tl.float32) * s[None, :]
+                        w = tl.reshape(tl.join(tl.join(a00, a10), tl.join(a01, a11)), [BN, BK])
+                        acc_g = tl.dot(x, tl.trans(w), acc_g, out_dtype=tl.int32)
+                    s = tl.load(s_rows + g0 // GROUP, mask=rn < N, other=0.0)
+                    acc += acc_g.to(tl.float32) * s[None, :]
             optr = o_ptr + tl.program_id(2).to(tl.int64) * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
             tl.store(optr, acc * sx[:, None], mask=live[:, None] & (rn < N)[None, :])
 
@@ -158,19 +179,33 @@ def quantize_activations_fused(x: torch.Tensor, bits: int = 8) -> tuple[torch.Te
     return xq, sx
 
 
-LAYOUT = "kn"  # the packed weights' layout in the kernel: "kn" [K/8, N] or compressed-tensors' "nk" [N, K/8]
+LAYOUT = "planes"  # the packed weights' layout in the kernel where K allows: "planes" or compressed-tensors' "nk"
 
 
-def kernel_layout(packed: torch.Tensor, layout: str | None = None) -> torch.Tensor:
-    """compressed-tensors' packed weights ([..., N, K/8] int32) in the kernel's layout (made once per layer)."""
-    return packed.contiguous() if (layout or LAYOUT) == "nk" else packed.transpose(-2, -1).contiguous()
+def layout_for(k: int, group: int) -> str:
+    """The kernel layout of a [N, K] layer: "planes" needs K in blocks of 256 and groups of a multiple of 32 that
+    either divide 256 or are made of whole blocks."""
+    fits = k % 256 == 0 and group % 32 == 0 and (256 % group == 0 or group % 256 == 0)
+    return LAYOUT if fits else "nk"
 
 
-def default_config(m: int, group: int, fuse_quant: bool = True) -> dict:
+def kernel_layout(packed: torch.Tensor, layout: str) -> torch.Tensor:
+    """compressed-tensors' packed weights ([..., N, K/8] int32) in a kernel layout (made once per layer): "nk" as
+    they are; "planes" [..., K/8, N], in each block of 256 columns nibble j of word c holding column 32j + c."""
+    if layout == "nk":
+        return packed.contiguous()
+    n, k = packed.shape[-2], packed.shape[-1] * 8
+    v = (unpack_int4(packed, k).to(torch.int64) + 8).reshape(*packed.shape[:-2], n, k // 256, 8, 32)
+    word = (v << (torch.arange(8, device=packed.device) * 4)[:, None]).sum(-2)  # [..., N, K/256, 32]
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32).reshape(*packed.shape[:-2], n, k // 8)
+    return word.transpose(-2, -1).contiguous()
+
+
+def default_config(m: int, k: int, group: int, fuse_quant: bool = False) -> dict:
     """Tiles and launch settings by rows (rows per expert for a grouped launch), from bench/kernels' sweep on an
-    H100. BK is the largest power of 2 dividing the group, <= 128."""
-    cfg = dict(BM=16 if m <= 16 else 32 if m <= 32 else 64, BN=64 if m <= 64 else 128, SPLIT_K=4 if m <= 16 else 1,
-               num_warps=4, num_stages=3, fuse_quant=fuse_quant and m <= 16, layout=LAYOUT, gemv=False)
+    H100. BK (the "nk" layout's step) is the largest power of 2 dividing the group, <= 128."""
+    cfg = dict(BM=16 if m <= 16 else 32 if m <= 32 else 64, BN=128 if m <= 16 or m > 64 else 64,
+               SPLIT_K=8 if m <= 16 else 1, num_warps=4, num_stages=3, fuse_quant=fuse_quant, layout=layout_for(k, group))
     cfg["BK"] = max(16, min(128, group & -group))
     return cfg
 
@@ -183,13 +218,15 @@ def _launch(x, sx, packed, scales, out_rows: int, blocks, grid_m: int, cfg: dict
     k = x.size(1)
     group = k // groups
     cfg = dict(cfg)
-    split, fuse, kn, gemv = cfg.pop("SPLIT_K"), cfg.pop("fuse_quant"), cfg.pop("layout") == "kn", cfg.pop("gemv")
-    want = (k // 8, n) if kn else (n, k // 8)
-    if k % 8 or group * groups != k or group % 16 or packed.shape[-2:] != want:
+    split, fuse, layout = cfg.pop("SPLIT_K"), cfg.pop("fuse_quant"), cfg.pop("layout")
+    planes = layout == "planes"
+    want = (k // 8, n) if planes else (n, k // 8)
+    if (k % 8 or group * groups != k or group % 16 or packed.shape[-2:] != want
+            or (planes and layout_for(k, group) != "planes")):
         raise ValueError(f"w4a8: K={k} must split into {groups} groups of a multiple of 16 columns, packed "
-                         f"{list(want)} int32 in the {'kn' if kn else 'nk'} layout (kernel_layout; got "
+                         f"{list(want)} int32 in the {layout} layout (kernel_layout, layout_for; got "
                          f"{tuple(packed.shape)})")
-    split = max(1, min(split, groups))
+    split = max(1, min(split, k // 256 if planes else groups))
     out = torch.empty(split, out_rows, n, device=x.device, dtype=torch.float32)
     scales = scales.float().contiguous()
     packed = packed.contiguous()
@@ -197,7 +234,8 @@ def _launch(x, sx, packed, scales, out_rows: int, blocks, grid_m: int, cfg: dict
     _kernel()[0][grid](x, x if sx is None else sx, packed, scales, out, x if blocks is None else blocks, out_rows, n,
                        k, group, x.stride(0), packed.stride(0) if e_dims else 0, packed.stride(-2),
                        scales.stride(0) if e_dims else 0, scales.stride(-2), out.stride(0), out.stride(1),
-                       SPLIT_K=split, FUSE_QUANT=fuse, GROUPED=grouped, KN=kn, GEMV=gemv, **cfg)
+                       SPLIT_K=split, FUSE_QUANT=fuse, GROUPED=grouped, PLANES=planes,
+                       PLANES_PER_SCALE=min(8, group // 32) if planes else 1, **cfg)
     return out[0] if split == 1 else out.sum(0)  # a fixed order: deterministic
 
 
@@ -205,9 +243,9 @@ def w4a8_matmul(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales
                 config: dict | None = None) -> torch.Tensor:
     """The Triton kernel of `w4a8_reference` on activations already quantized (CUDA tensors, or CPU under
     TRITON_INTERPRET=1), `packed` in `kernel_layout`. `config` overrides the tiles and launch settings (BM, BN, BK,
-    SPLIT_K, num_warps, num_stages, layout, gemv), for benchmarks."""
-    m = xq.size(0)
-    cfg = {**default_config(m, xq.size(1) // scales.size(1)), **(config or {}), "fuse_quant": False}
+    SPLIT_K, num_warps, num_stages, layout), for benchmarks."""
+    m, k = xq.shape
+    cfg = {**default_config(m, k, k // scales.size(-1)), **(config or {}), "fuse_quant": False}
     return _launch(xq.contiguous(), sx.float().contiguous(), packed, scales, m, None,
                    -(-m // cfg["BM"]), cfg)
 
@@ -215,8 +253,8 @@ def w4a8_matmul(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales
 def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [M, K] float -> [M, N] fp32: `w4a8_reference(*quantize_activations(x), packed, scales)` (`packed` in
     `kernel_layout`), the quantization in the GEMM's prologue at decode sizes (one launch) or in one launch before it."""
-    m = x.size(0)
-    cfg = {**default_config(m, x.size(1) // scales.size(1)), **(config or {})}
+    m, k = x.shape
+    cfg = {**default_config(m, k, k // scales.size(-1)), **(config or {})}
     x = x.contiguous()
     if cfg["fuse_quant"]:
         return _launch(x, None, packed, scales, m, None, -(-m // cfg["BM"]), cfg)
@@ -244,8 +282,8 @@ def w4a8_grouped(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, s
     """A mixture-of-experts layer's routed experts in one launch: `x` [rows, K] float, sorted by expert, rows
     `offsets[e]:offsets[e+1]` going through expert e (`packed` [E, N, K/8] int32, `scales` [E, N, groups]);
     [rows, N] fp32, `w4a8_grouped_reference`. Tiles by the mean rows per expert."""
-    rows, e = x.size(0), packed.size(0)
-    cfg = {**default_config(max(1, rows // e), x.size(1) // scales.size(-1)), **(config or {})}
+    (rows, k), e = x.shape, packed.size(0)
+    cfg = {**default_config(max(1, rows // e), k, k // scales.size(-1)), **(config or {})}
     bm = cfg["BM"]
     blocks = -(-rows // bm) + e
     table = block_table(offsets.to(x.device), bm, blocks)

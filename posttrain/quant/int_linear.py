@@ -44,9 +44,10 @@ class IntLinear(torch.nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.kernel_fits and use_triton(x2):
-            from kernels.w4a8 import kernel_layout, w4a8_linear
+            from kernels.w4a8 import kernel_layout, layout_for, w4a8_linear
             if self._packed is None or self._packed.device != x2.device:  # the kernel's layouts, made once
-                self._packed = kernel_layout(pack_to_int32(self.qweight_t.t(), 4))
+                layout = layout_for(self.in_features, self.group_size)
+                self._packed = kernel_layout(pack_to_int32(self.qweight_t.t(), 4), layout)
                 self._scales = self.scales_t.t().contiguous()
             y = w4a8_linear(x2, self._packed, self._scales)
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
