@@ -42,6 +42,7 @@ DRY = {"tokens": 64, "hidden": 32, "vocab": 500, "kl_tokens": 32, "w4a8_k": 64, 
 # the W4A8 tile sweep (deterministic configurations only: split-K adds fixed-order partial sums), both weight
 # layouts; 8 warps on the wider tiles; 128-row tiles from 128 rows
 SWEEP = {"BN": [64, 128], "SPLIT_K": [1, 4, 8], "layout": ["planes", "nk"], "num_warps": [4, 8]}
+DEFAULTS_ONLY = "--defaults" in sys.argv  # no sweep: the shipped default tiles, timed
 ROW_SWEEP = [{"BLOCK": 4096, "num_warps": 8}, {"BLOCK": 8192, "num_warps": 16}, {"BLOCK": 16384, "num_warps": 16},
              {"BLOCK": 32768, "num_warps": 32}]
 
@@ -134,6 +135,8 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
                                                  reduction="mean", softcap=None, return_z_loss=False)
         rows["liger"] = step(lambda: liger(w, h, target))
     lp = {k: _measure(f, device) for k, f in rows.items()}
+    if device == "cuda" and "--profile" in sys.argv:  # where each side's time goes, by kernel
+        _profile({k: rows[k] for k in ("fused_loss", "liger") if k in rows})
     m = s["kl_tokens"]
     hk = h[:m].detach().clone().requires_grad_()
     teacher = torch.log_softmax(torch.randn(m, v, device=device, generator=g), -1)
@@ -160,11 +163,23 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
         "row_kernel_launch": rows_launch}
 
 
+def _profile(steps: dict) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    for name, fn in steps.items():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        print(f"bench/kernels profile {name}:\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
+                                                                             max_name_column_width=50), flush=True)
+
+
 def _sweep(fn, device: str, base: dict, m: int, layouts) -> tuple[dict, dict]:
     """The fastest configuration of `fn(config)` in a CUDA graph over SWEEP, then with the activation quantization
     in the prologue or not: (best config, seconds per tried config). `fn` gets the weights in the config's layout."""
     import itertools
-    if device != "cuda":
+    if device != "cuda" or DEFAULTS_ONLY:
         return dict(base), {}
     configs = [{**base, "BN": bn, "SPLIT_K": split, "layout": lay, "num_warps": warps, "fuse_quant": False}
                for bn, split, lay, warps in itertools.product(*SWEEP.values())
@@ -181,7 +196,8 @@ def _sweep(fn, device: str, base: dict, m: int, layouts) -> tuple[dict, dict]:
 
 
 def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
-    from kernels.w4a8 import default_config, kernel_layout, layout_for, pack_int4, w4a8_linear
+    from kernels.w4a8 import (default_config, kernel_layout, layout_for, pack_int4, quantize_activations, w4a8_linear,
+                              w4a8_reference)
     k, cols, group = s["w4a8_k"], s["w4a8_n"], s["group"]
     q = torch.randint(-8, 8, (cols, k), dtype=torch.int8, device=device, generator=g)
     layouts = {name: kernel_layout(pack_int4(q), name) for name in {layout_for(k, group), "nk"}}
@@ -204,6 +220,8 @@ def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) 
                          "speedup": _ratio(t_bf16, t_best), "speedup_default": _ratio(t_bf16, t_default)}
         first = w4a8_linear(x, packed, scales, config=best)
         row["deterministic"] = all(torch.equal(first, w4a8_linear(x, packed, scales, config=best)) for _ in range(5))
+        want = w4a8_reference(*quantize_activations(x), pack_int4(q), scales)  # float64 sums: exact
+        row["max_rel_err"] = ((first - want).abs().max() / want.abs().max()).item()
         row["sweep"] = tried
         out[b] = row
     return out
@@ -237,12 +255,12 @@ def _moe_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -
         used = [(i, bounds[i], bounds[i + 1]) for i in range(e) if bounds[i + 1] > bounds[i]]
         rows = x.size(0)
         best, tried = _sweep(lambda c: w4a8_grouped(x, offsets, layouts[c["layout"]], scales, config=c), device,
-                             default_config(max(1, rows // e), k, group), 16, layouts)
+                             default_config(max(1, rows // e), k, group, grouped=True), 16, layouts)
         packed = layouts[best["layout"]]
-        per_expert = default_config(max(1, rows // len(used)), k, group)
 
-        def loop():
-            return [w4a8_linear(x[a:b], layouts[per_expert["layout"]][i], scales[i]) for i, a, b in used]
+        def loop():  # each expert at its own rows' default tiles, as IntLinear runs it
+            return [w4a8_linear(x[a:b], layouts[default_config(b - a, k, group)["layout"]][i], scales[i])
+                    for i, a, b in used]
 
         def loop_bf16():
             return [x[a:b] @ w_bf16[i].t() for i, a, b in used]
@@ -277,6 +295,7 @@ def gpu_figures(device: str, s: dict, dtype: torch.dtype) -> dict:
         "w4a8_speed_ratio_vs_bf16": min(few) if few and None not in few else None,
         **{f"w4a8_speed_ratio_vs_bf16_rows{b}": w4a8[b]["graph"]["speedup"] for b in (1, 16, 64) if b in w4a8},
         "w4a8_deterministic": all(r["deterministic"] for r in w4a8.values()),
+        "w4a8_max_rel_err": max(r["max_rel_err"] for r in w4a8.values()),
         "moe_grouped_speed_ratio_vs_loop": _ratio(moe[big]["graph"]["loop_s"], moe[big]["graph"]["grouped_s"]),
         "moe_grouped_speed_ratio_vs_bf16": _ratio(moe[big]["graph"]["bf16_grouped_s"], moe[big]["graph"]["grouped_s"]),
         "w4a8": w4a8, "moe": moe, "shapes": s, "dtype": str(dtype).removeprefix("torch."), "reps": REPS,
@@ -353,7 +372,7 @@ def summary(fig: dict) -> str:
         lines.append(f"  moe tokens {t:>4} ({row['rows']} rows, {row['experts_used']} experts): grouped "
                      f"{gr['grouped_s'] * 1e6:8.1f} us, loop {gr['loop_s'] * 1e6:8.1f}, bf16 grouped "
                      f"{gr['bf16_grouped_s'] * 1e6:8.1f} ({row['bf16_peer'][:40]}), err {row['max_abs_err_vs_loop']:.2g}")
-    lines += [f"  {k} = {v}" for k, v in fig.items() if "_ratio_" in k or k == "w4a8_deterministic"]
+    lines += [f"  {k} = {v}" for k, v in fig.items() if "_ratio_" in k or k.startswith("w4a8_")]
     return "\n".join(lines)
 
 

@@ -201,11 +201,15 @@ def kernel_layout(packed: torch.Tensor, layout: str) -> torch.Tensor:
     return word.transpose(-2, -1).contiguous()
 
 
-def default_config(m: int, k: int, group: int, fuse_quant: bool = False) -> dict:
+def default_config(m: int, k: int, group: int, fuse_quant: bool = False, grouped: bool = False) -> dict:
     """Tiles and launch settings by rows (rows per expert for a grouped launch), from bench/kernels' sweep on an
-    H100. BK (the "nk" layout's step) is the largest power of 2 dividing the group, <= 128."""
-    cfg = dict(BM=16 if m <= 16 else 32 if m <= 32 else 64, BN=128 if m <= 16 or m > 64 else 64,
-               SPLIT_K=8 if m <= 16 else 1, num_warps=4, num_stages=3, fuse_quant=fuse_quant, layout=layout_for(k, group))
+    H100 (docs/kernels.md): up to 16 rows the "planes" layout with split-K 8 (1 for a grouped launch, whose experts
+    already fill the GPU); beyond, compressed-tensors' layout, whose one K-128 dot per step beats eight K-32 ones.
+    BK (the "nk" layout's step) is the largest power of 2 dividing the group, <= 128."""
+    few = m <= 16
+    cfg = dict(BM=16 if few else 32 if m <= 32 else 64, BN=128 if few or m > 64 else 64,
+               SPLIT_K=(1 if grouped else 8) if few else 1, num_warps=4, num_stages=3, fuse_quant=fuse_quant,
+               layout=layout_for(k, group) if few else "nk")
     cfg["BK"] = max(16, min(128, group & -group))
     return cfg
 
@@ -283,7 +287,7 @@ def w4a8_grouped(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, s
     `offsets[e]:offsets[e+1]` going through expert e (`packed` [E, N, K/8] int32, `scales` [E, N, groups]);
     [rows, N] fp32, `w4a8_grouped_reference`. Tiles by the mean rows per expert."""
     (rows, k), e = x.shape, packed.size(0)
-    cfg = {**default_config(max(1, rows // e), k, k // scales.size(-1)), **(config or {})}
+    cfg = {**default_config(max(1, rows // e), k, k // scales.size(-1), grouped=True), **(config or {})}
     bm = cfg["BM"]
     blocks = -(-rows // bm) + e
     table = block_table(offsets.to(x.device), bm, blocks)

@@ -37,19 +37,23 @@ class IntLinear(torch.nn.Module):
         self.register_buffer("qweight_t", q.to(torch.int8).t().contiguous())   # [in, out]
         self.register_buffer("scales_t", scales.float().t().contiguous())      # [groups, out]
         self.kernel_fits = weight_bits == 4 and act_bits == 8 and self.group_size % 16 == 0
-        self._packed: torch.Tensor | None = None  # the Triton kernel's layouts, made where it first runs
+        # the Triton kernel's weights by layout, made where each is first used (a decode step's few rows and a
+        # prefill's many take different layouts: 4 bits a weight each, both together half of bf16's bytes)
+        self._packed: dict[str, torch.Tensor] = {}
         self._scales: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.kernel_fits and use_triton(x2):
-            from kernels.w4a8 import kernel_layout, layout_for, w4a8_linear
-            if self._packed is None or self._packed.device != x2.device:  # the kernel's layouts, made once
-                layout = layout_for(self.in_features, self.group_size)
-                self._packed = kernel_layout(pack_to_int32(self.qweight_t.t(), 4), layout)
-                self._scales = self.scales_t.t().contiguous()
-            y = w4a8_linear(x2, self._packed, self._scales)
+            from kernels.w4a8 import default_config, kernel_layout, w4a8_linear
+            cfg = default_config(x2.size(0), self.in_features, self.group_size)
+            packed = self._packed.get(cfg["layout"])
+            if packed is None or packed.device != x2.device:  # each layout the kernel uses, made once
+                nk = pack_to_int32(self.qweight_t.t().to(x2.device), 4)
+                packed = self._packed[cfg["layout"]] = kernel_layout(nk, cfg["layout"])
+                self._scales = self.scales_t.t().contiguous().to(x2.device)
+            y = w4a8_linear(x2, packed, self._scales, config=cfg)
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         x2 = x2.float()
         sx = (x2.abs().amax(-1, keepdim=True) / self.act_max).clamp(min=1e-8)
