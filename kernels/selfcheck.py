@@ -124,7 +124,32 @@ def _check_w4a8(device: str, g: torch.Generator) -> dict[str, float]:
         ref = w4a8_reference(*quantize_activations(x), pack_int4(q), scales)
         layer = IntLinear(q, scales, act_bits=8, weight_bits=4)
         out["int_linear"] = max(out.get("int_linear", 0.0), _worst([layer.to(device)(x.to(device))], [ref]))
+    out["int_experts"] = _check_int_experts(device, g)
     return out
+
+
+def _check_int_experts(device: str, g: torch.Generator) -> float:
+    """A W4A8 MoE layer's routed experts: the grouped launches (where the kernel runs) against the loop over experts,
+    4 experts (one never routed to), 7 tokens with 2 experts each."""
+    from posttrain.models.moe import ExpertMLP, LinearExperts
+    from posttrain.quant.int_experts import IntExperts
+    from posttrain.quant.int_linear import IntLinear
+    hidden, inter, experts = 256, 256, 4
+
+    def int_linear(n, k):
+        return IntLinear(torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8),
+                         torch.rand(n, k // 128, generator=g) * 0.01, act_bits=8, weight_bits=4)
+    mlps = []
+    for _ in range(experts):
+        mlp = ExpertMLP(hidden, inter, torch.nn.functional.silu)
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = int_linear(inter, hidden), int_linear(inter, hidden), \
+            int_linear(hidden, inter)
+        mlps.append(mlp)
+    x = torch.randn(7, hidden, generator=g).to(device)
+    idx = torch.stack([torch.randperm(experts - 1, generator=g)[:2] for _ in range(7)]).to(device)
+    weights = torch.rand(7, 2, generator=g).to(device)
+    want = LinearExperts(mlps).to(device)(x, idx, weights)
+    return _worst([IntExperts(mlps).to(device)(x, idx, weights)], [want])
 
 
 def _check_dsa(device: str, g: torch.Generator) -> dict[str, float]:

@@ -104,6 +104,22 @@ def sequence_logprobs(model, input_ids: torch.Tensor, targets_mask: torch.Tensor
     return -F.cross_entropy(logits[sel], target[sel], reduction="none")
 
 
+def sequence_loss(model, input_ids: torch.Tensor, targets_mask: torch.Tensor, token_loss, **inputs) -> torch.Tensor:
+    """`token_loss(logp, rows)` summed, where `logp` are `sequence_logprobs`' log-probabilities (`rows` their slice of
+    that flat layout) and the loss is a sum of per-token terms (an NLL mean over a known count is one). On the fused
+    path the gradient is made in the forward (`kernels.logprob.linear_logprob_loss`, Liger's order: the chunk's
+    logits once, not recomputed in the backward); elsewhere the same function of the full logits' log-probabilities."""
+    target, sel = input_ids[:, 1:], targets_mask[:, 1:] != 0
+    inputs.setdefault("use_cache", False)
+    if not fused(model) or not bool(sel.any()):
+        logp = sequence_logprobs(model, input_ids, targets_mask, **inputs)
+        return token_loss(logp, slice(0, logp.numel()))
+    from kernels.logprob import linear_logprob_loss
+    out = model(input_ids=input_ids, **inputs, output_hidden_states=True, logits_to_keep=1)
+    return linear_logprob_loss(out.hidden_states[-1][:, :-1][sel], _head_weight(model, out), target[sel],
+                               lambda lp, _ent, rows: token_loss(lp, rows))[0]
+
+
 def completion_scores(model, samples: list, pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability, entropy) [samples, longest completion] of each completion token at `temperature`
     (0 past a completion's end), in posttrain.models.prefix's completion layout."""

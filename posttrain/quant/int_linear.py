@@ -116,6 +116,8 @@ def load_compressed(path: str | Path):
         raise ValueError(f"{path / 'model.safetensors'}: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if config.tie_word_embeddings:
         model.tie_weights()
+    from posttrain.quant.int_experts import group_int_experts
+    group_int_experts(model)  # routed experts in grouped launches where the Triton kernel runs
     return model, AutoTokenizer.from_pretrained(path)
 
 
