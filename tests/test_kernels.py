@@ -87,6 +87,21 @@ def test_fused_head_gives_the_policy_logprobs_entropy_and_reverse_kl(model, monk
     assert (full[0][1, 3:] == 0).all() and (fused[2][1, 2:] == 0).all()  # 0 past the end / off generated
 
 
+def test_fused_head_gives_the_reverse_kl_loss_with_its_gradient_made_in_the_forward(model, monkeypatch):
+    vocab = model.config.vocab_size
+    samples = _samples(vocab)
+    teacher = [torch.log_softmax(torch.randn(sum(s.gen_mask), vocab), -1) for s in samples]
+    weights = torch.rand(len(samples), max(len(s.ids) for s in samples), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        loss, kl = head.completion_reverse_kl_loss(model, samples, 0, teacher, 0.8, weights)
+        assert not kl.requires_grad
+        return loss.detach(), kl, _grads(model, loss * 2)  # scaled after the fact, as a weighted OPD step does
+    full, fused = _both(monkeypatch, run)
+    for a, b in zip(full, fused):
+        assert a.shape == b.shape and (a - b).abs().max() < TOL
+
+
 def test_a_head_that_is_not_hidden_times_embeddings_is_refused_on_the_fused_path(model, monkeypatch):
     monkeypatch.setenv(head.ENV, "1")
     biased = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)

@@ -63,6 +63,11 @@ class TrainEngine(Protocol):
         """Full-vocabulary KL(policy || teacher) at each generated position, [samples, longest] (0 elsewhere);
         `teacher[i]`: the teacher's log-probabilities at sample i's generated positions, [generated, vocab]."""
 
+    def reverse_kl_loss(self, samples: list, teacher: list[torch.Tensor], temperature: float,
+                        token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of `token_weights` [samples, longest] times `reverse_kl`, the KL detached): a loss that is a sum of
+        per-token terms, so an engine may make its gradient in the forward (the fused head kernels do)."""
+
     def backward(self, loss: torch.Tensor) -> None: ...
 
     def step(self, max_grad_norm: float = 1.0) -> float:

@@ -117,6 +117,12 @@ class TorchTrainEngine:
         with autocast(self.device), self._replaying(samples):
             return completion_reverse_kl(self.model, samples, self.pad_id, teacher, temperature)
 
+    def reverse_kl_loss(self, samples, teacher: list[torch.Tensor], temperature: float,
+                        token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from posttrain.models.head import completion_reverse_kl_loss
+        with autocast(self.device), self._replaying(samples):
+            return completion_reverse_kl_loss(self.model, samples, self.pad_id, teacher, temperature, token_weights)
+
     def replay_stats(self) -> dict[str, float]:
         """Routes replayed since the last call and the share the router would have chosen otherwise."""
         return self.routers.take_replayed() if self.routing_replay else {}

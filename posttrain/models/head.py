@@ -137,6 +137,25 @@ def completion_scores(model, samples: list, pad_id: int, temperature: float) -> 
     return logp.new_zeros(ids.shape).masked_scatter(real, logp), ent.new_zeros(ids.shape).masked_scatter(real, ent)
 
 
+def completion_reverse_kl_loss(model, samples: list, pad_id: int, teacher: list[torch.Tensor], temperature: float,
+                               token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of `token_weights` [samples, longest] times the KL, the KL detached): `completion_reverse_kl`'s loss with
+    the gradient made in the forward on the fused path (`kernels.reverse_kl.linear_reverse_kl_loss`)."""
+    if not fused(model):
+        kl = completion_reverse_kl(model, samples, pad_id, teacher, temperature)
+        return (kl * token_weights).sum(), kl.detach()
+    from kernels.reverse_kl import linear_reverse_kl_loss
+    from posttrain.models.prefix import pad_rows, prefix_forward
+    dev = next(model.parameters()).device
+    mask = pad_rows([s.gen_mask for s in samples], 0, device=dev) > 0
+    lt = torch.cat([t.float() for t in teacher]).to(dev)
+    w = token_weights.to(dev)[mask].float()
+    hidden, out = prefix_forward(model, samples, pad_id, "hidden")
+    loss, kl = linear_reverse_kl_loss(hidden[mask], _head_weight(model, out), lt, lambda k, rows: (k * w[rows]).sum(),
+                                      temperature)
+    return loss, kl.new_zeros(mask.shape).masked_scatter(mask, kl)
+
+
 def completion_reverse_kl(model, samples: list, pad_id: int, teacher: list[torch.Tensor],
                           temperature: float) -> torch.Tensor:
     """Full-vocabulary KL(student || teacher) [samples, longest completion] at each sample's generated

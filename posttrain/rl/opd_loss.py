@@ -88,8 +88,9 @@ def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: floa
             logp_all = torch.log_softmax(policy.forward(sub).float() / temperature, -1)
             logp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
             kl = reverse_kl_terms(logp_all, ids, sub, mode)
-        elif mode == "full":
-            kl = policy.reverse_kl(sub, [_read_only_tensor(s.teacher) for s in sub], temperature)
+        elif mode == "full":  # the loss's per-token weights known now: the engine may make its gradient at once
+            kl_loss, kl = policy.reverse_kl_loss(sub, [_read_only_tensor(s.teacher) for s in sub], temperature,
+                                                 coef * mask / n_tokens)
         if mode == "sampled" or reward_weight:
             logp = policy.logprobs(sub, temperature)[0] if logp is None else logp
         if mode == "sampled":
@@ -98,7 +99,7 @@ def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: floa
             loss, st = policy_loss(logp, b["old_logprobs"], adv * mask, mask, clip_eps=clip_eps, is_lower=is_lower,
                                    is_upper=is_upper, agg="token", n_tokens=n_tokens)
         else:
-            loss = coef * (kl * mask).sum() / n_tokens
+            loss = kl_loss if mode == "full" else coef * (kl * mask).sum() / n_tokens
             st = {"masked_fraction": 0.0}
             if reward_weight:
                 pg, st = policy_loss(logp, b["old_logprobs"], row_adv[idx], mask, clip_eps=clip_eps,
