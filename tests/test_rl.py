@@ -270,3 +270,29 @@ def test_per_specialist_overrides_are_validated_with_their_key():
         RLConfig(per_domain={"agentic": {"algo": "ppo"}})
     with pytest.raises(ValueError, match="group_size must be at least 2"):
         RLConfig(group_size=1)
+
+
+def test_the_fused_heads_gradient_made_in_the_forward_gives_the_full_logits_update(ckpt, tok, monkeypatch):
+    """The policy loss, its entropy bonus and its KL to a reference, differentiated chunk by chunk in the forward
+    (TrainEngine.logprob_loss on the fused head) against the full logits: the same loss, statistics and update."""
+    from posttrain.models import head
+    worker = RolloutWorker(ckpt)
+    samples, _ = worker.rollout(environments.get("general").generate("train", 2, 0), 4, seed=5, temperature=1.0,
+                                max_new_tokens=10, max_turns=1)
+    for i, s in enumerate(samples):
+        s.reward = float(i % 2)
+    for agg in ("token", "sequence"):
+        out = []
+        for forced in ("0", "1"):
+            monkeypatch.setenv(head.ENV, forced)
+            model = copy.deepcopy(worker.engine.model)
+            r = RLConfig(group_size=4, loss_agg=agg, entropy_coef=0.01, kl_coef=0.1, is_lower=0.9, is_upper=1.1)
+            ref = _policy(copy.deepcopy(model).eval(), tok)
+            st = train_step(r, _policy(model.train(), tok, torch.optim.SGD(model.parameters(), lr=1.0)), samples,
+                            None, ref)
+            out.append((st, torch.cat([p.detach().flatten() for p in model.parameters()])))
+        (full, p_full), (fused, p_fused) = out
+        assert not torch.allclose(p_full, torch.cat([p.detach().flatten() for p in worker.engine.model.parameters()]))
+        assert torch.allclose(p_full, p_fused, atol=1e-5), agg
+        for k in ("loss", "entropy", "kl_ref", "masked_fraction", "ratio_mean"):
+            assert full[k] == pytest.approx(fused[k], abs=1e-5), (agg, k)

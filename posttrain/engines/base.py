@@ -63,6 +63,11 @@ class TrainEngine(Protocol):
         """Full-vocabulary KL(policy || teacher) at each generated position, [samples, longest] (0 elsewhere);
         `teacher[i]`: the teacher's log-probabilities at sample i's generated positions, [generated, vocab]."""
 
+    def logprob_loss(self, samples: list, temperature: float, loss_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss_of(logp, ent), logp, ent detached) with `logprobs`' [samples, longest] tensors, for a loss that is a
+        sum of per-token terms: an engine may differentiate it chunk by chunk and make its gradient in the forward
+        (the fused head kernels do), so `loss_of` must not couple tokens."""
+
     def reverse_kl_loss(self, samples: list, teacher: list[torch.Tensor], temperature: float,
                         token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of `token_weights` [samples, longest] times `reverse_kl`, the KL detached): a loss that is a sum of

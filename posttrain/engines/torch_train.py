@@ -117,6 +117,11 @@ class TorchTrainEngine:
         with autocast(self.device), self._replaying(samples):
             return completion_reverse_kl(self.model, samples, self.pad_id, teacher, temperature)
 
+    def logprob_loss(self, samples, temperature: float, loss_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from posttrain.models.head import completion_loss
+        with autocast(self.device), self._replaying(samples):
+            return completion_loss(self.model, samples, self.pad_id, temperature, loss_of)
+
     def reverse_kl_loss(self, samples, teacher: list[torch.Tensor], temperature: float,
                         token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from posttrain.models.head import completion_reverse_kl_loss

@@ -137,6 +137,36 @@ def completion_scores(model, samples: list, pad_id: int, temperature: float) -> 
     return logp.new_zeros(ids.shape).masked_scatter(real, logp), ent.new_zeros(ids.shape).masked_scatter(real, ent)
 
 
+def completion_loss(model, samples: list, pad_id: int, temperature: float, loss_of
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss_of(logp, ent), logp, ent), `completion_scores`' [samples, longest] log-probabilities and entropies (0
+    past a completion's end) handed to `loss_of` and returned detached. `loss_of` must be a sum of per-token terms
+    (a token's gradient depending on that token's values alone: the RL policy losses, an entropy bonus, a k3 KL to
+    a reference known beforehand): on the fused path it is differentiated chunk by chunk with the gradient made in
+    the forward (`kernels.logprob.linear_logprob_loss`), the tokens outside the chunk zero, and the value returned
+    is `loss_of` of all the tokens."""
+    if not fused(model):
+        logp, ent = completion_scores(model, samples, pad_id, temperature)
+        return loss_of(logp, ent), logp.detach(), ent.detach()
+    from kernels.logprob import linear_logprob_loss
+    from posttrain.models.prefix import pad_rows, prefix_forward
+    dev = next(model.parameters()).device
+    ids = pad_rows([s.ids for s in samples], 0, device=dev)
+    real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, dev)
+    where = real.flatten().nonzero()[:, 0]  # flat position of each scored token
+
+    def padded(values: torch.Tensor, rows: slice) -> torch.Tensor:
+        return values.new_zeros(real.numel()).index_put((where[rows],), values).view(real.shape)
+
+    hidden, out = prefix_forward(model, samples, pad_id, "hidden")
+    loss, logp, ent = linear_logprob_loss(hidden[real], _head_weight(model, out), ids[real],
+                                          lambda lp, en, rows: loss_of(padded(lp, rows), padded(en, rows)), temperature)
+    logp, ent = padded(logp, slice(None)), padded(ent, slice(None))
+    with torch.no_grad():
+        value = loss_of(logp, ent)
+    return loss + (value - loss).detach(), logp, ent  # the gradient of the chunks' sum, the value of the whole
+
+
 def completion_reverse_kl_loss(model, samples: list, pad_id: int, teacher: list[torch.Tensor], temperature: float,
                                token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of `token_weights` [samples, longest] times the KL, the KL detached): `completion_reverse_kl`'s loss with

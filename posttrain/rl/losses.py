@@ -51,10 +51,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, n_tokens: f
 
 def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
                 clip_eps: float, is_lower: float, is_upper: float, agg: str = "token",
-                n_tokens: float | None = None, n_rows: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                n_tokens: float | None = None, n_rows: float | None = None, stats: bool = True
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip against the behaviour policy (the rollout's own logprobs: no old-policy recompute), with
     double-sided importance-sampling masking: a token whose ratio leaves [is_lower, is_upper] gets no
-    gradient at all (clipping alone would still pass it the unclipped side's gradient)."""
+    gradient at all (clipping alone would still pass it the unclipped side's gradient). A sum of per-token
+    terms (TrainEngine.logprob_loss's contract). `stats=False`: the loss alone, no host sync."""
     log_ratio = (logp - behaviour_logp) * mask
     ratio = log_ratio.exp()
     keep = mask * ((ratio >= is_lower) & (ratio <= is_upper)).float()
@@ -62,6 +64,8 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Ten
     pg = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
     # masked tokens still count in the denominator: they lose their weight, the others keep theirs
     loss = aggregate(pg * keep, mask, agg, n_tokens, n_rows)
+    if not stats:
+        return loss, {}
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         stats = {

@@ -60,19 +60,27 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         for (_, sub), b, a in zip(chunks, batches, advs):
             mask = b["mask"]
             share = mask.sum().item() / n_tokens  # this micro-batch's part of a token mean over the batch
-            logp, ent_tok = policy.logprobs(sub, r.temperature)  # at the sampling temperature, as the behaviour's
-            loss, st = policy_loss(logp, b["old_logprobs"], a, mask, clip_eps=r.clip_eps, is_lower=r.is_lower,
-                                   is_upper=r.is_upper, agg=r.loss_agg, **norm)
-            ent = token_mean(ent_tok if r.entropy_coef else ent_tok.detach(), mask)
-            loss = loss - r.entropy_coef * ent * share
-            st["entropy"] = ent.item()
+            ref_logp = None
             if ref is not None:  # in the loss where kl_coef > 0; else watched only (posttrain.rl.alarms)
                 with torch.no_grad():
                     ref_logp = ref.logprobs(sub, r.temperature)[0]
-                kl = kl_to_reference(logp if r.kl_coef else logp.detach(), ref_logp, mask)
-                if r.kl_coef:
-                    loss = loss + r.kl_coef * kl * share
-                st["kl_ref"] = kl.item()
+
+            def loss_of(logp, ent, stats=False, b=b, a=a, mask=mask, share=share, ref_logp=ref_logp):
+                """Per-token terms only (the engine may differentiate it chunk by chunk)."""
+                loss, st = policy_loss(logp, b["old_logprobs"], a, mask, clip_eps=r.clip_eps, is_lower=r.is_lower,
+                                       is_upper=r.is_upper, agg=r.loss_agg, stats=stats, **norm)
+                if r.entropy_coef:
+                    loss = loss - r.entropy_coef * token_mean(ent, mask) * share
+                if r.kl_coef and ref_logp is not None:
+                    loss = loss + r.kl_coef * kl_to_reference(logp, ref_logp, mask) * share
+                return (loss, st) if stats else loss
+            # at the sampling temperature, as the behaviour's; the gradient made in the forward where the engine can
+            loss, logp, ent_tok = policy.logprob_loss(sub, r.temperature, loss_of)
+            with torch.no_grad():
+                st = loss_of(logp, ent_tok, stats=True)[1]
+                st["entropy"] = token_mean(ent_tok, mask).item()
+                if ref_logp is not None:
+                    st["kl_ref"] = kl_to_reference(logp, ref_logp, mask).item()
             policy.backward(loss)
             stats["loss"] = stats.get("loss", 0.0) + loss.item()
             for k, v in st.items():  # token means, weighted by the micro-batch's tokens among the trained ones
