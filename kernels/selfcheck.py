@@ -106,6 +106,10 @@ def _check_w4a8(device: str, g: torch.Generator) -> dict[str, float]:
             SPLIT_K=split, layout=layout))], [ref]) for split in (1, 2)))
         out["w4a8_fused_quant"] = max(out["w4a8_fused_quant"], *(_worst([w4a8_linear(xd, packed, sd, config=dict(
             SPLIT_K=split, fuse_quant=True, layout=layout))], [ref]) for split in (1, 3)))
+        x70 = torch.randn(70, k, generator=g)  # 64-row tiles (the tensor cores' wgmma shape on Hopper)
+        out["w4a8_64_rows"] = max(out.get("w4a8_64_rows", 0.0), _worst(
+            [w4a8_linear(x70.to(device), packed, sd, config=dict(BM=64, BN=64, SPLIT_K=1, layout=layout))],
+            [w4a8_reference(*quantize_activations(x70), pack_int4(q), scales)]))
         out["quantize_activations"] = _worst(quantize_activations_fused(xd), (xq, sx.to(device)))
         pe = kernel_layout(pack_int4(qe).to(device), layout)
         xed, od, sed = xe.to(device), offsets.to(device), se.to(device)
