@@ -11,6 +11,9 @@
 - the grouped expert GEMM (a GLM-5 gate projection: 256 experts, 6144 -> 2048, top 8) at 16 and 512 tokens
   against the loop over experts (our dense kernel per expert) and against torch's bf16 grouped matmul.
 
+`--defaults`: no sweep (the shipped tiles and row-kernel launch, timed); `--profile`: each log-probability side's
+kernels by GPU time.
+
 Without a GPU it records the interpreter's correctness (`kernels.selfcheck` under TRITON_INTERPRET=1) and
 null GPU figures, saying so. `python -m bench.kernels --dry` runs the GPU figures' code at tiny shapes on CPU
 under the interpreter (a check of the benchmark itself; its numbers mean nothing).
@@ -96,7 +99,7 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
     w = (torch.randn(v, d, device=device, generator=g, dtype=dtype) * 0.02).requires_grad_()
     target = torch.randint(0, v, (n,), device=device, generator=g)
     rows_launch = None
-    if device == "cuda":  # the row kernels' block and warps, on one chunk of logits at this shape
+    if device == "cuda" and not DEFAULTS_ONLY:  # the row kernels' block and warps, on one chunk of logits here
         from kernels.logprob import _grad_in_place, _stats
         z = torch.randn(default_chunk(n, v, d), v, device=device, dtype=dtype)
         t = target[:z.size(0)]

@@ -3,11 +3,14 @@
 At vocab 152k, 16k tokens of fp32 logits are 10 GB, and log_softmax, its exp and their gradients each make
 another copy. Here the tokens go through the head in chunks of `chunk_tokens` (sized so a chunk's logits are
 about the size of the hidden states); per chunk, one pass over the vocabulary (in blocks, online softmax)
-gives log Z, the target's log-probability and the entropy, and the logits are dropped. The backward
-recomputes a chunk's logits, turns them into their gradient in place, and multiplies back into the hidden
-states and the head. Unlike Liger's fused cross-entropy, which folds the gradient into the forward, the
-upstream gradient here is not known at forward time (a policy loss is not linear in the log-probabilities),
-so the backward recomputes: one more head matmul, for a loss of any shape.
+gives log Z, the target's log-probability and the entropy, and a second turns the logits into their gradient in
+place, which multiplies back into the hidden states and the head. Two orders:
+
+- `linear_logprob_loss`: the loss is a sum of per-token terms given as a function, so each chunk's upstream
+  gradient is known as soon as its log-probabilities are: the gradient is made in the forward, as Liger-Kernel's
+  fused cross-entropy does, and the logits are computed once.
+- `linear_logprob`: (log-probability, entropy) for a loss of any shape; its upstream gradient arrives in the
+  backward, which recomputes each chunk's logits (one more head matmul).
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ import torch
 from kernels import interpreting, jit_cache, use_triton
 
 BLOCK_V = 1024
-# a row kernel's vocabulary block and warps on a GPU: Liger's (32k, 32 warps) unless bench/kernels' sweep says
-ROW_LAUNCH = {"BLOCK": 32768, "num_warps": 32}
+# a row kernel's vocabulary block and warps on a GPU: what bench/kernels' sweep picked on an H100 in four runs
+# of four (Liger's 32k and 32 warps, 8k and 16k were within 7% of it)
+ROW_LAUNCH = {"BLOCK": 4096, "num_warps": 8}
 
 
 def linear_logprob_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -222,11 +226,15 @@ class _LinearLogprobLoss(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g_loss, _g_lp, _g_ent):
-        d_hidden, d_weight = ctx.saved_tensors
-        if not torch.equal(g_loss, torch.ones_like(g_loss)):  # a loss scaled after the fact (accumulation)
-            d_hidden = None if d_hidden is None else d_hidden.mul_(g_loss.to(d_hidden.dtype))
-            d_weight = None if d_weight is None else d_weight.mul_(g_loss.to(d_weight.dtype))
-        return d_hidden, d_weight, None, None, None, None
+        return *scaled_grads(ctx.saved_tensors, g_loss), None, None, None, None
+
+
+def scaled_grads(grads, g_loss: torch.Tensor) -> list:
+    """The gradients made in the forward, times the loss's upstream gradient where that is not 1 (a loss scaled
+    after the fact: gradient accumulation, a weighted term), in place."""
+    if torch.equal(g_loss, torch.ones_like(g_loss)):
+        return list(grads)
+    return [None if d is None else d.mul_(g_loss.to(d.dtype)) for d in grads]
 
 
 def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, temperature: float = 1.0,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from kernels import jit_cache, use_triton
-from kernels.logprob import default_chunk, head_forward, head_grads, pow2_block, row_warps, token_loss_grads
+from kernels.logprob import (default_chunk, head_forward, head_grads, pow2_block, row_warps, scaled_grads,
+                             token_loss_grads)
 
 
 def kl_chunk(n: int, vocab: int, dim: int) -> int:
@@ -146,11 +147,7 @@ class _LinearReverseKLLoss(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g_loss, _g_kl):
-        d_hidden, d_weight = ctx.saved_tensors
-        if not torch.equal(g_loss, torch.ones_like(g_loss)):
-            d_hidden = None if d_hidden is None else d_hidden.mul_(g_loss.to(d_hidden.dtype))
-            d_weight = None if d_weight is None else d_weight.mul_(g_loss.to(d_weight.dtype))
-        return d_hidden, d_weight, None, None, None, None
+        return *scaled_grads(ctx.saved_tensors, g_loss), None, None, None, None
 
 
 def linear_reverse_kl(hidden: torch.Tensor, weight: torch.Tensor, teacher_logprobs: torch.Tensor,

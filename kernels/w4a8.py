@@ -5,11 +5,13 @@ mixture-of-experts layer's routed experts (`w4a8_grouped`: rows sorted by expert
 
 torch has no int4 x int8 matmul (`torch._int_mm` is int8 x int8 and needs the weights unpacked, 2x the
 bytes); the kernel reads the packed weights and unpacks them in registers, which is where the speed at small
-batch comes from (the GEMM is bound by reading the weights). The activations' per-token int8 quantization can
-run in the GEMM's prologue (`fuse_quant`): each program takes its rows' absolute maximum itself, then quantizes
-each tile of activations as it loads it, so a decode step is one launch. Split-K (more programs than column
-tiles, for the few rows of a decode step) writes per-split partial sums that one `sum` adds in a fixed order:
-the result is the same from run to run (atomics would let a greedy decode vary)."""
+batch comes from (the GEMM is bound by reading the weights). Two weight layouts (`kernel_layout`): "planes" for
+up to 16 rows, compressed-tensors' own ("nk") beyond (docs/kernels.md has the H100 sweep behind `default_config`).
+The activations' per-token int8 quantization is one launch before the GEMM, or in its prologue (`fuse_quant`:
+each program takes its rows' absolute maximum itself and quantizes each tile as it loads it; off by default, since
+on the H100 every split-K program re-quantizing its rows took 6x the time of the separate launch). Split-K (more
+programs than column tiles, for the few rows of a decode step) writes per-split partial sums that one `sum` adds
+in a fixed order: the result is the same from run to run (atomics would let a greedy decode vary)."""
 from __future__ import annotations
 
 import torch
@@ -256,7 +258,7 @@ def w4a8_matmul(xq: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scales
 
 def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [M, K] float -> [M, N] fp32: `w4a8_reference(*quantize_activations(x), packed, scales)` (`packed` in
-    `kernel_layout`), the quantization in the GEMM's prologue at decode sizes (one launch) or in one launch before it."""
+    `kernel_layout`), the activations quantized in one launch before the GEMM, or in its prologue (`fuse_quant`)."""
     m, k = x.shape
     cfg = {**default_config(m, k, k // scales.size(-1)), **(config or {})}
     x = x.contiguous()
@@ -284,7 +286,8 @@ def block_table(offsets: torch.Tensor, bm: int, blocks: int) -> torch.Tensor:
 def w4a8_grouped(x: torch.Tensor, offsets: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                  config: dict | None = None) -> torch.Tensor:
     """A mixture-of-experts layer's routed experts in one launch: `x` [rows, K] float, sorted by expert, rows
-    `offsets[e]:offsets[e+1]` going through expert e (`packed` [E, N, K/8] int32, `scales` [E, N, groups]);
+    `offsets[e]:offsets[e+1]` going through expert e (`packed` [E, ...] int32 in `kernel_layout`, `scales`
+    [E, N, groups]);
     [rows, N] fp32, `w4a8_grouped_reference`. Tiles by the mean rows per expert."""
     (rows, k), e = x.shape, packed.size(0)
     cfg = {**default_config(max(1, rows // e), k, k // scales.size(-1), grouped=True), **(config or {})}
