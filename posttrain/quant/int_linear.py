@@ -38,7 +38,7 @@ class IntLinear(torch.nn.Module):
         self.register_buffer("scales_t", scales.float().t().contiguous())      # [groups, out]
         self.kernel_fits = weight_bits == 4 and act_bits == 8 and self.group_size % 16 == 0
         # the Triton kernel's weights by layout, made where each is first used (a decode step's few rows and a
-        # prefill's many take different layouts: 4 bits a weight each, both together half of bf16's bytes)
+        # prefill's many take different layouts), 4 bits a weight each beside the int8 copy the CPU path reads
         self._packed: dict[str, torch.Tensor] = {}
         self._scales: torch.Tensor | None = None
 
