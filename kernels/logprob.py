@@ -194,7 +194,7 @@ class _LinearLogprobLoss(torch.autograd.Function):
     """Liger's order: the gradient in the forward, the logits made once; the backward scales it."""
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, hidden, weight, target, temperature, chunk, token_loss):
+    def forward(ctx, hidden, weight, target, temperature, chunk, token_loss, value_of):
         inv_t = 1.0 / temperature
         losses, logps, ents = [], [], []
 
@@ -221,12 +221,13 @@ class _LinearLogprobLoss(torch.autograd.Function):
         ctx.save_for_backward(d_hidden, d_weight)
         logp, ent = torch.cat(logps), torch.cat(ents)
         ctx.mark_non_differentiable(logp, ent)  # the gradient went into the loss's
-        return torch.stack(losses).sum(), logp, ent
+        total = torch.stack(losses).sum() if value_of is None else value_of(logp, ent).detach().float()
+        return total, logp, ent
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, g_loss, _g_lp, _g_ent):
-        return *scaled_grads(ctx.saved_tensors, g_loss), None, None, None, None
+        return *scaled_grads(ctx.saved_tensors, g_loss), None, None, None, None, None
 
 
 def scaled_grads(grads, g_loss: torch.Tensor) -> list:
@@ -249,11 +250,12 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
 
 
 def linear_logprob_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, token_loss,
-                        temperature: float = 1.0, chunk_tokens: int | None = None
+                        temperature: float = 1.0, chunk_tokens: int | None = None, value_of=None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, log p(target), entropy) where loss = sum over chunks of `token_loss(logp, entropy, rows)`, `rows` the
     chunk's slice of the N tokens; differentiable in `hidden` and `weight` through the loss only (the log-probabilities
-    and entropies come back detached, for logging).
+    and entropies come back detached, for logging). `value_of(logp, entropy)` of all N tokens, where given, is the
+    loss's value instead of the chunks' sum (for a `token_loss` whose chunk values mean nothing on their own).
 
     For a loss that is a sum of per-token terms (an SFT mean NLL over a known count of tokens, a per-token clipped
     policy loss with its advantages and old log-probabilities indexed by `rows`): the backward is certain, so the
@@ -264,4 +266,4 @@ def linear_logprob_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torc
                          f"{tuple(target.shape)}")
     chunk = chunk_tokens or default_chunk(hidden.size(0), weight.size(0), weight.size(1))
     return _LinearLogprobLoss.apply(hidden.contiguous(), weight, target.contiguous(), float(temperature), chunk,
-                                    token_loss)
+                                    token_loss, value_of)

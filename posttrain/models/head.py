@@ -143,8 +143,9 @@ def completion_loss(model, samples: list, pad_id: int, temperature: float, loss_
     past a completion's end) handed to `loss_of` and returned detached. `loss_of` must be a sum of per-token terms
     (a token's gradient depending on that token's values alone: the RL policy losses, an entropy bonus, a k3 KL to
     a reference known beforehand): on the fused path it is differentiated chunk by chunk with the gradient made in
-    the forward (`kernels.logprob.linear_logprob_loss`), the tokens outside the chunk zero, and the value returned
-    is `loss_of` of all the tokens."""
+    the forward (`kernels.logprob.linear_logprob_loss`), the tokens outside the chunk zero (their terms may be
+    anything, inf included: only the chunk's own reach its gradient), and the value returned is `loss_of` of all
+    the tokens."""
     if not fused(model):
         logp, ent = completion_scores(model, samples, pad_id, temperature)
         return loss_of(logp, ent), logp.detach(), ent.detach()
@@ -159,12 +160,11 @@ def completion_loss(model, samples: list, pad_id: int, temperature: float, loss_
         return values.new_zeros(real.numel()).index_put((where[rows],), values).view(real.shape)
 
     hidden, out = prefix_forward(model, samples, pad_id, "hidden")
+    everything = slice(None)
     loss, logp, ent = linear_logprob_loss(hidden[real], _head_weight(model, out), ids[real],
-                                          lambda lp, en, rows: loss_of(padded(lp, rows), padded(en, rows)), temperature)
-    logp, ent = padded(logp, slice(None)), padded(ent, slice(None))
-    with torch.no_grad():
-        value = loss_of(logp, ent)
-    return loss + (value - loss).detach(), logp, ent  # the gradient of the chunks' sum, the value of the whole
+                                          lambda lp, en, rows: loss_of(padded(lp, rows), padded(en, rows)), temperature,
+                                          value_of=lambda lp, en: loss_of(padded(lp, everything), padded(en, everything)))
+    return loss, padded(logp, everything), padded(ent, everything)
 
 
 def completion_reverse_kl_loss(model, samples: list, pad_id: int, teacher: list[torch.Tensor], temperature: float,
