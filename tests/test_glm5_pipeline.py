@@ -28,6 +28,10 @@ def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
     assert "model.layers.1.mlp.experts.7.down_proj.weight_packed" in keys  # int4, one expert at a time
     assert "model.layers.1.mlp.shared_experts.up_proj.weight_scale" in keys  # int8 per channel
     assert "model.layers.0.mlp.gate_proj.weight_scale" in keys and not any("indexer" in k and "scale" in k for k in keys)
+    from posttrain.quant.int_experts import IntExperts
+    from posttrain.quant.int_linear import load_compressed
+    experts = [m for m in load_compressed(quantized)[0].modules() if isinstance(m, IntExperts)]
+    assert len(experts) == 1 and experts[0].grouped_fits  # layer 1's experts: grouped launches on a Triton device
     assert (tmp_path / "runs" / run / "expert_load_sft.png").is_file()  # the load plots reach the run's report
     assert "Expert load during rl-agentic" in (tmp_path / "runs" / run / "report.html").read_text()
     lineage = posttrain(tmp_path, "lineage", "posttrain-smoke@1").stdout

@@ -24,10 +24,8 @@ class IntExperts(LinearExperts):
         super().__init__(experts)
         self._weights: dict[tuple[str, str], torch.Tensor] = {}  # (projection, layout) -> [E, ...] packed, made once
         self._scales: dict[str, torch.Tensor] = {}
-
-    def _fits(self) -> bool:
-        layers = [getattr(x, p) for x in self for p in PROJECTIONS]
-        return all(isinstance(m, IntLinear) and m.kernel_fits for m in layers) and all(
+        layers = [getattr(x, p) for x in self for p in PROJECTIONS]  # fixed once loaded: checked once
+        self.grouped_fits = all(isinstance(m, IntLinear) and m.kernel_fits for m in layers) and all(
             len({(getattr(x, p).group_size, getattr(x, p).in_features) for x in self}) == 1 for p in PROJECTIONS)
 
     def _project(self, name: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -44,7 +42,7 @@ class IntExperts(LinearExperts):
         return w4a8_grouped(x, offsets, self._weights[key], self._scales[name], config=cfg).to(x.dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if not (use_triton(hidden_states) and self._fits()):
+        if not (use_triton(hidden_states) and self.grouped_fits):
             return super().forward(hidden_states, top_k_index, top_k_weights)
         tokens, k = top_k_index.shape
         flat = top_k_index.flatten()

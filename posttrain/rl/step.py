@@ -65,8 +65,8 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
                 with torch.no_grad():
                     ref_logp = ref.logprobs(sub, r.temperature)[0]
 
-            def loss_of(logp, ent, stats=False, b=b, a=a, mask=mask, share=share, ref_logp=ref_logp):
-                """Per-token terms only (the engine may differentiate it chunk by chunk)."""
+            def loss_of(logp, ent, stats=False):
+                """Per-token terms only (the engine may differentiate it chunk by chunk); used in this iteration."""
                 loss, st = policy_loss(logp, b["old_logprobs"], a, mask, clip_eps=r.clip_eps, is_lower=r.is_lower,
                                        is_upper=r.is_upper, agg=r.loss_agg, stats=stats, **norm)
                 if r.entropy_coef:
