@@ -59,10 +59,6 @@ class TrainEngine(Protocol):
         """A policy's (log-probability, entropy) of each completion token at `temperature`, [samples, longest]:
         what the policy losses need, without the [tokens, vocab] logits where the engine can avoid them."""
 
-    def reverse_kl(self, samples: list, teacher: list[torch.Tensor], temperature: float) -> torch.Tensor:
-        """Full-vocabulary KL(policy || teacher) at each generated position, [samples, longest] (0 elsewhere);
-        `teacher[i]`: the teacher's log-probabilities at sample i's generated positions, [generated, vocab]."""
-
     def logprob_loss(self, samples: list, temperature: float, loss_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss_of(logp, ent), logp, ent detached) with `logprobs`' [samples, longest] tensors, for a loss that is a
         sum of per-token terms: an engine may differentiate it chunk by chunk and make its gradient in the forward
@@ -70,8 +66,10 @@ class TrainEngine(Protocol):
 
     def reverse_kl_loss(self, samples: list, teacher: list[torch.Tensor], temperature: float,
                         token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of `token_weights` [samples, longest] times `reverse_kl`, the KL detached): a loss that is a sum of
-        per-token terms, so an engine may make its gradient in the forward (the fused head kernels do)."""
+        """(sum of `token_weights` [samples, longest] times the full-vocabulary KL(policy || teacher) at each generated
+        position, that KL detached, 0 elsewhere); `teacher[i]`: the teacher's log-probabilities at sample i's generated
+        positions, [generated, vocab]. A sum of per-token terms, so an engine may make its gradient in the forward (the
+        fused head kernels do)."""
 
     def backward(self, loss: torch.Tensor) -> None: ...
 

@@ -112,11 +112,6 @@ class TorchTrainEngine:
         with autocast(self.device), self._replaying(samples):
             return completion_scores(self.model, samples, self.pad_id, temperature)
 
-    def reverse_kl(self, samples, teacher: list[torch.Tensor], temperature: float) -> torch.Tensor:
-        from posttrain.models.head import completion_reverse_kl
-        with autocast(self.device), self._replaying(samples):
-            return completion_reverse_kl(self.model, samples, self.pad_id, teacher, temperature)
-
     def logprob_loss(self, samples, temperature: float, loss_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from posttrain.models.head import completion_loss
         with autocast(self.device), self._replaying(samples):

@@ -169,36 +169,22 @@ def completion_loss(model, samples: list, pad_id: int, temperature: float, loss_
 
 def completion_reverse_kl_loss(model, samples: list, pad_id: int, teacher: list[torch.Tensor], temperature: float,
                                token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of `token_weights` [samples, longest] times the KL, the KL detached): `completion_reverse_kl`'s loss with
-    the gradient made in the forward on the fused path (`kernels.reverse_kl.linear_reverse_kl_loss`)."""
-    if not fused(model):
-        kl = completion_reverse_kl(model, samples, pad_id, teacher, temperature)
-        return (kl * token_weights).sum(), kl.detach()
-    from kernels.reverse_kl import linear_reverse_kl_loss
+    """(sum of `token_weights` [samples, longest] times the KL, the KL detached): the full-vocabulary
+    KL(student || teacher) [samples, longest completion] at each sample's generated positions (0 elsewhere);
+    `teacher[i]` holds the teacher's log-probabilities there, [generated, vocab]. On the fused path the gradient is
+    made in the forward (`kernels.reverse_kl.linear_reverse_kl_loss`)."""
     from posttrain.models.prefix import pad_rows, prefix_forward
     dev = next(model.parameters()).device
     mask = pad_rows([s.gen_mask for s in samples], 0, device=dev) > 0
     lt = torch.cat([t.float() for t in teacher]).to(dev)
     w = token_weights.to(dev)[mask].float()
-    hidden, out = prefix_forward(model, samples, pad_id, "hidden")
-    loss, kl = linear_reverse_kl_loss(hidden[mask], _head_weight(model, out), lt, lambda k, rows: (k * w[rows]).sum(),
-                                      temperature)
-    return loss, kl.new_zeros(mask.shape).masked_scatter(mask, kl)
-
-
-def completion_reverse_kl(model, samples: list, pad_id: int, teacher: list[torch.Tensor],
-                          temperature: float) -> torch.Tensor:
-    """Full-vocabulary KL(student || teacher) [samples, longest completion] at each sample's generated
-    positions (0 elsewhere); `teacher[i]` holds the teacher's log-probabilities there, [generated, vocab]."""
-    from posttrain.models.prefix import pad_rows, prefix_forward
-    dev = next(model.parameters()).device
-    mask = pad_rows([s.gen_mask for s in samples], 0, device=dev) > 0
-    lt = torch.cat([t.float() for t in teacher]).to(dev)
     if not fused(model):
         ls = torch.log_softmax(prefix_forward(model, samples, pad_id).float() / temperature, -1)[mask]
         kl = (ls.exp() * (ls - lt)).sum(-1)
+        loss = (kl * w).sum()
     else:
-        from kernels.reverse_kl import linear_reverse_kl
+        from kernels.reverse_kl import linear_reverse_kl_loss
         hidden, out = prefix_forward(model, samples, pad_id, "hidden")
-        kl = linear_reverse_kl(hidden[mask], _head_weight(model, out), lt, temperature)
-    return kl.new_zeros(mask.shape).masked_scatter(mask, kl)
+        loss, kl = linear_reverse_kl_loss(hidden[mask], _head_weight(model, out), lt,
+                                          lambda k, rows: (k * w[rows]).sum(), temperature)
+    return loss, kl.detach().new_zeros(mask.shape).masked_scatter(mask, kl.detach())
