@@ -34,7 +34,8 @@ from posttrain.engines.base import Generation, RolloutEngine, TrainEngine
 __all__ = ["Generation", "RolloutEngine", "TrainEngine", "rollout_engine", "train_engine", "as_rollout_engine"]
 
 ROLLOUT = {"torch": "posttrain.engines.torch_rollout:TorchRolloutEngine"}
-TRAIN = {"torch": "posttrain.engines.torch_train:TorchTrainEngine"}
+TRAIN = {"torch": "posttrain.engines.torch_train:TorchTrainEngine",
+         "megatron": "posttrain.engines.megatron_train:MegatronTrainEngine"}
 
 
 def _cls(table: dict[str, str], name: str, key: str):

@@ -1,0 +1,136 @@
+"""Megatron-core's process groups and the HF <-> Megatron weight bridges, for `engines.megatron_train`.
+
+Weights go through mbridge (0.15.1): it maps Hugging Face Llama / Qwen2 / Qwen3 tensors to Megatron's fused
+layouts (QKV interleaved per query group, gate and up stacked) and splits or gathers them over tensor-parallel
+ranks. We patch two things, both because we build Megatron's *local* layer spec (plain torch modules) instead of
+Transformer Engine's, which has no CPU build: the spec (mbridge hard-codes TE's), and the two norm names that
+spec uses (`input_layernorm`, `pre_mlp_layernorm`; TE folds them into the next linear). Megatron-Bridge, the
+other converter, imports Transformer Engine at load, so it cannot run without a GPU.
+
+On a machine without CUDA, megatron-core 0.16 allocates RoPE frequencies and attention buffers on
+`torch.cuda.current_device()`; `cpu_patches` answers "cpu" there (only when torch has no CUDA at all).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED = ("llama", "qwen2", "qwen3")  # HF model_type -> mbridge's bridge of that name
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How one model is split over ranks (world = tp x pp x cp x dp); `ep` splits a MoE model's experts."""
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def model_ranks(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+def cpu_patches() -> None:
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+
+
+def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
+    """Refuse, before any work, an architecture no bridge maps and a split that does not divide the model."""
+    kind = getattr(hf_config, "model_type", "?")
+    if kind not in SUPPORTED:
+        raise ValueError(f"runtime.train_engine megatron: no Megatron mapping for model_type {kind!r} "
+                         f"(supported: {', '.join(SUPPORTED)}); use runtime.train_engine torch for it")
+    heads, kv = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None) or \
+        hf_config.num_attention_heads
+    if heads % par.tp or kv % par.tp:
+        raise ValueError(f"{where}.tp: must divide the attention heads ({heads}) and key-value heads ({kv}) "
+                         f"(got {par.tp}; supported: {sorted(d for d in range(1, kv + 1) if kv % d == 0)})")
+    if par.pp > hf_config.num_hidden_layers or hf_config.num_hidden_layers % par.pp:
+        raise ValueError(f"{where}.pp: must divide the layers ({hf_config.num_hidden_layers}) (got {par.pp})")
+    if par.ep != 1:
+        raise ValueError(f"{where}.ep: must be 1 for the dense model_type {kind!r} (got {par.ep})")
+    if par.sequence_parallel and par.tp == 1:
+        raise ValueError(f"{where}.sequence_parallel: needs tp > 1 (got tp {par.tp})")
+    # Megatron's local spec (plain torch modules) refuses both: its norm cannot split the sequence, its attention
+    # cannot split the context; Transformer Engine's spec can, and installs with CUDA only
+    if par.sequence_parallel and not _has_te():
+        raise ValueError(f"{where}.sequence_parallel: needs Transformer Engine (not installed here)")
+    if par.cp > 1 and not _has_te():
+        raise ValueError(f"{where}.cp: context parallelism needs Transformer Engine's attention (not installed here; "
+                         f"supported: 1)")
+    if par.pp > 1:
+        raise ValueError(f"{where}.pp: pipeline stages are not wired into this engine yet (supported: 1)")
+
+
+def _has_te() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def init_parallel(par: Parallel, seed: int = 0) -> None:
+    """torch.distributed (gloo on CPU, NCCL on CUDA) and Megatron's groups. A process not started under a
+    launcher (one rank: tests, the local pipeline) gets a world of one through a file store, so it needs no port.
+    Every engine of one process shares the groups, so they must agree on the split."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
+    cpu_patches()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            store = tempfile.NamedTemporaryFile(prefix="posttrain-megatron-", delete=False).name
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % par.model_ranks:
+        raise ValueError(f"megatron: tp x pp x cp = {par.model_ranks} must divide the world of {world} ranks")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_context_parallel_world_size())
+        if have != (par.tp, par.pp, par.cp):
+            raise ValueError(f"megatron: this process already runs tp/pp/cp {have}, not {(par.tp, par.pp, par.cp)}")
+        return
+    ps.initialize_model_parallel(par.tp, par.pp, context_parallel_size=par.cp, expert_model_parallel_size=par.ep)
+    if torch.cuda.is_available():
+        model_parallel_cuda_manual_seed(seed)
+    else:  # the CUDA RNG tracker has no CPU form; with dropout off nothing draws from it
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32):
+    """An mbridge bridge for `hf_config` building Megatron's local layer spec, every fusion off (they need TE or
+    Apex), the vocabulary padded to a multiple of tp (the padded rows never score: `engines.megatron_train`)."""
+    from mbridge.core.bridge import _MODEL_REGISTRY
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    base = _MODEL_REGISTRY[hf_config.model_type]
+    layer = "model.layers.{layer_number}."
+
+    class Local(base):
+        _OTHER_MAPPING = {**base._OTHER_MAPPING, "input_layernorm.weight": [layer + "input_layernorm.weight"]}
+        _MLP_MAPPING = {**base._MLP_MAPPING, "pre_mlp_layernorm.weight": [layer + "post_attention_layernorm.weight"]}
+
+        def _get_transformer_layer_spec(self, vp_stage=None):
+            self.has_vp_stage = False
+            return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+
+    if getattr(hf_config, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
+        hf_config.rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default") != "default":
+        raise ValueError(f"megatron: rope_type {hf_config.rope_parameters['rope_type']!r} has no Megatron mapping "
+                         f"here (default RoPE only); use runtime.train_engine torch")
+    from mbridge.core.parallel_states import ParallelStates
+    b = Local(hf_config, dtype=dtype, parallel_states=ParallelStates.get_parallel_state(),
+              make_vocab_size_divisible_by=par.tp)
+    b.set_extra_args(use_cpu_initialization=not torch.cuda.is_available(), masked_softmax_fusion=False,
+                     bias_activation_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                     apply_rope_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True,
+                     sequence_parallel=par.sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+    return b
