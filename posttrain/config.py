@@ -364,10 +364,9 @@ class RLConfig(_Strict):
     # (a built-in one or one of world.environments) can be named.
     domains: list[DomainName] = Field(default_factory=lambda: ["reasoning", "agentic", "general"], min_length=1)
     algorithm: Literal["grpo", "ppo"] = "grpo"
-    # what runs the model (posttrain.engines): the rollout engine serves workers, teachers, validation and
-    # evaluation; the train engine the policy, the critic and the KL reference
+    # what generates (posttrain.engines): the rollout engine serves workers, teachers, validation and evaluation
+    # (what trains the policy, the critic and the KL reference is runtime.train_engine)
     rollout_engine: str = "torch"
-    train_engine: str = "torch"
     steps: AtLeast1 = 100
     # 0 is the OPD loop's (distillation only) and unit tests'; the pipeline's rl stages need >= 1 (PipelineConfig)
     prompts_per_step: AtLeast0 = 16
@@ -525,7 +524,21 @@ class TrackingConfig(_Strict):
     uri: str = ""
 
 
+class MegatronConfig(_Strict):
+    """How runtime.train_engine megatron splits a model over ranks (world = tp x pp x cp x data-parallel ranks)."""
+    tp: AtLeast1 = 1                 # tensor parallel: must divide the attention and key-value heads
+    pp: AtLeast1 = 1                 # pipeline stages
+    cp: AtLeast1 = 1                 # context parallel (the long ramp stages)
+    ep: AtLeast1 = 1                 # expert parallel (MoE models)
+    sequence_parallel: bool = False  # norms and dropout on a tp-th of the sequence each (needs tp > 1)
+    distributed_optimizer: bool = False  # optimizer state sharded over data-parallel ranks
+    recompute: bool = False          # activations recomputed in the backward (full layers)
+
+
 class RuntimeConfig(_Strict):
+    # what trains every stage's model (posttrain.engines): torch (one process, or Ray Train DDP for sft) or
+    # megatron (megatron-core, split as the `megatron` section says)
+    train_engine: Literal["torch", "megatron"] = "torch"
     device: Literal["auto", "cpu", "cuda"] = "auto"   # auto: CUDA where the Ray cluster has GPUs
     gpus_per_stage: NonNegative = 1.0    # Ray GPUs a training or evaluation stage reserves on CUDA (0.25: share)
     ray_num_cpus: AtLeast1 = 2
@@ -556,6 +569,7 @@ class PipelineConfig(_Strict):
     eval: EvalConfig = EvalConfig()
     gates: GatesConfig = GatesConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    megatron: MegatronConfig = MegatronConfig()
     tracking: TrackingConfig = TrackingConfig()
     registered_model: str = "posttrain-tiny"
 
@@ -603,6 +617,8 @@ class PipelineConfig(_Strict):
             if self.ramp.attention == "dsa" and any(i >= m.num_layers for i in self.ramp.dsa.own_indexer):
                 errors.append(f"ramp.dsa.own_indexer: layers must be < model.num_layers {m.num_layers} "
                               f"(got {self.ramp.dsa.own_indexer})")
+        if self.runtime.train_engine == "megatron":
+            errors += self._megatron_errors()
         # the ramp extends the context: each stage sets max_position_embeddings to its seq_len
         first = self.ramp.stages[0].seq_len
         if first < m.max_position_embeddings and not self.base.init_from:
@@ -625,6 +641,30 @@ class PipelineConfig(_Strict):
         if errors:
             raise ValueError("\n  ".join(errors))
         return self
+
+    def _megatron_errors(self) -> list[str]:
+        """runtime.train_engine megatron: what its engine refuses, said at load (a checkpoint's shapes are checked
+        when the engine opens it)."""
+        m, g, errors = self.model, self.megatron, []
+        ranks = g.tp * g.pp * g.cp
+        if not self.base.init_from:
+            if m.arch == "glm5":
+                errors.append("runtime.train_engine: megatron maps dense Llama / Qwen models for now; model.arch "
+                              "glm5 trains with runtime.train_engine torch")
+            kv = m.num_kv_heads or m.num_heads
+            if m.num_heads % g.tp or kv % g.tp:
+                errors.append(f"megatron.tp: must divide model.num_heads {m.num_heads} and the key-value heads {kv} "
+                              f"(got {g.tp})")
+        if self.sft.workers % ranks:
+            errors.append(f"sft.workers: the megatron ranks of sft, a multiple of tp x pp x cp = {ranks} "
+                          f"(got {self.sft.workers})")
+        if self.mtp.depth:
+            errors.append("mtp.depth: must be 0 with runtime.train_engine megatron (its MTP layer is posttrain's "
+                          "own torch module)")
+        if g.distributed_optimizer:
+            errors.append("megatron.distributed_optimizer: not wired into the engine yet (each rank runs AdamW on "
+                          "its own shards); set it false")
+        return errors
 
     def section(self, name: str) -> Any:
         """A section ("eval"), a key path ("eval.batch_size") or one specialist's RL settings ("rl:agentic":

@@ -128,20 +128,35 @@ def _worker(config: dict) -> None:
     model, tok = with_mtp(cfg, *load_checkpoint(config["init"]))
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    megatron = cfg.runtime.train_engine == "megatron"
     state = None
     if (ckpt := ray.train.get_checkpoint()) is not None:
         with ckpt.as_directory() as d:
             state = torch.load(Path(d) / STATE, weights_only=False)
+            if megatron:  # each rank's own shards and optimizer moments
+                state["engine"] = torch.load(Path(d) / f"engine-rank{rank}.pt", weights_only=False)
         model.load_state_dict(state["model"])
         print(f"[sft] resuming at step {state['step']} of {s.steps}", flush=True)
     to_batch, to_val = collator(tok, model, s.seq_len, s.packing), collator(tok, model, s.seq_len)
-    model = ray.train.torch.prepare_model(model)  # DDP when there is more than one worker
+    if megatron:  # the Ray Train workers are the ranks: tp x pp x cp of them hold one replica, and see one batch
+        from megatron.core import parallel_state as ps
+
+        from posttrain.engines import train_options
+        from posttrain.engines.megatron_train import MegatronTrainEngine
+        model = MegatronTrainEngine(config["init"], lr=s.lr, weight_decay=s.weight_decay, seed=cfg.seed,
+                                    **train_options(cfg))
+        shard, shards = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        evaluate = model.lm_loss
+    else:
+        model = ray.train.torch.prepare_model(model)  # DDP when there is more than one worker
+        shard, shards, evaluate = rank, world, None
     global_batch = _batches(cfg, config["examples"])
 
-    def next_batch(i: int) -> dict:  # this worker's share of the global batch
-        return to_batch(global_batch(i)[rank::world])
+    def next_batch(i: int) -> dict:  # this data-parallel rank's share of the global batch
+        return to_batch(global_batch(i)[shard::shards])
 
     val_batches = [to_val(config["val"][i:i + s.batch_size]) for i in range(0, len(config["val"]), s.batch_size)]
+    evaluate = evaluate or (lambda b: masked_lm_loss(model, b))
 
     # the MTP curves live in the history (the same lists), so a resumed run continues them
     curves = {k: state["hist"][k] for k in ("mtp_loss", "mtp_acc1") if state and k in state["hist"]}
@@ -151,8 +166,10 @@ def _worker(config: dict) -> None:
         with tempfile.TemporaryDirectory() as d:
             if rank == 0:
                 torch.save(st, Path(d) / STATE)
+            if megatron:  # Ray Train gathers every worker's files into the one checkpoint
+                torch.save(st["engine"], Path(d) / f"engine-rank{rank}.pt")
             ray.train.report({"step": st["step"], "loss": st["hist"]["loss"][-1]},
-                             checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
+                             checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 or megatron else None)
         if os.environ.get("POSTTRAIN_SFT_KILL_AT_STEP") == str(st["step"]):  # fault injection for the resume test
             time.sleep(3)  # die mid-way through the next step, once the controller has registered this checkpoint
             os.kill(os.getpid(), signal.SIGKILL)
@@ -160,7 +177,8 @@ def _worker(config: dict) -> None:
     train(model, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
           weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="sft", grad_accum=s.grad_accum,
           zero_loss_hint=f"chat template {chat_format(tok).template}",
-          eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, s.steps // 5),
+          eval_fn=lambda: sum(evaluate(b).item() for b in val_batches) / max(1, len(val_batches)),
+          eval_every=max(1, s.steps // 5),
           state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every,
           loss_fn=mtp.with_loss(masked_lm_loss, cfg.mtp.loss_weight, curves), moe=cfg.moe)
 

@@ -54,7 +54,8 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
           checkpoint_every: int = 0, zero_loss_hint: str = "",
           loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor] = masked_lm_loss,
           moe: MoEConfig | None = None) -> dict[str, list[float]]:
-    """Run `steps` optimizer steps; return the history (loss per step, eval loss when asked).
+    """Run `steps` optimizer steps of `model` (a torch module, or a train engine such as the megatron one); return
+    the history (loss per step, eval loss when asked).
 
     Each step takes `grad_accum` micro-batches `next_batch(step * grad_accum + i)`: the data order is a
     function of the step, so resuming from `state` (what `checkpoint` was given) continues exactly.
@@ -63,8 +64,13 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
     routers balances them under `moe` (posttrain/models/moe.py; None: not at all) and adds the `moe_*` curves.
     """
     from posttrain.engines.torch_train import TorchTrainEngine
-    engine = TorchTrainEngine(model, loss_fn, lr=lr, weight_decay=weight_decay,
-                              schedule=lambda s: cosine_schedule(s, steps, warmup, min_lr_ratio), moe=moe)
+
+    def schedule(s: int) -> float:
+        return cosine_schedule(s, steps, warmup, min_lr_ratio)
+    if isinstance(model, torch.nn.Module):
+        engine = TorchTrainEngine(model, loss_fn, lr=lr, weight_decay=weight_decay, schedule=schedule, moe=moe)
+    else:  # a train engine the caller built (megatron: its loss the masked LM loss)
+        engine = model.with_schedule(schedule, lr)
     hist: dict[str, list[float]] = {"loss": [], "lr": []}
     start = 0
     if state:

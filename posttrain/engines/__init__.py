@@ -5,7 +5,9 @@ reasons, scores given tokens (teachers), takes new weights with a version and ca
 teachers, validation and every evaluation generate through one. A `TrainEngine` runs forward in the
 completion layout, backward, the optimizer step and its state (weights, optimizer, RNG) for the RL policy,
 the PPO critic and the KL reference. The local torch engines implement both; `rl.rollout_engine` and
-`rl.train_engine` pick one by name.
+`runtime.train_engine` pick one by name. The Megatron-core train engine (`engines/megatron_train.py`) trains
+sft (one rank per Ray Train worker, tp x data parallel), RL and OPD (one rank) when `runtime.train_engine` is
+megatron.
 
 Adding a backend is one module and one line in ROLLOUT / TRAIN below:
 - SGLang rollout engine (`engines/sglang_rollout.py`): start `sglang.Engine(model_path=checkpoint)` in the
@@ -15,12 +17,10 @@ Adding a backend is one module and one line in ROLLOUT / TRAIN below:
   another node can always do), then by tensor (`update_weights_from_tensor`, same node) or NCCL broadcast
   (`init_weights_update_group` + `update_weights_from_distributed`, the trainer's rank 0 broadcasting);
   `pause`/`resume` map to `pause_generation`/`continue_generation`; `version` is the trainer step sent along.
-- Megatron-core train engine (`engines/megatron_train.py`): build the GPT model from the HF checkpoint
-  (Megatron-Bridge's converters), wrap it in DDP with the distributed optimizer; `forward` runs the pipeline
-  schedule (`get_forward_backward_func`) with a loss function that returns per-token logprobs / values;
-  `backward` is folded into that schedule (call `forward` under the loss); `state_dict` is
-  `dist_checkpointing` (sharded, with optimizer and RNG); `weights()` gathers to HF names for the rollout
-  engine (or rank 0 broadcasts over NCCL without gathering).
+- Megatron-core train engine, what is still to come: pipeline stages (`forward` through
+  `get_forward_backward_func` with the loss, `backward` folded into that schedule), Megatron's DDP with the
+  distributed optimizer on CUDA, `dist_checkpointing` for sharded state, and RL / OPD over several ranks (the loop
+  run SPMD on each rank).
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ import torch
 
 from posttrain.engines.base import Generation, RolloutEngine, TrainEngine
 
-__all__ = ["Generation", "RolloutEngine", "TrainEngine", "rollout_engine", "train_engine", "as_rollout_engine"]
+__all__ = ["Generation", "RolloutEngine", "TrainEngine", "rollout_engine", "train_engine", "as_rollout_engine",
+           "train_options"]
 
 ROLLOUT = {"torch": "posttrain.engines.torch_rollout:TorchRolloutEngine"}
 TRAIN = {"torch": "posttrain.engines.torch_train:TorchTrainEngine",
@@ -51,12 +52,23 @@ def rollout_engine(name: str, checkpoint: str | Path) -> RolloutEngine:
 
 
 def train_engine(name: str, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
-                 moe=None, routing_replay: bool = False) -> TrainEngine:
+                 moe=None, routing_replay: bool = False, **options) -> TrainEngine:
     """A train engine for the checkpoint as `policy`, `critic` (a value head on its backbone) or `reference`
     (forward only); `moe`: the MoEConfig a policy with routers trains under; `routing_replay`: a policy scores
-    samples through the experts their rollout chose (posttrain.routing_replay)."""
+    samples through the experts their rollout chose (posttrain.routing_replay); `options`: the engine's own
+    (`train_options`)."""
     kw = {"routing_replay": True} if routing_replay else {}  # an engine without replay is never asked for it
-    return _cls(TRAIN, name, "rl.train_engine").from_checkpoint(checkpoint, role, lr=lr, moe=moe, **kw)
+    return _cls(TRAIN, name, "runtime.train_engine").from_checkpoint(checkpoint, role, lr=lr, moe=moe, **kw,
+                                                                     **options)
+
+
+def train_options(cfg) -> dict:
+    """The keyword options of `cfg.runtime.train_engine`'s engine (megatron: its split over ranks)."""
+    if cfg.runtime.train_engine != "megatron":
+        return {}
+    from posttrain.engines.megatron_setup import Parallel
+    m = cfg.megatron
+    return {"parallel": Parallel(m.tp, m.pp, m.cp, m.ep, m.sequence_parallel), "recompute": m.recompute}
 
 
 def as_rollout_engine(model, tokenizer) -> RolloutEngine:

@@ -12,8 +12,10 @@ On a machine without CUDA, megatron-core 0.16 allocates RoPE frequencies and att
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +39,25 @@ class Parallel:
 
 
 def cpu_patches() -> None:
+    """The CUDA device answer on a machine without CUDA, and megatron-core imported without its warnings that
+    Apex and Transformer Engine are absent (one per module, repeated by every Ray worker): the local spec needs
+    neither."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"
+    with quiet():
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import mbridge  # noqa: F401
+
+
+@contextlib.contextmanager
+def quiet():
+    """Without megatron-core's warnings about what the local spec does not use (Apex, Transformer Engine, CUDA
+    graphs) and its deprecation notices for arguments mbridge does not pass yet."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope|tp_group is None).*")
+        warnings.filterwarnings("ignore", message="MLP requires ffn_hidden_size")
+        yield
 
 
 def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
@@ -78,9 +97,9 @@ def init_parallel(par: Parallel, seed: int = 0) -> None:
     """torch.distributed (gloo on CPU, NCCL on CUDA) and Megatron's groups. A process not started under a
     launcher (one rank: tests, the local pipeline) gets a world of one through a file store, so it needs no port.
     Every engine of one process shares the groups, so they must agree on the split."""
+    cpu_patches()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
-    cpu_patches()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -90,7 +109,9 @@ def init_parallel(par: Parallel, seed: int = 0) -> None:
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world % par.model_ranks:
-        raise ValueError(f"megatron: tp x pp x cp = {par.model_ranks} must divide the world of {world} ranks")
+        raise ValueError(f"megatron.tp: tp x pp x cp = {par.model_ranks} must divide the world of {world} ranks "
+                         f"this stage runs (sft: sft.workers Ray Train workers; rl, opd and the cross-stage chains "
+                         f"train on one rank for now)")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                 ps.get_context_parallel_world_size())
@@ -104,7 +125,7 @@ def init_parallel(par: Parallel, seed: int = 0) -> None:
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32):
+def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompute: bool = False):
     """An mbridge bridge for `hf_config` building Megatron's local layer spec, every fusion off (they need TE or
     Apex), the vocabulary padded to a multiple of tp (the padded rows never score: `engines.megatron_train`)."""
     from mbridge.core.bridge import _MODEL_REGISTRY
@@ -132,5 +153,7 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32):
     b.set_extra_args(use_cpu_initialization=not torch.cuda.is_available(), masked_softmax_fusion=False,
                      bias_activation_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
                      apply_rope_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True,
-                     sequence_parallel=par.sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0)
+                     sequence_parallel=par.sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
+                     **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                        if recompute else {}))
     return b

@@ -5,11 +5,9 @@ exported to Hugging Face tensors through mbridge (`engines.megatron_setup`).
 Each rank holds one `MegatronTrainEngine` and runs every call in step with the others (SPMD): torch.distributed over
 gloo on CPU, NCCL on CUDA. One process without a launcher is a world of one rank.
 
-Scoring is vocab-parallel: each tensor-parallel rank holds a slice of the output embeddings, and the log-probability
-and entropy of a token come from per-slice maxima and sums reduced over the tensor-parallel group (as Megatron's own
-`vocab_parallel_cross_entropy`, which gives no entropy), so no rank builds the full [tokens, vocab] logits. Rows are
-each sample's prompt and completion, right-padded, under a causal mask; the head runs only at the positions that
-predict a completion token.
+Scoring is vocab-parallel (`engines.vocab_parallel`): each tensor-parallel rank holds a slice of the output
+embeddings and scores its slice of the vocabulary. Rows are each sample's prompt and completion, right-padded, under a
+causal mask; the head runs only at the positions that predict a completion token.
 
 Gradients: the data-parallel ranks' gradients are averaged with one all-reduce per step; with sequence parallelism
 the norms' gradients (computed on each rank's slice of the sequence) are summed over the tensor-parallel group, as
@@ -20,44 +18,15 @@ CUDA devices and streams, so they are not used here.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from posttrain.engines.megatron_setup import Parallel, bridge, check_layout, init_parallel
-
-
-def _tp():
-    from megatron.core import parallel_state as ps
-    return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(), \
-        ps.get_tensor_model_parallel_rank()
-
-
-def vocab_parallel_scores(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_size: int,
-                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of `target`, entropy) from this rank's vocabulary slice of the logits [n, V/tp], starting at
-    global id `vocab_start`; ids at or past `vocab_size` (the padding to a multiple of tp) never score."""
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as local_use
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as sum_tp
-    group, world, _ = _tp()
-    z = logits.float() / temperature
-    ids = torch.arange(vocab_start, vocab_start + z.shape[-1], device=z.device)
-    z = z.masked_fill(ids >= vocab_size, float("-inf"))
-    top = z.detach().max(-1, keepdim=True).values
-    if world > 1:
-        dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
-    e = (z - top).exp()
-    log_z = top.squeeze(-1) + sum_tp(e.sum(-1)).log()
-    local = target - vocab_start
-    here = (local >= 0) & (local < z.shape[-1])
-    picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(-1)
-    logp = sum_tp(torch.where(here, picked, torch.zeros_like(picked))) - log_z
-    # log Z feeds every rank's own slice of p: those uses' gradients are summed over the ranks (local_use's backward)
-    p = (z - local_use(log_z)[:, None]).exp()
-    ent = log_z - sum_tp(torch.where(p > 0, p * z, torch.zeros_like(p)).sum(-1))
-    return logp, ent
+from posttrain.engines import vocab_parallel
+from posttrain.engines.megatron_setup import Parallel, bridge, check_layout, init_parallel, quiet
 
 
 class MegatronTrainEngine:
@@ -65,7 +34,8 @@ class MegatronTrainEngine:
     head on the backbone's last hidden state) or `reference` (forward only)."""
 
     def __init__(self, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
-                 parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0):
+                 parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0,
+                 schedule: Callable[[int], float] | None = None, recompute: bool = False):
         from transformers import AutoConfig, AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -79,9 +49,10 @@ class MegatronTrainEngine:
         self.device = default_device()
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.pad_id = pad_id(self.tokenizer)
-        self.bridge = bridge(hf_config, parallel)
-        self.gpt = self.bridge._model_provider([])(pre_process=True, post_process=True).to(self.device)
-        self.bridge.load_weights([self.gpt], str(checkpoint))
+        with quiet():
+            self.bridge = bridge(hf_config, parallel, recompute=recompute)
+            self.gpt = self.bridge._model_provider([])(pre_process=True, post_process=True).to(self.device)
+            self.bridge.load_weights([self.gpt], str(checkpoint))
         self.vocab_size = hf_config.vocab_size
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         modules = {"gpt": self.gpt}
@@ -91,21 +62,24 @@ class MegatronTrainEngine:
             torch.nn.init.zeros_(self.value_head.bias)
             modules["value_head"] = self.value_head
         self.model = torch.nn.ModuleDict(modules)
-        self.opt = None
+        self.opt = self.sched = None
         if lr is not None and role != "reference":
             from posttrain.train import make_optimizer
             self.opt = make_optimizer(self.model, lr, weight_decay)
+            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
         else:
             self.model.requires_grad_(False)
+        self.routers, self.moe_stats, self._hf = None, {}, None  # a dense model: no expert load to balance
         self.eval()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None, moe=None,
-                        routing_replay: bool = False, parallel: Parallel = Parallel()) -> "MegatronTrainEngine":
+                        routing_replay: bool = False, parallel: Parallel = Parallel(),
+                        recompute: bool = False) -> "MegatronTrainEngine":
         if routing_replay:
             raise ValueError("rl.routing_replay: the megatron train engine maps dense models only (no routers); "
                              "use runtime.train_engine torch")
-        return cls(path, role, lr=lr, parallel=parallel)
+        return cls(path, role, lr=lr, parallel=parallel, recompute=recompute)
 
     # --- the forward in the completion layout -----------------------------------------------------------------
     def _rows(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,16 +93,29 @@ class MegatronTrainEngine:
                            dtype=torch.long, device=self.device)
         return ids, row, pos
 
-    def _hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """The decoder's last hidden state (after the final norm) [b, T, h], the full sequence on every rank."""
+    def _hidden(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's last hidden state (after the final norm) [b, T, h], the full sequence on every rank.
+        Without `position_ids` each row is one sequence; with them each restart at 0 begins a new document that
+        attends only to itself (packed rows: Megatron's block-diagonal mask, since its packed-sequence kernels need
+        Transformer Engine); `attention_mask` (1 = token, 0 = padding) keeps padding out."""
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         b, T = ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=ids.device)[None].expand(b, T)
         pad = (-T) % self.parallel.tp if self.parallel.sequence_parallel else 0  # SP splits the sequence over tp
         if pad:
-            ids = F.pad(ids, (0, pad), value=self.pad_id)
+            ids, position_ids = F.pad(ids, (0, pad), value=self.pad_id), F.pad(position_ids, (0, pad))
+            if attention_mask is not None:
+                attention_mask = F.pad(attention_mask, (0, pad))
         n = ids.shape[1]
-        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=ids.device), 1)[None, None].expand(b, 1, n, n)
-        pos = torch.arange(n, device=ids.device)[None].expand(b, n)
+        doc = (position_ids == 0).cumsum(-1)
+        allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        if attention_mask is not None:
+            allowed &= attention_mask[:, None, :].bool()
+        allowed |= torch.eye(n, dtype=torch.bool, device=ids.device)  # a padding query attends to itself: no NaN
+        mask = ~allowed[:, None]  # Megatron's convention: True = masked
+        pos = position_ids
         self.gpt.post_process = False  # GPTModel then returns the final-normed hidden states [s, b, h]
         try:
             h = self.gpt(ids, pos, mask)
@@ -141,41 +128,55 @@ class MegatronTrainEngine:
     def _head_weight(self) -> torch.Tensor:
         return self.gpt.shared_embedding_or_output_weight() if self.tied else self.gpt.output_layer.weight
 
-    def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits for hidden states [n, h]."""
+    def _logits(self, h: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's vocabulary slice of the logits for hidden states [n, h], and its first token id."""
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-        return F.linear(copy_to_tensor_model_parallel_region(h), self._head_weight())
+        local = F.linear(copy_to_tensor_model_parallel_region(h, group=ps.get_tensor_model_parallel_group()),
+                         self._head_weight())
+        return local, ps.get_tensor_model_parallel_rank() * local.shape[-1]
 
-    def _scores(self, samples: list, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logp, entropy) of each completion token, flat, and the [samples, longest] mask they scatter into."""
+    def _completion_hidden(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden state at each position predicting a completion token [n, h], those tokens [n], the [samples,
+        longest] mask of real completion cells they fill in order)."""
         from posttrain.models.prefix import pad_rows
         ids, row, pos = self._rows(samples)
-        h = self._hidden(ids)[row, pos]
-        _, _, rank = _tp()
-        local = self._local_logits(h)
-        target = ids[row, pos + 1]
-        logp, ent = vocab_parallel_scores(local, target, rank * local.shape[-1], self.vocab_size, temperature)
         real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, self.device)
-        return logp, ent, real
+        return self._hidden(ids)[row, pos], ids[row, pos + 1], real
 
-    def forward(self, samples: list) -> torch.Tensor:
-        """Values [samples, longest] for a critic; for a policy the full logits [samples, longest, vocab] (gathered
-        over tensor-parallel ranks: for inspection, the losses go through `logprobs`)."""
+    def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`posttrain.train.masked_lm_loss` on an LM batch (input_ids, loss_mask, optional position_ids and
+        attention_mask): the next-token NLL's mean weighted by the target's loss mask, vocab-parallel."""
+        batch = {k: v.to(self.device) for k, v in batch.items() if v is not None}
+        ids, mask = batch["input_ids"], batch["loss_mask"][:, 1:]
+        sel = mask != 0
+        if not bool(sel.any()):
+            return self._head_weight().sum() * 0.0  # no scored token: a zero loss every rank can still backward
+        h = self._hidden(ids, batch.get("position_ids"), batch.get("attention_mask"))[:, :-1][sel]
+        logp, _ = vocab_parallel.token_scores(*self._logits(h), self.vocab_size, 1.0, target=ids[:, 1:][sel])
+        return -(logp * mask[sel].float()).sum() / mask.float().sum()
+
+    def forward(self, samples) -> torch.Tensor:
+        """An LM batch (a dict): its `lm_loss`. Samples: values [samples, longest] for a critic; for a policy the
+        full logits [samples, longest, vocab] (gathered over tensor-parallel ranks: for inspection, the losses go
+        through `logprobs`)."""
+        if isinstance(samples, dict):
+            return self.lm_loss(samples)
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-        from posttrain.models.prefix import pad_rows
-        ids, row, pos = self._rows(samples)
-        h = self._hidden(ids)[row, pos]
-        real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, self.device)
+        h, _, real = self._completion_hidden(samples)
         if self.role == "critic":
             v = self.value_head(h).squeeze(-1).float()
             return v.new_zeros(real.shape).masked_scatter(real, v)
-        logits = gather_from_tensor_model_parallel_region(self._local_logits(h))[:, :self.vocab_size]
-        out = logits.new_zeros(*real.shape, logits.shape[-1])
-        out[real] = logits
+        local, _ = self._logits(h)
+        logits = gather_from_tensor_model_parallel_region(local, group=ps.get_tensor_model_parallel_group())
+        out = logits.new_zeros(*real.shape, self.vocab_size)
+        out[real] = logits[:, :self.vocab_size]
         return out
 
     def logprobs(self, samples: list, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        logp, ent, real = self._scores(samples, temperature)
+        h, target, real = self._completion_hidden(samples)
+        logp, ent = vocab_parallel.token_scores(*self._logits(h), self.vocab_size, temperature, target=target)
         return logp.new_zeros(real.shape).masked_scatter(real, logp), ent.new_zeros(real.shape).masked_scatter(real, ent)
 
     def logprob_loss(self, samples: list, temperature: float, loss_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,29 +185,12 @@ class MegatronTrainEngine:
 
     def reverse_kl_loss(self, samples: list, teacher: list[torch.Tensor], temperature: float,
                         token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full-vocabulary KL(policy || teacher) at the generated positions; each rank takes its vocabulary
-        slice of the teacher's log-probabilities, the sums reduce over the tensor-parallel group."""
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region as local_use
-        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as sum_tp
+        """The full-vocabulary KL(policy || teacher) at the generated positions, vocab-parallel."""
         from posttrain.models.prefix import pad_rows
-        ids, row, pos = self._rows(samples)
+        h, _, real = self._completion_hidden(samples)
         gen = pad_rows([s.gen_mask for s in samples], 0, device=self.device) > 0
-        flat_gen = gen[pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, self.device)]
-        local = self._local_logits(self._hidden(ids)[row[flat_gen], pos[flat_gen]])
-        _, _, rank = _tp()
-        start, width = rank * local.shape[-1], local.shape[-1]
-        z = (local.float() / temperature).masked_fill(
-            torch.arange(start, start + width, device=self.device) >= self.vocab_size, float("-inf"))
-        top = z.detach().max(-1, keepdim=True).values
-        if self.parallel.tp > 1:
-            dist.all_reduce(top, dist.ReduceOp.MAX, group=_tp()[0])
-        log_z = top + sum_tp((z - top).exp().sum(-1, keepdim=True)).log()
-        ls = z - local_use(log_z)  # as in vocab_parallel_scores
-        lt = torch.cat([t.float() for t in teacher]).to(self.device)
-        lt = F.pad(lt, (0, start + width - lt.shape[-1]), value=float("-inf"))[:, start:start + width] \
-            if lt.shape[-1] < start + width else lt[:, start:start + width]
-        p = ls.exp()
-        kl = sum_tp(torch.where(p > 0, p * (ls - lt), torch.zeros_like(p)).sum(-1))
+        teacher = torch.cat([t.float() for t in teacher]).to(self.device)
+        kl = vocab_parallel.reverse_kl(*self._logits(h[gen[real]]), self.vocab_size, temperature, teacher=teacher)
         w = token_weights.to(self.device)[gen].float()
         return (kl * w).sum(), kl.detach().new_zeros(gen.shape).masked_scatter(gen, kl.detach())
 
@@ -254,8 +238,17 @@ class MegatronTrainEngine:
             if p.grad is not None:
                 p.grad.mul_(coef)
         self.opt.step()
+        if self.sched:
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return norm.item()
+
+    def with_schedule(self, schedule: Callable[[int], float], lr: float) -> "MegatronTrainEngine":
+        """`lr` times `schedule(step)` from now on (posttrain.train's warmup + cosine)."""
+        for group in self.opt.param_groups:
+            group["lr"] = group["initial_lr"] = lr
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        return self
 
     def zero_grad(self) -> None:
         if self.opt is not None:
@@ -273,26 +266,27 @@ class MegatronTrainEngine:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         return out
 
-    def save_hf(self, out: str | Path) -> None:
-        """A Hugging Face folder of the current weights (rank 0 writes), the checkpoint's config and tokenizer."""
-        from transformers import AutoModelForCausalLM
-        w = self.weights()
-        if dist.get_rank() == 0:
-            from posttrain.models.preset import load_pretrained, save_checkpoint
-            model = load_pretrained(AutoModelForCausalLM, self.checkpoint)
-            model.load_state_dict(w)
-            save_checkpoint(model, self.tokenizer, out)
-        dist.barrier()
+    def hf_model(self) -> torch.nn.Module:
+        """The checkpoint's transformers model holding the current weights (loaded once, refreshed each call):
+        what validation generates from and what the stage saves."""
+        from posttrain.models.preset import load_checkpoint
+        if self._hf is None:
+            self._hf = load_checkpoint(self.checkpoint)[0].eval()
+        self._hf.load_state_dict(self.weights())
+        return self._hf
 
     def state_dict(self) -> dict:
-        """This rank's shards, optimizer moments and RNG (each rank keeps its own)."""
+        """This rank's shards, optimizer moments, schedule and RNG (each rank keeps its own)."""
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict() if self.opt else None,
-                "rng": torch.get_rng_state(), "python_rng": random.getstate()}
+                "sched": self.sched.state_dict() if self.sched else None, "rng": torch.get_rng_state(),
+                "python_rng": random.getstate()}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         if self.opt is not None:
             self.opt.load_state_dict(state["opt"])
+        if self.sched is not None:
+            self.sched.load_state_dict(state["sched"])
         torch.set_rng_state(state["rng"])
         random.setstate(state["python_rng"])
 

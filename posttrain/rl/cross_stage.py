@@ -13,6 +13,7 @@ from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.models.preset import save_checkpoint
 from posttrain.rl import alarms
+from posttrain.engines import train_options
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.rl.specialist import plot_curves
 from posttrain.stages import stage_name
@@ -34,7 +35,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
                           x.distill_prompts_per_step, mode=x.loss, coef=x.distill_coef,
                           teacher_cpus=cfg.opd.teacher_cpus, teacher_placement=cfg.opd.teacher_placement)
     policy, tok, st = train_policy(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", moe=cfg.moe,
-                                 scratch=scratch, distill=distill)
+                                 scratch=scratch, distill=distill,
+                                 engine=(cfg.runtime.train_engine, train_options(cfg)))
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

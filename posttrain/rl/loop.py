@@ -130,13 +130,15 @@ class Engines:
         return ck["state"]
 
 
-def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None) -> Engines:
+def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None,
+                  engine: tuple[str, dict] = ("torch", {})) -> Engines:
     """`rl`: the loop trains on rollouts (not distillation only), so the KL alarm has tokens to watch; `moe`: how a
-    policy with routers balances them."""
+    policy with routers balances them; `engine`: the train engine's name and options (posttrain.engines)."""
     watch_kl = rl and r.alarms.enabled and r.alarms.reference_kl
-    return Engines(train_engine(r.train_engine, sft, lr=r.lr, moe=moe, routing_replay=r.routing_replay),
-                   train_engine(r.train_engine, sft, "critic", lr=r.critic_lr) if with_critic else None,
-                   train_engine(r.train_engine, sft, "reference") if r.kl_coef > 0 or watch_kl else None)
+    name, opts = engine
+    return Engines(train_engine(name, sft, lr=r.lr, moe=moe, routing_replay=r.routing_replay, **opts),
+                   train_engine(name, sft, "critic", lr=r.critic_lr, **opts) if with_critic else None,
+                   train_engine(name, sft, "reference", **opts) if r.kl_coef > 0 or watch_kl else None)
 
 
 def val_scores(policy, tok, val: list[Task], **kw) -> dict[str, float]:
@@ -280,13 +282,16 @@ def update(r: RLConfig, eng: Engines, batch: list[Sample], dbatch: list[Sample],
 
 def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
                  scratch: str | Path | None = None, distill: Distill | None = None, judge: str = "",
-                 moe: MoEConfig | None = None) -> tuple[torch.nn.Module, object, State]:
+                 moe: MoEConfig | None = None, engine: tuple[str, dict] = ("torch", {})
+                 ) -> tuple[torch.nn.Module, object, State]:
     """Train a policy from the `sft` checkpoint: RL on `pool` (may be empty), plus on-policy distillation
     when `distill` is given. `label` (the stage name in the pipeline) names it in the progress bar and in
     POSTTRAIN_KILL_AT; `scratch` makes it resumable; `judge`, a checkpoint, is the guard's model judge in the
-    rollouts (validation keeps the rules-only guard). Returns policy, tokenizer, final state."""
+    rollouts (validation keeps the rules-only guard); `engine`: the train engine's name and options
+    (posttrain.engines.train_options). Returns the policy (a transformers model), tokenizer, final state."""
     seed_all(seed)
-    eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool), rl=bool(pool), moe=moe)
+    eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool), rl=bool(pool), moe=moe,
+                        engine=engine)
     tok = eng.policy.tokenizer
     ckpt = Path(scratch) / "rl_state.pt" if scratch else None  # the full state, every `checkpoint_every` steps
     if ckpt:
@@ -298,10 +303,8 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
               compaction=r.compaction, summary=r.compaction_summary)
     kill_at, hist = kill_step(label), st.history
     domains = sorted({t.domain for t in val})
-    policy_view = as_rollout_engine(eng.policy.model, tok)  # validation generates from the trained weights
-
-    def validate(step: int, wall_s: float) -> None:
-        scores = val_scores(policy_view, tok, val, **kw)
+    def validate(step: int, wall_s: float) -> None:  # generated from the trained weights
+        scores = val_scores(as_rollout_engine(hf_model(eng.policy), tok), tok, val, **kw)
         hist["val_score"].append((step, scores["all"]))
         for d in domains if len(domains) > 1 or distill else ():  # distillation reads its domains' curves
             hist.setdefault(f"val_score/{d}", []).append((step, scores[d]))
@@ -353,7 +356,12 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
         workers.close()
         if teachers:
             teachers.close()
-    return eng.policy.model, tok, st
+    return hf_model(eng.policy), tok, st
+
+
+def hf_model(engine: TrainEngine) -> torch.nn.Module:
+    """A train engine's policy as a transformers model with its current weights (the torch engine's is its own)."""
+    return engine.hf_model() if hasattr(engine, "hf_model") else engine.model
 
 
 def _passed(cumulative: list[float], every: int) -> bool:

@@ -11,6 +11,7 @@ from posttrain.models import moe
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.data import load_tasks
 from posttrain.models.preset import save_checkpoint
+from posttrain.engines import train_options
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.train import moe_metrics, summarize
 
@@ -64,7 +65,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
                       mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus,
                       teacher_placement=o.teacher_placement)
     policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd", moe=cfg.moe,
-                                 scratch=scratch, distill=distill)
+                                 scratch=scratch, distill=distill,
+                                 engine=(cfg.runtime.train_engine, train_options(cfg)))
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

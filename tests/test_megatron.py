@@ -1,0 +1,241 @@
+"""The megatron-core train engine: Hugging Face weights in and out exactly, the same numbers as transformers and the
+torch engine, and tensor / data parallel over two gloo processes equal to one rank."""
+import os
+import random
+import socket
+import warnings
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from posttrain.config import ConfigError, ModelConfig, load_config
+from posttrain.models.preset import build_model, save_checkpoint
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_groups():
+    """The engine opens a world of one in this process; later tests open their own."""
+    yield
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tok, tmp_path_factory):
+    """The tiny Llama preset (tied embeddings, grouped-query attention) and a Qwen2 (untied, QKV bias) and a Qwen3
+    (query / key norms) of the same size."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                      max_position_embeddings=256)
+    out = {"llama": tmp_path_factory.mktemp("llama")}
+    save_checkpoint(build_model(cfg, tok), tok, out["llama"])
+    # reloaded as a Qwen2 tokenizer, ours gains Qwen's <|endoftext|>: rows to spare, as real checkpoints have
+    shape = dict(vocab_size=len(tok) + 8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False,
+                 pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    for name, config, cls in (("qwen2", Qwen2Config, Qwen2ForCausalLM), ("qwen3", Qwen3Config, Qwen3ForCausalLM)):
+        model = cls(config(**shape, **({"head_dim": 8} if name == "qwen3" else {}))).float()
+        with torch.no_grad():  # transformers zero-initialises biases and ones the norms: make each one count
+            for n, p in model.named_parameters():
+                if n.endswith("bias") or "norm" in n:
+                    p.add_(torch.randn_like(p) * 0.1)
+        out[name] = tmp_path_factory.mktemp(name)
+        save_checkpoint(model, tok, out[name])
+    return {k: str(v) for k, v in out.items()}
+
+
+def _samples(vocab: int, seed: int = 0) -> list:
+    """Two samples share a prompt (GRPO's groups); completions of different lengths; one token not generated."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+    prompt = ids(6)
+    out = [NS(prompt_ids=prompt, ids=ids(n), gen_mask=[1] * n) for n in (4, 7)]
+    out += [NS(prompt_ids=ids(3), ids=ids(2), gen_mask=[1, 0]), NS(prompt_ids=ids(9), ids=ids(5), gen_mask=[1] * 5)]
+    return out
+
+
+def _engines(path, role="policy", lr=1e-3):
+    from posttrain.engines import train_engine
+    return train_engine("torch", path, role, lr=lr), train_engine("megatron", path, role, lr=lr)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_logits_equal_transformers_and_weights_round_trip_exactly(ckpts, arch):
+    from posttrain.models.preset import load_checkpoint
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    hf, _ = load_checkpoint(ckpts[arch])
+    engine = MegatronTrainEngine(ckpts[arch], "reference")
+    samples = _samples(hf.config.vocab_size)
+    with torch.no_grad():
+        got = engine.forward(samples)
+        for i, s in enumerate(samples):
+            want = hf(torch.tensor([s.prompt_ids + s.ids])).logits[0, len(s.prompt_ids) - 1:-1]
+            assert (got[i, :len(s.ids)] - want).abs().max().item() < 1e-4
+    exported, own = engine.weights(), hf.state_dict()
+    assert set(exported) == set(own) and all(torch.equal(exported[k], own[k]) for k in own)
+
+
+def test_policy_updates_equal_the_torch_engines(ckpts):
+    """Log-probabilities and entropies at a temperature, the loss's update over three steps, the full-vocabulary
+    reverse KL, and a critic's values: what the RL and OPD loops read from a train engine."""
+    torch_engine, mega = _engines(ckpts["llama"])
+    samples, vocab = _samples(mega.vocab_size), mega.vocab_size
+    for a, b in zip(torch_engine.logprobs(samples, 0.7), mega.logprobs(samples, 0.7)):
+        assert (a - b).abs().max().item() < 1e-5
+    norms = []
+    for engine in (torch_engine, mega):
+        engine.train()
+        for _ in range(3):
+            loss, _, _ = engine.logprob_loss(samples, 1.0, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / 10)
+            engine.backward(loss)
+            norms.append(engine.step(1.0))
+    assert all(abs(a - b) < 1e-4 * a for a, b in zip(norms[:3], norms[3:]))
+    moved = mega.weights()
+    own = torch_engine.model.state_dict()
+    assert max((moved[k] - own[k]).abs().max().item() for k in own) < 1e-5
+    assert (moved["model.norm.weight"] - 1).abs().max() > 1e-3  # it trained
+
+    g = torch.Generator().manual_seed(1)
+    teacher = [torch.log_softmax(torch.randn(sum(s.gen_mask), vocab, generator=g), -1) for s in samples]
+    weights = torch.rand(len(samples), 7, generator=g)
+    (la, ka), (lb, kb) = (e.reverse_kl_loss(samples, teacher, 0.9, weights) for e in (torch_engine, mega))
+    assert abs(la.item() - lb.item()) < 1e-4 * la.item() and (ka - kb).abs().max().item() < 1e-4
+
+    critics = _engines(ckpts["llama"], "critic")
+    real = torch.tensor([[j < len(s.ids) for j in range(7)] for s in samples])
+    for c in critics:
+        c.train()
+        c.backward(((c.forward(samples) - 1) ** 2 * real).sum())
+        c.step(1.0)
+    va, vb = (c.forward(samples) for c in critics)
+    assert va.abs().max() > 0 and (va - vb)[real].abs().max().item() < 1e-5
+
+
+def test_sft_follows_the_torch_engines_loss_curve(ckpts, tok):
+    """posttrain.train's loop over 20 steps, through the megatron engine and through transformers: one row of packed
+    conversations (positions restart) and padded rows alternate, with the warmup + cosine schedule at train's own
+    learning rate (not the one the engine was built with)."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.models.preset import load_checkpoint
+    from posttrain.train import flat_examples, pad_examples, train
+    rng = random.Random(0)
+    data = [([rng.randrange(3, len(tok)) for _ in range(n)], [0] * (n // 2) + [1] * (n - n // 2))
+            for n in (rng.randrange(6, 20) for _ in range(6))]  # six conversations to learn by heart
+
+    def batch(i):
+        examples = rng.sample(data, 3)
+        return (flat_examples if i % 2 else pad_examples)(examples, tok.pad_token_id, 64)
+    batches = [batch(i) for i in range(20)]
+    kw = dict(steps=20, lr=1e-2, warmup=3, desc="sft")
+    model, _ = load_checkpoint(ckpts["llama"])
+    want = train(model, lambda i: batches[i], **kw)["loss"]
+    got = train(MegatronTrainEngine(ckpts["llama"], lr=1.0), lambda i: batches[i], **kw)["loss"]
+    assert want[-1] < want[0] - 0.1  # it learned
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-4
+
+
+def test_state_resumes_exactly(ckpts):
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    samples = _samples(300)
+
+    def step(engine):
+        engine.train()
+        loss, _, _ = engine.logprob_loss(samples, 1.0, lambda lp, ent: -lp.sum() * torch.rand(()))  # needs the RNG
+        engine.backward(loss)
+        engine.step(1.0)
+
+    a = MegatronTrainEngine(ckpts["llama"], lr=1e-2)
+    step(a)
+    state = torch.serialization.pickle.loads(torch.serialization.pickle.dumps(a.state_dict()))
+    step(a)
+    b = MegatronTrainEngine(ckpts["llama"], lr=1e-2)
+    b.load_state_dict(state)
+    step(b)
+    wa, wb = a.weights(), b.weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, tp: int, path: str, out: str) -> None:
+    """One rank of `world`: four RL-style steps on the batch (data-parallel ranks each take their share)."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(tp=tp))
+    samples = _samples(engine.vocab_size)
+    dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine, losses = samples[shard::dp], []
+    engine.train()
+    for _ in range(4):
+        loss, _, _ = engine.logprob_loss(mine, 1.0, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / len(samples))
+        engine.backward(loss)
+        engine.step(1.0)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=ps.get_data_parallel_group())  # the whole batch's loss
+        losses.append(total.item())
+    weights = engine.weights()
+    if rank == 0:
+        torch.save({"losses": losses, "weights": weights}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp,world", [(2, 2), (1, 2)], ids=["tp2", "dp2"])
+def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, tp, world):
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_rank, args=(world, _free_port(), tp, ckpts["llama"], out), nprocs=world)
+    got = torch.load(out)
+    one = MegatronTrainEngine(ckpts["llama"], lr=1e-3)
+    samples, want = _samples(one.vocab_size), []
+    one.train()
+    for _ in range(4):
+        loss, _, _ = one.logprob_loss(samples, 1.0, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / len(samples))
+        one.backward(loss)
+        one.step(1.0)
+        want.append(loss.item())
+    assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
+    w = one.weights()
+    assert max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
+
+
+def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path):
+    from transformers import GPT2Config
+
+    from posttrain.engines.megatron_setup import Parallel, check_layout
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    with pytest.raises(ValueError, match=r"megatron.tp: must divide the attention heads \(4\) and key-value heads "
+                                         r"\(2\) \(got 3; supported: \[1, 2\]\)"):
+        MegatronTrainEngine(ckpts["llama"], parallel=Parallel(tp=3))
+    with pytest.raises(ValueError, match=r"no Megatron mapping for model_type 'gpt2' \(supported: llama, qwen2, "
+                                         r"qwen3\)"):
+        check_layout(GPT2Config(), Parallel())
+    with pytest.raises(ValueError, match="megatron.cp: context parallelism needs Transformer Engine"):
+        MegatronTrainEngine(ckpts["llama"], parallel=Parallel(cp=2))
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "mtp.depth=1",
+                              "megatron.distributed_optimizer=true"])
+    for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks", "mtp.depth: must be 0",
+                 "megatron.distributed_optimizer"):
+        assert rule in str(e.value)
+    with pytest.raises(ConfigError, match="runtime.train_engine: megatron maps dense Llama / Qwen models"):
+        load_config("tiny-glm5", ["runtime.train_engine=megatron"])
