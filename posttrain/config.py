@@ -661,6 +661,13 @@ class PipelineConfig(_Strict):
         if self.mtp.depth:
             errors.append("mtp.depth: must be 0 with runtime.train_engine megatron (its MTP layer is posttrain's "
                           "own torch module)")
+        for key in ("pp", "cp"):
+            if getattr(g, key) > 1:
+                errors.append(f"megatron.{key}: not wired into the engine yet (supported: 1)")
+        if g.ep > 1:
+            errors.append("megatron.ep: the engine maps dense models only (supported: 1)")
+        if g.sequence_parallel and g.tp == 1:
+            errors.append("megatron.sequence_parallel: needs megatron.tp > 1")
         if g.distributed_optimizer:
             errors.append("megatron.distributed_optimizer: not wired into the engine yet (each rank runs AdamW on "
                           "its own shards); set it false")

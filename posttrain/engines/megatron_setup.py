@@ -77,13 +77,13 @@ def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
         raise ValueError(f"{where}.ep: must be 1 for the dense model_type {kind!r} (got {par.ep})")
     if par.sequence_parallel and par.tp == 1:
         raise ValueError(f"{where}.sequence_parallel: needs tp > 1 (got tp {par.tp})")
-    # Megatron's local spec (plain torch modules) refuses both: its norm cannot split the sequence, its attention
-    # cannot split the context; Transformer Engine's spec can, and installs with CUDA only
+    # Megatron's local spec (plain torch modules) cannot split the sequence in its norms; Transformer Engine's spec
+    # can, and installs with CUDA only
     if par.sequence_parallel and not _has_te():
         raise ValueError(f"{where}.sequence_parallel: needs Transformer Engine (not installed here)")
-    if par.cp > 1 and not _has_te():
-        raise ValueError(f"{where}.cp: context parallelism needs Transformer Engine's attention (not installed here; "
-                         f"supported: 1)")
+    if par.cp > 1:
+        raise ValueError(f"{where}.cp: context parallelism is not wired into this engine yet; Megatron runs it in "
+                         f"Transformer Engine's attention only (supported: 1)")
     if par.pp > 1:
         raise ValueError(f"{where}.pp: pipeline stages are not wired into this engine yet (supported: 1)")
 
@@ -127,7 +127,9 @@ def init_parallel(par: Parallel, seed: int = 0) -> None:
 
 def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompute: bool = False):
     """An mbridge bridge for `hf_config` building Megatron's local layer spec, every fusion off (they need TE or
-    Apex), the vocabulary padded to a multiple of tp (the padded rows never score: `engines.megatron_train`)."""
+    Apex), the vocabulary padded to a multiple of tp (the padded rows never score: `engines.megatron_train`).
+    `recompute` on CUDA: Megatron's full-layer recomputation (its RNG tracker has no CPU form; `recompute_layers`
+    does the same on CPU)."""
     from mbridge.core.bridge import _MODEL_REGISTRY
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -139,6 +141,8 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompu
         _MLP_MAPPING = {**base._MLP_MAPPING, "pre_mlp_layernorm.weight": [layer + "post_attention_layernorm.weight"]}
 
         def _get_transformer_layer_spec(self, vp_stage=None):
+            if _has_te():  # Transformer Engine's fused layers, mbridge's own mapping
+                return super()._get_transformer_layer_spec(vp_stage)
             self.has_vp_stage = False
             return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
 
@@ -155,5 +159,14 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompu
                      apply_rope_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True,
                      sequence_parallel=par.sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
                      **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-                        if recompute else {}))
+                        if recompute and torch.cuda.is_available() else {}))
     return b
+
+
+def recompute_layers(gpt) -> None:
+    """Full-layer activation recomputation without CUDA: each decoder layer's forward under torch's checkpoint
+    (dropout is off, so no RNG state needs replaying)."""
+    from torch.utils.checkpoint import checkpoint
+    for layer in gpt.decoder.layers:
+        run = layer.forward
+        layer.forward = lambda *a, _run=run, **kw: checkpoint(_run, *a, use_reentrant=False, **kw)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.engines import vocab_parallel
-from posttrain.engines.megatron_setup import Parallel, bridge, check_layout, init_parallel, quiet
+from posttrain.engines.megatron_setup import Parallel, bridge, check_layout, init_parallel, quiet, recompute_layers
 
 
 class MegatronTrainEngine:
@@ -53,6 +53,8 @@ class MegatronTrainEngine:
             self.bridge = bridge(hf_config, parallel, recompute=recompute)
             self.gpt = self.bridge._model_provider([])(pre_process=True, post_process=True).to(self.device)
             self.bridge.load_weights([self.gpt], str(checkpoint))
+        if recompute and not torch.cuda.is_available():
+            recompute_layers(self.gpt)
         self.vocab_size = hf_config.vocab_size
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         modules = {"gpt": self.gpt}

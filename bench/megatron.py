@@ -1,0 +1,173 @@
+"""bench/megatron: the megatron-core train engine against the torch engine (transformers' model), same process.
+
+- `tokens_per_s_torch_engine` / `tokens_per_s_megatron`: SFT steps of posttrain.train's loop (AdamW, clipping,
+  the masked LM loss) on the same batches, the two engines alternating `REPEATS` times; `speed_ratio` is megatron's
+  over torch's.
+- `logits_max_abs_diff_vs_hf`, `hf_roundtrip_exact`: the Megatron model's logits against transformers' on the same
+  weights (fp32), and the exported Hugging Face tensors against the checkpoint's, bit for bit.
+- `tp2_loss_max_abs_diff`, `dp2_loss_max_abs_diff`: the same steps on two gloo (NCCL on CUDA) ranks, tensor
+  parallel and data parallel, against one rank's losses.
+- `cp2_loss_max_abs_diff`: null with the reason: Megatron's context parallelism runs in Transformer Engine's
+  attention only, which has no CPU build.
+
+    python -m bench.megatron [--shape tiny|0.5b]     (make bench B=megatron)
+
+`--shape 0.5b` (the default on CUDA): Qwen2-0.5B's shapes with random weights (24 layers, hidden 896, 14 heads,
+2 key-value heads, vocabulary 151,936). BENCH_SMALL=1: the tiny shape, 2 steps of 2 x 32 tokens, one repeat.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench import mark, out_dir, size, threads
+
+OUT = out_dir()
+REPEATS = size(3, 1)
+STEPS = size(10, 2)
+BATCH, SEQ = size(8, 2), size(256, 32)
+SHAPES = {"tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       intermediate_size=768, vocab_size=4096),
+          "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       intermediate_size=4864, vocab_size=151936)}
+
+
+def checkpoint(shape: str, where: Path) -> Path:
+    """A Llama of `shape` with random weights, saved with a byte-level tokenizer of its vocabulary size."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    from posttrain.chat import CHAT_TEMPLATE
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0)
+    vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                  pad_token="t0", eos_token="t1", bos_token="t2", chat_template=CHAT_TEMPLATE)
+    LlamaForCausalLM(cfg).save_pretrained(where)
+    tok.save_pretrained(where)
+    return where
+
+
+def batches(vocab: int, n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.tensor([[rng.randrange(3, vocab) for _ in range(SEQ)] for _ in range(BATCH)])
+        out.append({"input_ids": ids, "loss_mask": torch.ones_like(ids)})
+    return out
+
+
+def steps(engine_or_model, data: list[dict]) -> tuple[list[float], float]:
+    """(losses, seconds) of posttrain.train's loop over `data`."""
+    from posttrain.train import train
+    t = time.perf_counter()
+    hist = train(engine_or_model, lambda i: data[i], steps=len(data), lr=1e-3, warmup=1, desc="bench")
+    return hist["loss"], time.perf_counter() - t
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, tp: int, path: str, data: list[dict], out: str) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(tp=tp))
+    dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mine = [{k: v[shard::dp] for k, v in b.items()} for b in data]  # equal shares: the mean of means is the mean
+    losses, _ = steps(engine, mine)
+    total = torch.tensor(losses, device=engine.device)
+    dist.all_reduce(total, group=ps.get_data_parallel_group())
+    if rank == 0:
+        torch.save((total / dp).tolist(), out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ranks(path: Path, data: list[dict], tp: int, world: int) -> list[float] | None:
+    """The losses of `world` ranks at `tp`; None where this machine has fewer GPUs than ranks."""
+    import torch.multiprocessing as mp
+    if torch.cuda.is_available() and torch.cuda.device_count() < world:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "losses.pt")
+        mp.spawn(_rank, args=(world, _free_port(), tp, str(path), data, out), nprocs=world)
+        return torch.load(out)
+
+
+def exactness(path: Path) -> dict:
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.models.preset import load_checkpoint
+    hf, _ = load_checkpoint(path)
+    engine = MegatronTrainEngine(path, "reference")
+    ids = torch.randint(3, hf.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids.to(engine.device)).logits
+        h = engine._hidden(ids.to(engine.device))
+        got = engine._logits(h.reshape(-1, h.shape[-1]))[0].view_as(want)
+    exported, own = engine.weights(), hf.state_dict()
+    return {"logits_max_abs_diff_vs_hf": (got - want).abs().max().item(),
+            "hf_roundtrip_exact": set(exported) == set(own) and all(torch.equal(exported[k].cpu(), own[k].cpu())
+                                                                    for k in own)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b" if torch.cuda.is_available() else "tiny")
+    shape = size(p.parse_args(argv if argv is not None else []).shape, "tiny")  # `python -m bench` calls main() bare
+    torch.set_num_threads(threads(2))
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.models.preset import load_checkpoint
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+    with tempfile.TemporaryDirectory() as d:
+        path = checkpoint(shape, Path(d) / shape)
+        data = batches(SHAPES[shape]["vocab_size"], STEPS)
+        fig = {"device": device, "shape": shape, "steps": STEPS, "batch": BATCH, "seq_len": SEQ, "repeats": REPEATS,
+               "dtype": "float32" if not torch.cuda.is_available() else "bf16 autocast (torch) / fp32 (megatron)"}
+        times = {"torch": [], "megatron": []}
+        curves = {}
+        for _ in range(REPEATS):  # alternating, so drift in the machine's speed hits both
+            model, _ = load_checkpoint(path)
+            curves["torch"], s = steps(model, data)
+            times["torch"].append(s)
+            del model
+            curves["megatron"], s = steps(MegatronTrainEngine(path, lr=1e-3), data)
+            times["megatron"].append(s)
+        tokens = STEPS * BATCH * SEQ
+        fig["tokens_per_s_torch_engine"] = round(tokens / min(times["torch"]), 1)
+        fig["tokens_per_s_megatron"] = round(tokens / min(times["megatron"]), 1)
+        fig["speed_ratio"] = round(fig["tokens_per_s_megatron"] / fig["tokens_per_s_torch_engine"], 3)
+        fig["loss_max_abs_diff_vs_torch_engine"] = max(abs(a - b) for a, b in zip(curves["torch"],
+                                                                                 curves["megatron"]))
+        fig |= exactness(path)
+        for name, tp in (("tp2", 2), ("dp2", 1)):
+            got = ranks(path, data, tp, 2)
+            fig[f"{name}_loss_max_abs_diff"] = None if got is None else max(
+                abs(a - b) for a, b in zip(got, curves["megatron"]))
+        fig["cp2_loss_max_abs_diff"] = None
+        fig["cp2_note"] = "context parallelism runs in Transformer Engine's attention only (no CPU build)"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "megatron.json").write_text(json.dumps(mark(fig), indent=1) + "\n")
+    print(json.dumps(mark(fig), indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
