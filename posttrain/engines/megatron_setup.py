@@ -144,7 +144,9 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompu
             if _has_te():  # Transformer Engine's fused layers, mbridge's own mapping
                 return super()._get_transformer_layer_spec(vp_stage)
             self.has_vp_stage = False
-            return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+            spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
+            spec.submodules.self_attention.submodules.core_attention = sdpa_attention()
+            return spec
 
     if getattr(hf_config, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
         hf_config.rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
@@ -170,3 +172,25 @@ def recompute_layers(gpt) -> None:
     for layer in gpt.decoder.layers:
         run = layer.forward
         layer.forward = lambda *a, _run=run, **kw: checkpoint(_run, *a, use_reentrant=False, **kw)
+
+
+def sdpa_attention():
+    """Megatron's local core attention with torch's scaled_dot_product_attention in place of its explicit
+    [b, heads, s, s] scores and softmax (which also builds its causal mask on CUDA): one fused kernel where torch
+    has one, grouped-query heads without repeating the keys. No mask given: causal."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SdpaAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None or attention_bias is not None:
+                raise ValueError("megatron: packed sequences and attention biases need Transformer Engine")
+            s, b = query.shape[:2]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+                is_causal=attention_mask is None, scale=self.softmax_scale,
+                enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition)
+            return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+    return SdpaAttention

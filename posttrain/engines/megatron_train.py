@@ -103,6 +103,7 @@ class MegatronTrainEngine:
         Transformer Engine); `attention_mask` (1 = token, 0 = padding) keeps padding out."""
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         b, T = ids.shape
+        causal = position_ids is None and attention_mask is None  # one sequence a row: no mask to build
         if position_ids is None:
             position_ids = torch.arange(T, device=ids.device)[None].expand(b, T)
         pad = (-T) % self.parallel.tp if self.parallel.sequence_parallel else 0  # SP splits the sequence over tp
@@ -110,22 +111,28 @@ class MegatronTrainEngine:
             ids, position_ids = F.pad(ids, (0, pad), value=self.pad_id), F.pad(position_ids, (0, pad))
             if attention_mask is not None:
                 attention_mask = F.pad(attention_mask, (0, pad))
-        n = ids.shape[1]
-        doc = (position_ids == 0).cumsum(-1)
-        allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-        if attention_mask is not None:
-            allowed &= attention_mask[:, None, :].bool()
-        allowed |= torch.eye(n, dtype=torch.bool, device=ids.device)  # a padding query attends to itself: no NaN
-        mask = ~allowed[:, None]  # Megatron's convention: True = masked
-        pos = position_ids
+        mask = None if causal else self._document_mask(position_ids, attention_mask)
         self.gpt.post_process = False  # GPTModel then returns the final-normed hidden states [s, b, h]
         try:
-            h = self.gpt(ids, pos, mask)
+            h = self.gpt(ids, position_ids, mask)
         finally:
             self.gpt.post_process = True
         if self.parallel.sequence_parallel:
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
         return h.transpose(0, 1)[:, :T]
+
+    @staticmethod
+    def _document_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """[b, 1, T, T], True where a query may not see a key (Megatron's convention): another document, the
+        future, padding."""
+        n = position_ids.shape[1]
+        doc = (position_ids == 0).cumsum(-1)
+        allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(n, n, dtype=torch.bool,
+                                                                   device=doc.device).tril()
+        if attention_mask is not None:
+            allowed &= attention_mask[:, None, :].bool()
+        allowed |= torch.eye(n, dtype=torch.bool, device=doc.device)  # a padding query sees itself: no NaN
+        return ~allowed[:, None]
 
     def _head_weight(self) -> torch.Tensor:
         return self.gpt.shared_embedding_or_output_weight() if self.tied else self.gpt.output_layer.weight
@@ -155,7 +162,8 @@ class MegatronTrainEngine:
         if not bool(sel.any()):
             return self._head_weight().sum() * 0.0  # no scored token: a zero loss every rank can still backward
         h = self._hidden(ids, batch.get("position_ids"), batch.get("attention_mask"))[:, :-1][sel]
-        logp, _ = vocab_parallel.token_scores(*self._logits(h), self.vocab_size, 1.0, target=ids[:, 1:][sel])
+        logp, _ = vocab_parallel.token_scores(*self._logits(h), self.vocab_size, 1.0, target=ids[:, 1:][sel],
+                                              entropy=False)
         return -(logp * mask[sel].float()).sum() / mask.float().sum()
 
     def forward(self, samples) -> torch.Tensor:

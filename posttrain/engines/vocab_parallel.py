@@ -28,11 +28,13 @@ def log_softmax(logits: torch.Tensor, vocab_start: int, vocab_size: int, tempera
     ids at or past `vocab_size` (the padding to a multiple of tp) get probability 0."""
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
     z = logits.float() / temperature
-    ids = torch.arange(vocab_start, vocab_start + z.shape[-1], device=z.device)
-    z = z.masked_fill(ids >= vocab_size, float("-inf"))
+    if vocab_start + z.shape[-1] > vocab_size:
+        ids = torch.arange(vocab_start, vocab_start + z.shape[-1], device=z.device)
+        z = z.masked_fill(ids >= vocab_size, float("-inf"))
+    if dist.get_world_size(_group()) == 1:
+        return torch.log_softmax(z, -1)
     top = z.detach().max(-1, keepdim=True).values
-    if dist.get_world_size(_group()) > 1:
-        dist.all_reduce(top, dist.ReduceOp.MAX, group=_group())
+    dist.all_reduce(top, dist.ReduceOp.MAX, group=_group())
     log_z = top + _sum((z - top).exp().sum(-1, keepdim=True)).log()
     return z - copy_to_tensor_model_parallel_region(log_z, group=_group())
 
@@ -43,14 +45,14 @@ def _plogq(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def token_scores(logits: torch.Tensor, vocab_start: int, vocab_size: int, temperature: float, *,
-                 target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of each `target` id, entropy), both [n] and the same on every rank."""
+                 target: torch.Tensor, entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probability of each `target` id, entropy or None), both [n] and the same on every rank."""
     ls = log_softmax(logits, vocab_start, vocab_size, temperature)
     local = target - vocab_start
     here = (local >= 0) & (local < ls.shape[-1])
     picked = ls.gather(-1, local.clamp(0, ls.shape[-1] - 1)[:, None]).squeeze(-1)
     logp = _sum(torch.where(here, picked, torch.zeros_like(picked)))
-    return logp, -_sum(_plogq(ls.exp(), ls))
+    return logp, -_sum(_plogq(ls.exp(), ls)) if entropy else None
 
 
 def reverse_kl(logits: torch.Tensor, vocab_start: int, vocab_size: int, temperature: float, *,
