@@ -7,7 +7,7 @@ PROFILE ?= tiny
 B       ?=
 SEEDS   ?= 0 1 2
 
-.PHONY: install run test test-cluster test-slow bench figures ui-shots checkpoint-smollm2 clean
+.PHONY: install run test test-cluster test-slow test-sglang sglang bench figures ui-shots checkpoint-smollm2 clean
 
 install: $(STAMP)
 
@@ -23,7 +23,7 @@ run: install
 	$(BIN)/posttrain run --profile $(PROFILE)
 
 test: install
-	$(BIN)/python -m pytest -x -q --durations=15 --ignore=tests/test_cluster.py --ignore=tests/slow  # the slowest, to keep it short
+	$(BIN)/python -m pytest -x -q --durations=15 --ignore=tests/test_cluster.py --ignore=tests/slow --ignore=tests/sglang  # the slowest, to keep it short
 
 # the small profile on the real chat model, a few steps per stage (minutes: its forwards); CI runs it too
 test-slow: install
@@ -32,6 +32,16 @@ test-slow: install
 # against real servers on loopback (S3, MLflow): longer than the suite's budget, so apart; CI runs both
 test-cluster: install
 	$(BIN)/python -m pytest -x -q --durations=5 tests/test_cluster.py
+
+# SGLang in its own environment (its wheel pins a CUDA torch): the CPU recipe in containers/sglang-cpu/build.sh
+sglang: .venv-sglang/.built
+
+.venv-sglang/.built: containers/sglang-cpu/build.sh containers/sglang-cpu/requirements.txt
+	PY=$(PY) bash containers/sglang-cpu/build.sh .venv-sglang
+
+# the SGLang rollout engine against real servers on loopback; CI runs it too
+test-sglang: install sglang
+	$(BIN)/python -m pytest -x -q --durations=5 tests/sglang
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(BIN)/pip install -q -e ".[test,bench]"

@@ -25,6 +25,7 @@ from posttrain.console import kv
 from posttrain.data import load_tasks
 from posttrain.device import device
 from posttrain.engines import rollout_engine
+from posttrain.quant.int_linear import is_compressed
 from posttrain.ramp import eval_sets
 from posttrain.raysupport import map_tasks
 from posttrain.rl.rollout import run_episodes, score
@@ -77,7 +78,12 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
     that many sampled answers per task (a sample passes on full reward) for the domain suites; and, for a
     checkpoint with an MTP layer (decoded speculatively), the mean tokens per model forward."""
     torch.manual_seed(cfg.seed)
-    engine = rollout_engine(cfg.rl.rollout_engine, path)
+    name = cfg.rl.rollout_engine
+    if name == "sglang" and is_compressed(path):  # its W4A8 kernels are CUDA's, and our mixed export is untried there
+        print(f"[evaluate] {path}: a W4A8 export, evaluated with the torch engine (rl.rollout_engine sglang serves "
+              f"the unquantized checkpoints)", flush=True)
+        name = "torch"
+    engine = rollout_engine(name, path)
     tok = engine.tokenizer
     scores, tokens, passk = {}, {}, {}
     for name, (tasks, thinking) in suite_tasks.items():

@@ -9,14 +9,9 @@ the PPO critic and the KL reference. The local torch engines implement both; `rl
 sft (one rank per Ray Train worker, tp x data parallel), RL and OPD (one rank) when `runtime.train_engine` is
 megatron.
 
-Adding a backend is one module and one line in ROLLOUT / TRAIN below:
-- SGLang rollout engine (`engines/sglang_rollout.py`): start `sglang.Engine(model_path=checkpoint)` in the
-  worker; `generate` sends `input_ids` with `return_logprob=True` and maps `meta_info["output_token_logprobs"]`
-  and `finish_reason` to `Generation`; `score` prefills with `logprob_start_len` (top-k via
-  `top_logprobs_num`); `update_weights` first by disk (`update_weights_from_disk(folder)`, what a trainer on
-  another node can always do), then by tensor (`update_weights_from_tensor`, same node) or NCCL broadcast
-  (`init_weights_update_group` + `update_weights_from_distributed`, the trainer's rank 0 broadcasting);
-  `pause`/`resume` map to `pause_generation`/`continue_generation`; `version` is the trainer step sent along.
+Adding a backend is one module and one line in ROLLOUT / TRAIN below. The SGLang rollout engine
+(`engines/sglang_rollout.py`, `rl.rollout_engine: sglang`) serves each worker's, teacher's and evaluated checkpoint
+from its own SGLang server process (`engines/sglang_server.py`, SGLang's environment built by `make sglang`).
 - Megatron-core train engine, what is still to come: pipeline stages (`forward` through
   `get_forward_backward_func` with the loss, `backward` folded into that schedule), Megatron's DDP with the
   distributed optimizer on CUDA, `dist_checkpointing` for sharded state, and RL / OPD over several ranks (the loop
@@ -34,7 +29,8 @@ from posttrain.engines.base import Generation, RolloutEngine, TrainEngine
 __all__ = ["Generation", "RolloutEngine", "TrainEngine", "rollout_engine", "train_engine", "as_rollout_engine",
            "train_options"]
 
-ROLLOUT = {"torch": "posttrain.engines.torch_rollout:TorchRolloutEngine"}
+ROLLOUT = {"torch": "posttrain.engines.torch_rollout:TorchRolloutEngine",
+           "sglang": "posttrain.engines.sglang_rollout:SGLangRolloutEngine"}
 TRAIN = {"torch": "posttrain.engines.torch_train:TorchTrainEngine",
          "megatron": "posttrain.engines.megatron_train:MegatronTrainEngine"}
 

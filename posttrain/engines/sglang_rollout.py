@@ -1,0 +1,161 @@
+"""The SGLang rollout engine: generation, teacher scores and weight updates through a real SGLang server
+(`engines.sglang_server`), over SGLang's native HTTP API. Token in, token out: prompts go as `input_ids`, the
+completion comes back as `output_ids` with each token's log-probability; nothing is re-tokenised. Stops are the
+caller's stop ids only (the model's own EOS is ignored unless it is one of them), kept as generated."""
+from __future__ import annotations
+
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from posttrain.engines.base import Generation, WeightSource
+from posttrain.engines.sglang_server import SGLangServer
+
+FULL_MAX = 65536  # ids a teacher returns per position when the whole distribution is needed
+
+
+class SGLangRolloutEngine:
+    """A checkpoint served by its own SGLang server (a child process of this one)."""
+
+    def __init__(self, checkpoint: str | Path, *, seed: int = 0):
+        from transformers import AutoTokenizer
+        self.checkpoint = str(checkpoint)
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.server = SGLangServer(checkpoint, seed=seed)
+        self.version = 0
+        self._weights = self.checkpoint  # what a restarted server reloads
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._open = threading.Event()
+        self._open.set()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> "SGLangRolloutEngine":
+        from posttrain.quant.int_linear import is_compressed
+        if is_compressed(path):
+            raise ValueError(f"rl.rollout_engine sglang: {path} is a W4A8 compressed-tensors export; SGLang's int4 / "
+                             f"int8 kernels are CUDA's, and posttrain's mixed export has not been tried there")
+        return cls(path)
+
+    def _call(self, route: str, payload: dict | None = None):
+        return self.server.call(route, payload, on_restart=self._reload)
+
+    def _reload(self) -> None:
+        if self._weights != self.checkpoint:
+            self.server.post("update_weights_from_disk", {"model_path": self._weights, "weight_version": str(self.version)})
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
+                 generator: torch.Generator | None = None) -> list[Generation]:
+        self._open.wait()
+        if not prompts:
+            return []
+        # a seed per request, drawn from the caller's generator: SGLang reads them under
+        # --enable-deterministic-inference (CUDA attention backends only); else draws follow the server's own RNG
+        seeds = torch.randint(2 ** 31, (len(prompts),), generator=generator).tolist()
+        params = [{"max_new_tokens": max_new_tokens, "temperature": temperature, "stop_token_ids": sorted(stop_ids),
+                   "no_stop_trim": True, "sampling_seed": s} for s in seeds]
+        out = self._call("generate", {"input_ids": [list(p) for p in prompts], "sampling_params": params,
+                                      "return_logprob": True})
+        gens = []
+        for r in out:
+            meta = r["meta_info"]
+            ids = list(r["output_ids"])
+            lps = [float(lp) for lp, _, *_ in meta["output_token_logprobs"]]
+            stopped = meta["finish_reason"]["type"] == "stop"
+            gens.append(Generation(ids, lps, "stop" if stopped else "length"))
+        return gens
+
+    def score(self, items: list[tuple[list[int], list[int], list[int]]], *, mode: str = "sampled", top_k: int = 16,
+              temperature: float = 1.0) -> list:
+        """The server's prompt log-probabilities at the completion's generated tokens: `sampled` (the tokens' own),
+        `topk` or `full`. SGLang scores prompts at temperature 1 only; at another temperature the whole
+        distribution comes back and is renormalised here (exact: log softmax(log p / T) = log softmax(z / T)), which
+        needs a vocabulary of at most FULL_MAX ids."""
+        vocab = len(self.tokenizer)
+        whole = mode == "full" or temperature != 1.0
+        if whole and vocab > FULL_MAX:
+            raise ValueError(f"rl.rollout_engine sglang: teacher scores {mode!r} at temperature {temperature} need "
+                             f"the whole distribution of {vocab} ids from the server (at most {FULL_MAX}); use "
+                             f"opd.loss sampled or topk at temperature 1, or the torch engine")
+        k = vocab if whole else top_k if mode == "topk" else 0
+        out = self._call("generate", {
+            "input_ids": [list(p) + list(ids) for p, ids, _ in items],
+            "sampling_params": [{"max_new_tokens": 0}] * len(items), "return_logprob": True,
+            "logprob_start_len": [len(p) - 1 for p, _, _ in items], "top_logprobs_num": [k] * len(items)})
+        res = []
+        for (_, ids, mask), r in zip(items, out):
+            meta = r["meta_info"]
+            # entry j scores the prompt's last position plus j, i.e. completion token j - 1: entry 0 scores nothing
+            pos = [j + 1 for j, m in enumerate(mask) if m]
+            if not whole:
+                if mode == "sampled":
+                    res.append([float(meta["input_token_logprobs"][j][0]) for j in pos])
+                else:
+                    tops = meta["input_top_logprobs"]
+                    res.append((np.array([[t[1] for t in tops[j]] for j in pos], dtype=np.int32),
+                                np.array([[t[0] for t in tops[j]] for j in pos], dtype=np.float32)))
+                continue
+            full = torch.full((len(pos), vocab), float("-inf"))
+            for row, j in enumerate(pos):
+                lp = torch.tensor([t[0] for t in meta["input_top_logprobs"][j]])
+                full[row, torch.tensor([t[1] for t in meta["input_top_logprobs"][j]])] = lp
+            full = torch.log_softmax(full / temperature, -1)
+            if mode == "full":
+                res.append(full.numpy())
+            elif mode == "sampled":
+                res.append(full.gather(1, torch.tensor([ids[j - 1] for j in pos])[:, None])[:, 0].tolist())
+            else:
+                v, i = full.topk(min(top_k, vocab), -1)
+                res.append((i.to(torch.int32).numpy(), v.numpy()))
+        return res
+
+    def update_weights(self, source: WeightSource, version: int) -> None:
+        """From a checkpoint folder (`update_weights_from_disk`, what a trainer on another node can always do), or a
+        state dict, written to a folder of this process first. New generations wait meanwhile; the server lets the
+        running ones finish on the old weights first."""
+        if not isinstance(source, (str, Path)):
+            source = self._write(source)
+        self._open.clear()
+        try:
+            out = self._call("update_weights_from_disk", {"model_path": str(source), "weight_version": str(version)})
+            if not out.get("success", False):
+                raise RuntimeError(f"SGLang update_weights_from_disk {source}: {out.get('message')}")
+            self._weights, self.version = str(source), version
+        finally:
+            self._open.set()
+
+    def _write(self, state: dict) -> str:
+        """A state dict as a checkpoint folder beside the served one's config and tokenizer (replacing the last)."""
+        from transformers import AutoModelForCausalLM
+
+        from posttrain.models.preset import load_pretrained, save_checkpoint
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="posttrain-sglang-weights-")
+            self._model = load_pretrained(AutoModelForCausalLM, self.checkpoint)
+        self._model.load_state_dict(state)
+        out = Path(self._tmp.name) / "current"
+        save_checkpoint(self._model, self.tokenizer, out)
+        return str(out)
+
+    def pause(self) -> None:
+        """Hold new generations here, and the server's running ones where they are (`in_place`: their KV cache
+        kept, so they continue after `resume`)."""
+        self._open.clear()
+        self._call("pause_generation", {"mode": "in_place"})
+
+    def resume(self) -> None:
+        self._call("continue_generation", {})
+        self._open.set()
+
+    def close(self) -> None:
+        self.server.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the server's process group may already be gone
+            pass
