@@ -108,6 +108,8 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
             passed = [sum(r[i + j * len(tasks)] >= 1.0 for j in range(samples)) for i in range(len(tasks))]
             passk[name] = {f"pass@{k}": round(sum(pass_at_k(samples, c, k) for c in passed) / len(tasks), 4)
                            for k in sorted({1, samples})}
+    if hasattr(engine, "close"):  # a server process (sglang): gone with the evaluation, not at garbage collection
+        engine.close()
     st = getattr(engine, "stats", {})
     if not st.get("verifications"):
         return scores, tokens, passk, {}

@@ -34,8 +34,7 @@ class MegatronTrainEngine:
     head on the backbone's last hidden state) or `reference` (forward only)."""
 
     def __init__(self, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
-                 parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0,
-                 schedule: Callable[[int], float] | None = None, recompute: bool = False):
+                 parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0, recompute: bool = False):
         from transformers import AutoConfig, AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -68,7 +67,6 @@ class MegatronTrainEngine:
         if lr is not None and role != "reference":
             from posttrain.train import make_optimizer
             self.opt = make_optimizer(self.model, lr, weight_decay)
-            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
         else:
             self.model.requires_grad_(False)
         self.routers, self.moe_stats, self._hf = None, {}, None  # a dense model: no expert load to balance

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "POSTTRAIN_SGLANG_PYTHON"
 LOG_DIR_ENV = "POSTTRAIN_SGLANG_LOG_DIR"
 START_TIMEOUT_S = 300.0
+MIN_CONTEXT = 32768  # tokens a request may hold, at least
 
 
 class ServerError(RuntimeError):
@@ -37,6 +38,28 @@ def sglang_python() -> str:
         return str(local)
     raise ServerError(f"rl.rollout_engine sglang: no SGLang environment: run `make sglang` (builds .venv-sglang on a "
                       f"CPU machine) or set {PYTHON_ENV} to the python of one (the gpu-rollout image's)")
+
+
+# Runs the server as its child and stops it when this process is gone, however it went (a Ray actor killed, a
+# SIGKILLed stage), so no server outlives its engine. (PR_SET_PDEATHSIG fires when the *thread* that started the
+# server ends, which in a Ray actor is long before the actor does.)
+WATCHDOG = """
+import ctypes, os, signal, subprocess, sys, time
+parent = os.getppid()
+# the server dies with this watchdog even when it is SIGKILLed (Ray kills a finished worker's children so);
+# SGLang's own workers die with the server the same way
+server = subprocess.Popen(sys.argv[1:], preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL))
+signal.signal(signal.SIGTERM, lambda *_: server.terminate())
+while server.poll() is None:
+    if os.getppid() != parent:
+        server.terminate()
+        try:
+            server.wait(20)
+        finally:
+            os.killpg(0, signal.SIGKILL)  # the server's own workers too (its detokenizer outlives it otherwise)
+    time.sleep(1)
+sys.exit(server.wait())
+"""
 
 
 def _free_port() -> int:
@@ -68,9 +91,14 @@ class SGLangServer:
     def command(self) -> list[str]:
         cuda = torch.cuda.is_available()
         # token in, token out: no tokenizer in the server (so no stop on its EOS either), no detokenising
-        args = [sglang_python(), "-m", "sglang.launch_server", "--model-path", str(self.served),
+        python = sglang_python()
+        args = [python, "-c", WATCHDOG, python, "-m", "sglang.launch_server", "--model-path", str(self.served),
                 "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port),
                 "--random-seed", str(self.seed), "--skip-server-warmup", "--log-level", "warning"]
+        # as the torch engine, decode past the trained context (what the long-context suites measure before the
+        # ramp); SGLang refuses a request longer than --context-length
+        trained = json.loads((Path(self.checkpoint) / "config.json").read_text()).get("max_position_embeddings", 0)
+        args += ["--context-length", str(max(trained, MIN_CONTEXT))]
         if not cuda:  # SGLang's CPU path: fp32 as the torch engine, torch attention and sampling, no graphs
             args += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
                      "--sampling-backend", "pytorch", "--disable-cuda-graph", "--grammar-backend", "none",
@@ -79,7 +107,8 @@ class SGLangServer:
 
     def start(self) -> None:
         self.port = _free_port()
-        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "0" if torch.cuda.is_available() else "1"}
+        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "0" if torch.cuda.is_available() else "1",
+               "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
         env.pop("PYTHONPATH", None)  # the project's modules (a different transformers) must not shadow SGLang's
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -35,6 +35,11 @@ class Teacher:
     def ready(self) -> bool:
         return True
 
+    def close(self) -> None:
+        """Stop what the engine runs besides this process (an SGLang server)."""
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+
     def score(self, items: list[tuple[list[int], list[int], list[int]]], mode: Mode = "sampled",
               top_k: int = 16, temperature: float = 1.0) -> list:
         """items: (prompt ids, completion ids, generation mask). Per item, over its generated tokens in
@@ -90,5 +95,12 @@ class TeacherPool:
     def close(self) -> None:
         if self.use_ray:
             import ray
+            try:  # the engines' servers stopped cleanly first; a stuck teacher is killed all the same
+                ray.get([t.close.remote() for t in self.teachers.values()], timeout=60)
+            except Exception:  # noqa: BLE001 (closing: any failure ends in the kill below)
+                pass
             for t in self.teachers.values():
                 ray.kill(t)
+        else:
+            for t in self.teachers.values():
+                t.close()

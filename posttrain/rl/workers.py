@@ -84,6 +84,11 @@ class RolloutWorker:
     def ready(self) -> bool:
         return True
 
+    def close(self) -> None:
+        """Stop what the engine runs besides this process (an SGLang server)."""
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+
     def _judge(self, spec: tuple | None):
         if spec is None:
             return None
@@ -175,11 +180,17 @@ class WorkerPool:
     def close(self) -> None:
         if self.use_ray:
             import ray
+            try:  # the engines' servers stopped cleanly first; a stuck worker is killed all the same
+                ray.get([w.close.remote() for w in self.workers], timeout=60)
+            except Exception:  # noqa: BLE001 (closing: any failure ends in the kill below)
+                pass
             for w in self.workers:
                 ray.kill(w)
         else:
             for p in self.pools:
                 p.shutdown(wait=True)
+            for w in self.workers:
+                w.close()
 
 
 class RolloutBuffer:
