@@ -94,7 +94,8 @@ class SGLangServer:
         python = sglang_python()
         args = [python, "-c", WATCHDOG, python, "-m", "sglang.launch_server", "--model-path", str(self.served),
                 "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(self.port),
-                "--random-seed", str(self.seed), "--skip-server-warmup", "--log-level", "warning"]
+                "--random-seed", str(self.seed), "--skip-server-warmup", "--log-level", "warning",
+                "--sleep-on-idle"]  # else its scheduler spins a core while idle (what a trainer beside it needs)
         # as the torch engine, decode past the trained context (what the long-context suites measure before the
         # ramp); SGLang refuses a request longer than --context-length
         trained = json.loads((Path(self.checkpoint) / "config.json").read_text()).get("max_position_embeddings", 0)
