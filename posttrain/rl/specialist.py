@@ -22,11 +22,23 @@ def plot_curves(hist: dict, path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    gap = "logratio_abs" in hist
+    fig, axes = plt.subplots(1, 2 if gap else 1, figsize=(11 if gap else 6, 3.5), squeeze=False)
+    ax = axes[0, 0]
     ax.plot(range(1, len(hist["reward"]) + 1), hist["reward"], label="reward (train batch)", alpha=0.6)
     ax.plot(*zip(*hist["val_score"]), "o-", label="validation accuracy (greedy)")
     ax.set(xlabel="step", ylabel="score", title=title, ylim=(0, 1.02))
     ax.legend(loc="lower right")
+    if gap:  # where the train engine and the rollout engine disagree on the sampled tokens
+        steps = range(1, len(hist["logratio_abs"]) + 1)
+        b = axes[0, 1]
+        b.plot(steps, hist["logratio_abs"], color="C2", label="mean |log pi_train - log pi_rollout|")
+        b.set(xlabel="step", ylabel="per generated token", title="train / rollout mismatch")
+        m = b.twinx()
+        m.plot(steps, hist["masked_fraction"], color="C3", ls="--", label="share masked by IS")
+        m.set_ylabel("share of tokens")
+        b.legend(loc="upper left")
+        m.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -72,7 +84,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     (out / "hack_attempts.json").write_text(json.dumps(st.attempts[:500], indent=1))
     (out / "history.json").write_text(json.dumps(hist))
     moe.plot_load(hist, out / moe.PLOT, f"rl-{domain}")
-    plot_curves(hist, out / "rl_curves.png", f"rl {domain} ({r.algorithm}, k={r.max_staleness})")
+    plot_curves(hist, out / "rl_curves.png", f"rl {domain} ({r.algorithm}, k={r.max_staleness}, "
+                f"{cfg.runtime.train_engine} / {r.rollout_engine})")
     total = sum(st.staleness.values())
     metrics = {"val_score_before": hist["val_score"][0][1], "val_score_after": hist["val_score"][-1][1],
                **summarize(hist, "reward", 5), **moe_metrics(hist, 5), "hack_attempts_blocked": sum(hist["blocked"]),
