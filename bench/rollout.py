@@ -5,8 +5,8 @@
 - `greedy_identical`: both engines' tokens equal at every batch size; `logprob_abs_diff_mean`: their per-token
   log-probabilities' mean absolute difference.
 - `weight_sync_s_disk`: `update_weights` from a checkpoint folder, until the next generation may start;
-  `weight_sync_s_state_dict`: from the trainer's state dict (written to a folder, then the same).
-- `weight_sync_s_broadcast`: null: the engine takes weights by disk only so far.
+  `weight_sync_s_broadcast`: from a state dict in this process, broadcast to the server (gloo on CPU, NCCL on
+  CUDA), its process group already made (the first broadcast, which makes it, is `weight_sync_s_broadcast_first`).
 - `sglang_start_s`: the server's start, from launch to ready.
 
     python -m bench.rollout [--shape tiny|0.5b]     (make bench B=rollout)
@@ -92,11 +92,10 @@ def main(argv: list[str] | None = None) -> None:
             t = time.perf_counter()
             sgl.update_weights(str(Path(d) / "next"), version=1)
             fig["weight_sync_s_disk"] = round(time.perf_counter() - t, 3)
-            t = time.perf_counter()
-            sgl.update_weights(model.state_dict(), version=2)
-            fig["weight_sync_s_state_dict"] = round(time.perf_counter() - t, 3)
-            fig["weight_sync_s_broadcast"] = None
-            fig["weight_sync_note"] = "by disk only so far (update_weights_from_distributed is not wired)"
+            for key, version in (("weight_sync_s_broadcast_first", 2), ("weight_sync_s_broadcast", 3)):
+                t = time.perf_counter()
+                sgl.update_weights(model.state_dict(), version=version)
+                fig[key] = round(time.perf_counter() - t, 3)
         finally:
             sgl.close()
     for b in BATCHES:

@@ -26,7 +26,8 @@ class SGLangRolloutEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.server = SGLangServer(checkpoint, seed=seed)
         self.version = 0
-        self._weights = self.checkpoint  # what a restarted server reloads
+        self._weights: str | dict = self.checkpoint  # what a restarted server reloads: a folder or a state dict
+        self._group = self._group_server = None  # the process group broadcasting weights to the server
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._open = threading.Event()
         self._open.set()
@@ -43,6 +44,9 @@ class SGLangRolloutEngine:
         return self.server.call(route, payload, on_restart=self._reload)
 
     def _reload(self) -> None:
+        """A restarted server's weights: the last folder it was given, or the last broadcast state (as a folder)."""
+        if isinstance(self._weights, dict):
+            self._weights = self._write(self._weights)
         if self._weights != self.checkpoint:
             self.server.post("update_weights_from_disk", {"model_path": self._weights, "weight_version": str(self.version)})
 
@@ -112,19 +116,49 @@ class SGLangRolloutEngine:
         return res
 
     def update_weights(self, source: WeightSource, version: int) -> None:
-        """From a checkpoint folder (`update_weights_from_disk`, what a trainer on another node can always do), or a
-        state dict, written to a folder of this process first. New generations wait meanwhile; the server lets the
-        running ones finish on the old weights first."""
-        if not isinstance(source, (str, Path)):
-            source = self._write(source)
+        """From a checkpoint folder (`update_weights_from_disk`, what a trainer on another node can always do), or
+        from a state dict in this process, broadcast to the server over a process group of the two
+        (`update_weights_from_distributed`: gloo on CPU, NCCL on CUDA; no file written). New generations wait
+        meanwhile; the server lets the running ones finish on the old weights first."""
         self._open.clear()
         try:
-            out = self._call("update_weights_from_disk", {"model_path": str(source), "weight_version": str(version)})
-            if not out.get("success", False):
-                raise RuntimeError(f"SGLang update_weights_from_disk {source}: {out.get('message')}")
-            self._weights, self.version = str(source), version
+            if isinstance(source, (str, Path)):
+                out = self._call("update_weights_from_disk", {"model_path": str(source),
+                                                              "weight_version": str(version)})
+                if not out.get("success", False):
+                    raise RuntimeError(f"SGLang update_weights_from_disk {source}: {out.get('message')}")
+                self._weights = str(source)
+            else:
+                self._broadcast(source, version)
+                self._weights = source
+            self.version = version
         finally:
             self._open.set()
+
+    def _broadcast(self, state: dict, version: int) -> None:
+        import torch.distributed as dist
+
+        from posttrain.engines.weight_group import weight_group
+        if self._group is None or self._group_server != self.server.proc:  # a restarted server joins afresh
+            self._group = weight_group(lambda payload: self._call("init_weights_update_group", payload))
+            self._group_server = self.server.proc
+        names = sorted(state)
+        tensors = [state[n].detach().to(self._group.device).contiguous() for n in names]
+        self._call("begin_weight_update", {})
+        try:
+            done: list = []
+            receive = threading.Thread(target=lambda: done.append(self.server.post("update_weights_from_distributed", {
+                "names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "shapes": [list(t.shape) for t in tensors], "group_name": self._group.name,
+                "weight_version": str(version)})))
+            receive.start()
+            for t in tensors:  # in the order the server receives them
+                dist.broadcast(t, src=0, group=self._group.pg)
+            receive.join()
+            if not done or not done[0].get("success", False):
+                raise RuntimeError(f"SGLang update_weights_from_distributed: {done[0] if done else 'no answer'}")
+        finally:
+            self.server.post("end_weight_update", {})
 
     def _write(self, state: dict) -> str:
         """A state dict as a checkpoint folder beside the served one's config and tokenizer (replacing the last)."""

@@ -90,7 +90,8 @@ def test_teacher_scores_equal_the_torch_engines_in_every_mode(engine, ckpts, tok
                 assert np.abs(np.asarray(x) - np.asarray(y)).max() < TOL and len(x) == 4
 
 
-def test_weight_updates_by_disk_and_by_state_dict_change_generations_and_the_version(engine, ckpts, tok):
+def test_weight_updates_by_disk_and_by_broadcast_change_generations_and_the_version(engine, ckpts, tok):
+    """A folder goes through /update_weights_from_disk; a state dict is broadcast over gloo to the server."""
     prompts, kw = _prompts(len(tok), seed=4), dict(max_new_tokens=8, temperature=0.0, stop_ids=set())
     before = engine.generate(prompts, **kw)
     other = TorchRolloutEngine.from_checkpoint(ckpts[1]).generate(prompts, **kw)
@@ -123,15 +124,18 @@ def test_paused_generation_continues_without_losing_anything(engine, tok):
     _same(got[0], want)
 
 
-def test_a_killed_server_is_restarted_with_the_current_weights_and_the_call_completes(engine, ckpts, tok):
+@pytest.mark.parametrize("by", ["disk", "broadcast"])
+def test_a_killed_server_is_restarted_with_the_current_weights_and_the_call_completes(engine, ckpts, tok, by):
     prompts, kw = _prompts(len(tok), seed=6), dict(max_new_tokens=8, temperature=0.0, stop_ids=set())
-    engine.update_weights(ckpts[1], version=7)
+    engine.update_weights(ckpts[1] if by == "disk" else load_checkpoint(ckpts[1])[0].state_dict(), version=7)
     want = engine.generate(prompts, **kw)
     restarts = engine.server.restarts
     os.killpg(engine.server.proc.pid, 9)
     engine.server.proc.wait()
     _same(engine.generate(prompts, **kw), want)  # the restarted server reloaded version 7's weights
     assert engine.server.restarts == restarts + 1 and engine.version == 7
+    engine.update_weights(load_checkpoint(ckpts[0])[0].state_dict(), version=8)  # a new group with the new server
+    assert engine.version == 8
 
 
 def test_a_server_that_cannot_start_fails_with_its_own_log_lines(tmp_path, ckpts):
