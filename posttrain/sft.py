@@ -26,7 +26,7 @@ from posttrain.device import stage_gpus
 from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
 from posttrain.store import train_storage
-from posttrain.train import eval_loss, flat_examples, masked_lm_loss, moe_metrics, pad_examples, summarize, train
+from posttrain.train import flat_examples, masked_lm_loss, moe_metrics, pad_examples, summarize, train
 
 STATE = "state.pt"
 
@@ -149,14 +149,16 @@ def _worker(config: dict) -> None:
         evaluate = model.lm_loss
     else:
         model = ray.train.torch.prepare_model(model)  # DDP when there is more than one worker
-        shard, shards, evaluate = rank, world, None
+        shard, shards = rank, world
+
+        def evaluate(b: dict) -> torch.Tensor:
+            return masked_lm_loss(model, b)
     global_batch = _batches(cfg, config["examples"])
 
     def next_batch(i: int) -> dict:  # this data-parallel rank's share of the global batch
         return to_batch(global_batch(i)[shard::shards])
 
     val_batches = [to_val(config["val"][i:i + s.batch_size]) for i in range(0, len(config["val"]), s.batch_size)]
-    evaluate = evaluate or (lambda b: masked_lm_loss(model, b))
 
     # the MTP curves live in the history (the same lists), so a resumed run continues them
     curves = {k: state["hist"][k] for k in ("mtp_loss", "mtp_acc1") if state and k in state["hist"]}
@@ -177,7 +179,7 @@ def _worker(config: dict) -> None:
     train(model, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
           weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="sft", grad_accum=s.grad_accum,
           zero_loss_hint=f"chat template {chat_format(tok).template}",
-          eval_fn=lambda: sum(evaluate(b).item() for b in val_batches) / max(1, len(val_batches)),
+          eval_fn=lambda: sum(evaluate(b).item() for b in val_batches) / max(1, len(val_batches)),  # eval_loss's
           eval_every=max(1, s.steps // 5),
           state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every,
           loss_fn=mtp.with_loss(masked_lm_loss, cfg.mtp.loss_weight, curves), moe=cfg.moe)

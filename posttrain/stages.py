@@ -80,14 +80,14 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
                "eval.batch_size"),
               "tasks.ramp:ramp", resumable=True),
         # sft's own Ray task only waits on its Ray Train workers; base: the model whose answers it replays
-        Stage("sft", "posttrain.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE), "tasks.sft:sft", num_cpus=0.1,
-              resumable=True, gpu=False),
+        Stage("sft", "posttrain.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE),
+              "tasks.sft:sft", num_cpus=0.1, resumable=True, gpu=False),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
-        *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe", *TRAIN_ENGINE), "tasks.rl:rl",
-                (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
+        *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe", *TRAIN_ENGINE),
+                "tasks.rl:rl", (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
         # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
-        Stage("opd", "posttrain.rl.opd:run", ("sft", "curate", *specialists), ("seed", "opd", "rl", "moe", *TRAIN_ENGINE), "tasks.opd:opd",
-              num_cpus=0.5, threads=1, resumable=True),
+        Stage("opd", "posttrain.rl.opd:run", ("sft", "curate", *specialists),
+              ("seed", "opd", "rl", "moe", *TRAIN_ENGINE), "tasks.opd:opd", num_cpus=0.5, threads=1, resumable=True),
         Stage("quantize", "posttrain.quant.stage:run", ("opd", "curate"), ("seed", "quantize"),
               "tasks.quantize:quantize"),
         # on CPU evaluate's checkpoints run as Ray tasks of one CPU each (posttrain.evaluate), so it reserves little

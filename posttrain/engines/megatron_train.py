@@ -185,9 +185,11 @@ class MegatronTrainEngine:
     def logprobs(self, samples: list, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         h, target, real = self._completion_hidden(samples)
         logp, ent = vocab_parallel.token_scores(*self._logits(h), self.vocab_size, temperature, target=target)
-        return logp.new_zeros(real.shape).masked_scatter(real, logp), ent.new_zeros(real.shape).masked_scatter(real, ent)
+        return (logp.new_zeros(real.shape).masked_scatter(real, logp),
+                ent.new_zeros(real.shape).masked_scatter(real, ent))
 
-    def logprob_loss(self, samples: list, temperature: float, loss_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def logprob_loss(self, samples: list, temperature: float, loss_of
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp, ent = self.logprobs(samples, temperature)
         return loss_of(logp, ent), logp.detach(), ent.detach()
 

@@ -48,7 +48,8 @@ class SGLangRolloutEngine:
         if isinstance(self._weights, dict):
             self._weights = self._write(self._weights)
         if self._weights != self.checkpoint:
-            self.server.post("update_weights_from_disk", {"model_path": self._weights, "weight_version": str(self.version)})
+            self.server.post("update_weights_from_disk", {"model_path": self._weights,
+                                                          "weight_version": str(self.version)})
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
                  generator: torch.Generator | None = None) -> list[Generation]:
