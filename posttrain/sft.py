@@ -179,7 +179,7 @@ def _worker(config: dict) -> None:
     train(model, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
           weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="sft", grad_accum=s.grad_accum,
           zero_loss_hint=f"chat template {chat_format(tok).template}",
-          eval_fn=lambda: sum(evaluate(b).item() for b in val_batches) / max(1, len(val_batches)),  # eval_loss's
+          eval_fn=lambda: sum(evaluate(b).item() for b in val_batches) / max(1, len(val_batches)),
           eval_every=max(1, s.steps // 5),
           state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every,
           loss_fn=mtp.with_loss(masked_lm_loss, cfg.mtp.loss_weight, curves), moe=cfg.moe)
