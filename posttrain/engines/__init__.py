@@ -4,18 +4,16 @@ A `RolloutEngine` (posttrain/engines/base.py) generates from token ids with per-
 reasons, scores given tokens (teachers), takes new weights with a version and can pause; rollout workers,
 teachers, validation and every evaluation generate through one. A `TrainEngine` runs forward in the
 completion layout, backward, the optimizer step and its state (weights, optimizer, RNG) for the RL policy,
-the PPO critic and the KL reference. The local torch engines implement both; `rl.rollout_engine` and
-`runtime.train_engine` pick one by name. The Megatron-core train engine (`engines/megatron_train.py`) trains
-sft (one rank per Ray Train worker, tp x data parallel), RL and OPD (one rank) when `runtime.train_engine` is
-megatron.
+the PPO critic and the KL reference. `rl.rollout_engine` and `runtime.train_engine` pick one by name; adding a
+backend is one module and one line in ROLLOUT / TRAIN below.
 
-Adding a backend is one module and one line in ROLLOUT / TRAIN below. The SGLang rollout engine
-(`engines/sglang_rollout.py`, `rl.rollout_engine: sglang`) serves each worker's, teacher's and evaluated checkpoint
-from its own SGLang server process (`engines/sglang_server.py`, SGLang's environment built by `make sglang`).
-- Megatron-core train engine, what is still to come: pipeline stages (`forward` through
-  `get_forward_backward_func` with the loss, `backward` folded into that schedule), Megatron's DDP with the
-  distributed optimizer on CUDA, `dist_checkpointing` for sharded state, and RL / OPD over several ranks (the loop
-  run SPMD on each rank).
+- torch (both): the model in this process (CPU or one GPU; DDP under Ray Train for sft).
+- megatron (train, `engines/megatron_train.py`): megatron-core, weights through mbridge; sft's Ray Train workers
+  are its ranks (tp x data parallel), RL and OPD run one rank. Still to come: pipeline stages (`forward` through
+  `get_forward_backward_func`, `backward` folded into that schedule), Megatron's DDP and distributed optimizer on
+  CUDA, `dist_checkpointing`, and RL / OPD over several ranks (the loop run SPMD on each rank).
+- sglang (rollout, `engines/sglang_rollout.py`): each worker, teacher and evaluated checkpoint served by its own
+  SGLang server process (`engines/sglang_server.py`; SGLang's environment from `make sglang`).
 """
 from __future__ import annotations
 
