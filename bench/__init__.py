@@ -117,3 +117,16 @@ def smoke_wall_s() -> float:
 def smoke_stages() -> dict[str, str]:
     """Stage name -> artifact folder of the smoke run (smoke_report())."""
     return {k: v["artifact"] for k, v in json.loads(smoke_report().read_text())["stages"].items()}
+
+
+def sft_inputs(bench: str, env: str) -> tuple[str, str]:
+    """(sft, curate) artifact folders to start from: the smoke run's in small mode, else those of the run whose
+    report.json the variable `env` names (default: the latest `make run`)."""
+    if small():
+        stages = smoke_stages()
+        return stages["sft"], stages["curate"]
+    report = Path(os.environ.get(env, ".posttrain/latest/report.json"))
+    if not report.exists():
+        sys.exit(f"bench/{bench} needs an sft checkpoint: {report} does not exist; run `make run` first")
+    stages = json.loads(report.read_text())["stages"]
+    return stages["sft"]["artifact"], stages["curate"]["artifact"]

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from statistics import mean
 
-from bench import mark, out_dir, size, small, smoke_stages
+from bench import mark, out_dir, sft_inputs, size
 
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
 OUT = out_dir()
@@ -33,14 +33,7 @@ PAIRS = [("torch", "torch", 0), ("torch", "sglang", 0), ("megatron", "torch", 0)
 
 
 def _inputs() -> tuple[str, str]:
-    if small():
-        stages = smoke_stages()
-        return stages["sft"], stages["curate"]
-    report = Path(os.environ.get("BENCH_MISMATCH_RUN", ".posttrain/latest/report.json"))
-    if not report.exists():
-        sys.exit(f"bench/mismatch needs an sft checkpoint: {report} does not exist; run `make run` first")
-    stages = json.loads(report.read_text())["stages"]
-    return stages["sft"]["artifact"], stages["curate"]["artifact"]
+    return sft_inputs("mismatch", "BENCH_MISMATCH_RUN")
 
 
 def run(train: str, rollout: str, k: int, seed: int, sft: str, curate: str) -> dict:

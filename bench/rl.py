@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import children_in_process, mark, out_dir, peer, release_ray, size, small, smoke_stages
+from bench import children_in_process, mark, out_dir, peer, release_ray, sft_inputs, size, small
 
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
 PROFILE = size("tiny", "smoke")
@@ -55,14 +55,7 @@ OUT = out_dir()
 
 
 def _inputs() -> tuple[str, str]:
-    if small():
-        stages = smoke_stages()
-        return stages["sft"], stages["curate"]
-    report = Path(os.environ.get("BENCH_RL_RUN", ".posttrain/latest/report.json"))
-    if not report.exists():
-        sys.exit(f"bench/rl needs an sft checkpoint: {report} does not exist; run `make run` first")
-    stages = json.loads(report.read_text())["stages"]
-    return stages["sft"]["artifact"], stages["curate"]["artifact"]
+    return sft_inputs("rl", "BENCH_RL_RUN")
 
 
 def _rl_config(overrides: dict, domain: str = DOMAIN):

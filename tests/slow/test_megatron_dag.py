@@ -2,25 +2,14 @@
 sft's Ray Train workers are its ranks (tensor parallel over two of them gives one rank's curve) and resume exactly
 after a SIGKILL from their own per-rank state."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.test_pipeline_smoke import posttrain
+
 MEGATRON = ("--set", "runtime.train_engine=megatron", "--set", "rl.domains=[reasoning]")
-
-
-def posttrain(home: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled", **(env or {})}
-    p = subprocess.run([sys.executable, "-m", "posttrain.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
-    if check and p.returncode != 0:
-        raise AssertionError(f"posttrain {' '.join(args)} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
 
 
 @pytest.fixture(scope="module")
