@@ -124,7 +124,7 @@ class SGLangServer:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+                pass  # not listening yet: poll again until the deadline
             time.sleep(0.5)
         self._stop()
         raise ServerError(f"SGLang server for {self.checkpoint} not ready after {START_TIMEOUT_S:.0f} s "
@@ -182,7 +182,7 @@ class SGLangServer:
                 try:
                     os.killpg(self.proc.pid, 9)
                 except ProcessLookupError:
-                    pass
+                    pass  # the group ended between the two signals: nothing left to kill
                 self.proc.wait()
         self.proc = None
 
