@@ -44,10 +44,11 @@ def run(train: str, rollout: str, k: int, seed: int, sft: str, curate: str) -> d
     cfg = load_config(PROFILE)
     domain = DOMAIN if DOMAIN in cfg.rl.domains else cfg.rl.domains[0]
     r = cfg.rl.for_domain(domain).model_copy(update={
-        "steps": STEPS, "max_staleness": k, "rollout_engine": rollout, "val_every": 0, "checkpoint_every": 0})
+        "steps": STEPS, "max_staleness": k, "val_every": 0, "checkpoint_every": 0})
     pool, val = load_tasks(curate, "rl", domain), load_tasks(curate, "val", domain)[:4]
     opts = {"parallel": Parallel()} if train == "megatron" else {}
-    _, _, st = train_policy(r, sft, pool, val, seed=seed, label=f"{train}/{rollout} k={k}", engine=(train, opts))
+    _, _, st = train_policy(r, sft, pool, val, seed=seed, label=f"{train}/{rollout} k={k}", engine=(train, opts),
+                            rollout_engine=rollout)
     h = st.history
     return {"logratio_abs": mean(h["logratio_abs"]), "masked_fraction": mean(h["masked_fraction"]),
             "reward": mean(h["reward"])}

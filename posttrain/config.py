@@ -364,9 +364,6 @@ class RLConfig(_Strict):
     # (a built-in one or one of world.environments) can be named.
     domains: list[DomainName] = Field(default_factory=lambda: ["reasoning", "agentic", "general"], min_length=1)
     algorithm: Literal["grpo", "ppo"] = "grpo"
-    # what generates (posttrain.engines): the rollout engine serves workers, teachers, validation and evaluation
-    # (what trains the policy, the critic and the KL reference is runtime.train_engine)
-    rollout_engine: str = "torch"
     steps: AtLeast1 = 100
     # 0 is the OPD loop's (distillation only) and unit tests'; the pipeline's rl stages need >= 1 (PipelineConfig)
     prompts_per_step: AtLeast0 = 16
@@ -539,6 +536,9 @@ class RuntimeConfig(_Strict):
     # what trains every stage's model (posttrain.engines): torch (one process, or Ray Train DDP for sft) or
     # megatron (megatron-core, split as the `megatron` section says)
     train_engine: Literal["torch", "megatron"] = "torch"
+    # what generates the RL rollouts, scores the OPD teachers' tokens, judges and evaluates (posttrain.engines):
+    # torch (in each worker's process) or sglang (a real SGLang server per worker, teacher and checkpoint)
+    rollout_engine: str = "torch"
     device: Literal["auto", "cpu", "cuda"] = "auto"   # auto: CUDA where the Ray cluster has GPUs
     gpus_per_stage: NonNegative = 1.0    # Ray GPUs a training or evaluation stage reserves on CUDA (0.25: share)
     ray_num_cpus: AtLeast1 = 2
@@ -727,6 +727,7 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "--set") -> 
     return data
 
 
+MOVED = {"rl.train_engine": "runtime.train_engine", "rl.rollout_engine": "runtime.rollout_engine"}
 _RULES = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 
 
@@ -734,7 +735,7 @@ def _error_line(e: dict, prefix: str = "") -> str:
     """One pydantic error as `key: rule (got value)`."""
     key = prefix + ".".join(str(x) for x in e["loc"])
     if e["type"] == "extra_forbidden":
-        return f"{key}: unknown key"
+        return f"{key}: moved to {MOVED[key]}" if key in MOVED else f"{key}: unknown key"
     if e["type"] == "value_error":  # a validator's own message; ours start with their key path and say what they got
         msg = e["msg"].removeprefix("Value error, ")
         if msg.startswith(key):

@@ -78,9 +78,9 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
     that many sampled answers per task (a sample passes on full reward) for the domain suites; and, for a
     checkpoint with an MTP layer (decoded speculatively), the mean tokens per model forward."""
     torch.manual_seed(cfg.seed)
-    name = cfg.rl.rollout_engine
+    name = cfg.runtime.rollout_engine
     if name == "sglang" and is_compressed(path):  # its W4A8 kernels are CUDA's, and our mixed export is untried there
-        print(f"[evaluate] {path}: a W4A8 export, evaluated with the torch engine (rl.rollout_engine sglang serves "
+        print(f"[evaluate] {path}: a W4A8 export, evaluated with the torch engine (runtime.rollout_engine sglang serves "
               f"the unquantized checkpoints)", flush=True)
         name = "torch"
     engine = rollout_engine(name, path)

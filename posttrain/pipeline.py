@@ -29,7 +29,7 @@ def check_domains(cfg: PipelineConfig) -> None:
     """Names in the config that refer to code: per-domain settings name domains of this run's world, engines
     name registered engines (checked before any work)."""
     try:
-        engines.check({"rl.rollout_engine": cfg.rl.rollout_engine})
+        engines.check({"runtime.rollout_engine": cfg.runtime.rollout_engine})
     except ValueError as e:
         raise ConfigError(str(e)) from None
     known = [*environments.DOMAINS, *cfg.world.environments]

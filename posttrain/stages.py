@@ -47,6 +47,9 @@ CHAINS = ("xs", "seq")  # cross-stage distillation; plain sequential RL
 
 # what trains a stage's model, and how megatron splits it: part of the cache key of the stages that use it
 TRAIN_ENGINE = ("runtime.train_engine", "megatron")
+# what generates the rollouts, teachers' scores and evaluations (its samples differ from another engine's)
+ROLLOUT_ENGINE = "runtime.rollout_engine"
+ENGINES = (*TRAIN_ENGINE, ROLLOUT_ENGINE)  # the RL stages': both
 
 
 def stage_name(chain: str, domain: str, order: list[str]) -> str:
@@ -83,20 +86,20 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
         Stage("sft", "posttrain.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE),
               "tasks.sft:sft", num_cpus=0.1, resumable=True, gpu=False),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
-        *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe", *TRAIN_ENGINE),
+        *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe", *ENGINES),
                 "tasks.rl:rl", (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
         # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
         Stage("opd", "posttrain.rl.opd:run", ("sft", "curate", *specialists),
-              ("seed", "opd", "rl", "moe", *TRAIN_ENGINE), "tasks.opd:opd", num_cpus=0.5, threads=1, resumable=True),
+              ("seed", "opd", "rl", "moe", *ENGINES), "tasks.opd:opd", num_cpus=0.5, threads=1, resumable=True),
         Stage("quantize", "posttrain.quant.stage:run", ("opd", "curate"), ("seed", "quantize"),
               "tasks.quantize:quantize"),
         # on CPU evaluate's checkpoints run as Ray tasks of one CPU each (posttrain.evaluate), so it reserves little
-        Stage("evaluate", "posttrain.evaluate:run", evaluated, ("seed", "world.seed", "eval", "rl", "model", "ramp"),
-              "tasks.evaluate:evaluate", num_cpus=0.1),
+        Stage("evaluate", "posttrain.evaluate:run", evaluated, ("seed", "world.seed", "eval", "rl", "model", "ramp",
+                                                          ROLLOUT_ENGINE), "tasks.evaluate:evaluate", num_cpus=0.1),
     ]
     if len(order) > 1:  # the GLM-5 chains (with distillation, xs-, and without, seq-) after the first specialist
         stages += [Stage(stage_name(c, d, order), "posttrain.rl.cross_stage:run", _chain_inputs(c, d, order),
-                         ("seed", "rl", "cross_stage", "opd", "moe", *TRAIN_ENGINE), "tasks.cross_stage:chain_stage",
+                         ("seed", "rl", "cross_stage", "opd", "moe", *ENGINES), "tasks.cross_stage:chain_stage",
                          (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True,
                          workflow="cross_stage") for d in order[1:] for c in CHAINS]
         stages.append(Stage("consolidation", "posttrain.rl.consolidation:run",

@@ -105,8 +105,8 @@ def test_critic_and_reference_roles(ckpts):
 
 
 def test_unknown_engines_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"rl.rollout_engine: unknown engine 'vllm' \(known: sglang, torch\)"):
-        check({"rl.rollout_engine": "vllm"})
+    with pytest.raises(ValueError, match=r"runtime.rollout_engine: unknown engine 'vllm' \(known: sglang, torch\)"):
+        check({"runtime.rollout_engine": "vllm"})
     with pytest.raises(ValueError,
                        match=r"runtime.train_engine: unknown engine 'deepspeed' \(known: megatron, torch\)"):
         check({"runtime.train_engine": "deepspeed"})

@@ -4,7 +4,7 @@ A `RolloutEngine` (posttrain/engines/base.py) generates from token ids with per-
 reasons, scores given tokens (teachers), takes new weights with a version and can pause; rollout workers,
 teachers, validation and every evaluation generate through one. A `TrainEngine` runs forward in the
 completion layout, backward, the optimizer step and its state (weights, optimizer, RNG) for the RL policy,
-the PPO critic and the KL reference. `rl.rollout_engine` and `runtime.train_engine` pick one by name; adding a
+the PPO critic and the KL reference. `runtime.rollout_engine` and `runtime.train_engine` pick one by name; adding a
 backend is one module and one line in ROLLOUT / TRAIN below.
 
 - torch (both): the model in this process (CPU or one GPU; DDP under Ray Train for sft).
@@ -42,7 +42,7 @@ def _cls(table: dict[str, str], name: str, key: str):
 
 def rollout_engine(name: str, checkpoint: str | Path) -> RolloutEngine:
     """A rollout engine holding the checkpoint (plain or W4A8 compressed-tensors)."""
-    return _cls(ROLLOUT, name, "rl.rollout_engine").from_checkpoint(checkpoint)
+    return _cls(ROLLOUT, name, "runtime.rollout_engine").from_checkpoint(checkpoint)
 
 
 def train_engine(name: str, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,

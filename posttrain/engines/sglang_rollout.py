@@ -36,7 +36,7 @@ class SGLangRolloutEngine:
     def from_checkpoint(cls, path: str | Path) -> "SGLangRolloutEngine":
         from posttrain.quant.int_linear import is_compressed
         if is_compressed(path):
-            raise ValueError(f"rl.rollout_engine sglang: {path} is a W4A8 compressed-tensors export; SGLang's int4 / "
+            raise ValueError(f"runtime.rollout_engine sglang: {path} is a W4A8 compressed-tensors export; SGLang's int4 / "
                              f"int8 kernels are CUDA's, and posttrain's mixed export has not been tried there")
         return cls(path)
 
@@ -81,7 +81,7 @@ class SGLangRolloutEngine:
         vocab = len(self.tokenizer)
         whole = mode == "full" or temperature != 1.0
         if whole and vocab > FULL_MAX:
-            raise ValueError(f"rl.rollout_engine sglang: teacher scores {mode!r} at temperature {temperature} need "
+            raise ValueError(f"runtime.rollout_engine sglang: teacher scores {mode!r} at temperature {temperature} need "
                              f"the whole distribution of {vocab} ids from the server (at most {FULL_MAX}); use "
                              f"opd.loss sampled or topk at temperature 1, or the torch engine")
         k = vocab if whole else top_k if mode == "topk" else 0

@@ -36,7 +36,7 @@ def sglang_python() -> str:
     local = ROOT / ".venv-sglang" / "bin" / "python"
     if local.is_file():
         return str(local)
-    raise ServerError(f"rl.rollout_engine sglang: no SGLang environment: run `make sglang` (builds .venv-sglang on a "
+    raise ServerError(f"runtime.rollout_engine sglang: no SGLang environment: run `make sglang` (builds .venv-sglang on a "
                       f"CPU machine) or set {PYTHON_ENV} to the python of one (the gpu-rollout image's)")
 
 

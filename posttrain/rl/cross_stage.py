@@ -36,7 +36,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
                           teacher_cpus=cfg.opd.teacher_cpus, teacher_placement=cfg.opd.teacher_placement)
     policy, tok, st = train_policy(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", moe=cfg.moe,
                                  scratch=scratch, distill=distill,
-                                 engine=(cfg.runtime.train_engine, train_options(cfg)))
+                                 engine=(cfg.runtime.train_engine, train_options(cfg)),
+                                 rollout_engine=cfg.runtime.rollout_engine)
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

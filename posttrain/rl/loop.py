@@ -282,13 +282,13 @@ def update(r: RLConfig, eng: Engines, batch: list[Sample], dbatch: list[Sample],
 
 def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
                  scratch: str | Path | None = None, distill: Distill | None = None, judge: str = "",
-                 moe: MoEConfig | None = None, engine: tuple[str, dict] = ("torch", {})
+                 moe: MoEConfig | None = None, engine: tuple[str, dict] = ("torch", {}), rollout_engine: str = "torch"
                  ) -> tuple[torch.nn.Module, object, State]:
     """Train a policy from the `sft` checkpoint: RL on `pool` (may be empty), plus on-policy distillation
     when `distill` is given. `label` (the stage name in the pipeline) names it in the progress bar and in
     POSTTRAIN_KILL_AT; `scratch` makes it resumable; `judge`, a checkpoint, is the guard's model judge in the
     rollouts (validation keeps the rules-only guard); `engine`: the train engine's name and options
-    (posttrain.engines.train_options). Returns the policy (a transformers model), tokenizer, final state."""
+    (posttrain.engines.train_options); `rollout_engine`: what the workers and teachers generate and score with. Returns the policy (a transformers model), tokenizer, final state."""
     seed_all(seed)
     eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool), rl=bool(pool), moe=moe,
                         engine=engine)
@@ -310,10 +310,10 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             hist.setdefault(f"val_score/{d}", []).append((step, scores[d]))
         hist["val_wall_s"].append((step, wall_s))
 
-    teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=r.rollout_engine,
+    teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=rollout_engine,
                            placement=distill.teacher_placement) if distill else None
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, r.worker_threads, teachers=teachers,
-                         engine=r.rollout_engine, record_routes=r.routing_replay)
+                         engine=rollout_engine, record_routes=r.routing_replay)
     feed = Feed(r, pool, distill, workers, seed, st,
                 {**kw, "judge": (judge, tuple(r.judge.features)) if judge else None, "stop_check": r.stop_check})
     active_alarms: set[str] = set()

@@ -66,7 +66,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
                       teacher_placement=o.teacher_placement)
     policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd", moe=cfg.moe,
                                  scratch=scratch, distill=distill,
-                                 engine=(cfg.runtime.train_engine, train_options(cfg)))
+                                 engine=(cfg.runtime.train_engine, train_options(cfg)),
+                                 rollout_engine=cfg.runtime.rollout_engine)
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

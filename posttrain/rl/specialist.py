@@ -55,7 +55,7 @@ def checked_judge(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain
         raise ValueError(f"rl.judge: environment {domain} has no labelled calls (judge_cases) to measure a judge on; "
                          f"set rl.per_domain.{domain}.judge.checkpoint to \"\" for the rules-only guard")
     path = inputs["sft"] if j.checkpoint == "sft" else j.checkpoint
-    judged = measure(ModelJudge(path, tuple(j.features), cfg.rl.rollout_engine),
+    judged = measure(ModelJudge(path, tuple(j.features), cfg.runtime.rollout_engine),
                      env.judge_cases("test", j.labelled_per_class, cfg.world.seed))
     (out / "judge.json").write_text(json.dumps({"checkpoint": j.checkpoint, **judged}, indent=1))
     print(f"[rl-{domain}] judge {j.checkpoint}: {kv(judged)}", flush=True)
@@ -77,7 +77,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     judge, judged = checked_judge(cfg, inputs, out, domain)
     policy, tok, st = train_policy(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}", moe=cfg.moe,
                                  scratch=scratch, judge=judge,
-                                 engine=(cfg.runtime.train_engine, train_options(cfg)))
+                                 engine=(cfg.runtime.train_engine, train_options(cfg)),
+                                 rollout_engine=cfg.runtime.rollout_engine)
     save_checkpoint(policy, tok, out)
     hist = st.history
     # blocked hack attempts, with the call and the guard stage that caught it, for reviewers
@@ -85,7 +86,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     (out / "history.json").write_text(json.dumps(hist))
     moe.plot_load(hist, out / moe.PLOT, f"rl-{domain}")
     plot_curves(hist, out / "rl_curves.png", f"rl {domain} ({r.algorithm}, k={r.max_staleness}, "
-                f"{cfg.runtime.train_engine} / {r.rollout_engine})")
+                f"{cfg.runtime.train_engine} / {cfg.runtime.rollout_engine})")
     total = sum(st.staleness.values())
     metrics = {"val_score_before": hist["val_score"][0][1], "val_score_after": hist["val_score"][-1][1],
                **summarize(hist, "reward", 5), **moe_metrics(hist, 5), "hack_attempts_blocked": sum(hist["blocked"]),
