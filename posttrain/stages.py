@@ -22,6 +22,7 @@ from posttrain.config import PipelineConfig, config_from_dict
 from posttrain.device import CPU_BF16
 from posttrain.device import ENV as DEVICE_VAR
 from posttrain.device import stage_gpus
+from posttrain.engines.sglang_server import LOG_DIR_ENV as SERVER_LOGS_VAR
 from posttrain.lease import hold
 from posttrain.rl import alarms
 from posttrain.store import SCRATCH_VAR, Store, Versions, drop_scratch, local_versions, publish_local
@@ -243,6 +244,8 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
         gpus = stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) if stage.gpu else 0.0
         if scratch_url:  # resume checkpoints go to the store too (posttrain.store.checkpointed)
             env_vars[SCRATCH_VAR] = scratch_url
+        # the servers a stage starts (SGLang) write their logs under the run's folder, beside its report
+        env_vars[SERVER_LOGS_VAR] = str(Path(ctx.home) / "runs" / ctx.run_id / "logs" / name)
         # same key after a crash: resume from it
         extra = {"scratch": str(Path(ctx.home) / "scratch" / name / key[:16])} if stage.resumable else {}
         manifest = {"stage": name, "parents": {k: v.sha256 for k, v in inputs.items()},
