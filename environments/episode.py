@@ -36,6 +36,7 @@ class Trace:
     gen_mask: list[int]
     logprobs: list[float]
     routes: object = None   # the experts of each position, from the rollout engine (posttrain.routing_replay)
+    versions: list[int] | None = None  # the weight version of each of ids (-1: not generated); None: not recorded
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Episode:
     ids: list[int] = field(default_factory=list)       # everything after the prompt
     gen_mask: list[int] = field(default_factory=list)  # 1 where the model produced the token
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weight version of each generated token, -1 elsewhere
     last_turn: str = ""
     turns: int = 0
     done: bool = False
@@ -109,8 +111,14 @@ class Episode:
     def traces(self) -> list[Trace]:
         """The episode's sub-traces in order: one unless it was compacted (a compaction that left no room for
         another turn leaves no last one)."""
-        last = Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs, self.routes)
+        last = self._trace(len(self.ids))
         return [*self.closed, last] if any(last.gen_mask) or not self.closed else list(self.closed)
+
+    def _trace(self, n: int) -> Trace:
+        """The sub-trace of the first n ids (versions only where the engine recorded them)."""
+        recorded = any(v >= 0 for v in self.versions[:n])
+        return Trace(self.prompt_ids, self.ids[:n], self.gen_mask[:n], self.logprobs[:n], self.routes,
+                     self.versions[:n] if recorded else None)
 
     def _fits(self, obs: int = 0) -> bool:
         """Whether the next turn fits the budget. Where the policy writes the summary, continuing after an
@@ -126,31 +134,32 @@ class Episode:
         return len(tool_response_ids(self.tok, "0", enable_thinking=self.thinks(self.turns),
                                      then_user=SUMMARY_REQUEST)) - len(plain)
 
-    def _append(self, ids: list[int], logprobs: list[float] | None = None, generated: bool = False) -> None:
+    def _append(self, ids: list[int], logprobs: list[float] | None = None, generated: bool = False,
+                versions: list[int] | None = None) -> None:
         self.ids += ids
         self.gen_mask += [int(generated)] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.versions += list(versions) if versions is not None else [-1] * len(ids)
 
     def _restart(self, note: str) -> bool:
         """The next sub-trace: a fresh prompt, the task and `note`. False when even that does not fit the budget."""
         content = compacted_prompt(self.task.prompt, note)
         self.prompt_ids = render_ids(self.tok, [{"role": "user", "content": content}], add_generation_prompt=True,
                                      enable_thinking=self.thinks(self.turns))
-        self.ids, self.gen_mask, self.logprobs, self.routes = [], [], [], None
+        self.ids, self.gen_mask, self.logprobs, self.versions, self.routes = [], [], [], [], None
         return self._fits()
 
     def _compact(self, n_obs: int) -> bool:
         """Close the sub-trace (without the observation just appended: the note carries it) and start the
         next from the task and the rule-based note."""
         keep = len(self.ids) - n_obs
-        self.closed.append(Trace(self.prompt_ids, self.ids[:keep], self.gen_mask[:keep], self.logprobs[:keep],
-                                 self.routes))
+        self.closed.append(self._trace(keep))
         return self._restart(compaction_note(self.calls))
 
     def _ask_for_summary(self, n_obs: int, output: str) -> Step:
         """Replace the observation just appended by the same tool response followed by the summary request; the
         policy's next generation is its notes (step)."""
-        del self.ids[-n_obs:], self.gen_mask[-n_obs:], self.logprobs[-n_obs:]
+        del self.ids[-n_obs:], self.gen_mask[-n_obs:], self.logprobs[-n_obs:], self.versions[-n_obs:]
         obs_ids = tool_response_ids(self.tok, output, enable_thinking=self.thinks(self.turns),
                                     then_user=SUMMARY_REQUEST)
         self._append(obs_ids)
@@ -163,12 +172,14 @@ class Episode:
         self.truncated = True
         return self._end(0.0, f"truncated: {what} does not fit the context budget of {self.context_budget} tokens")
 
-    def step(self, action_ids: list[int], logprobs: list[float] | None = None, routes=None) -> Step:
-        """`routes`: the experts the rollout engine chose for this turn's context and tokens (routing replay)."""
+    def step(self, action_ids: list[int], logprobs: list[float] | None = None, routes=None,
+             versions: list[int] | None = None) -> Step:
+        """`routes`: the experts the rollout engine chose for this turn's context and tokens (routing replay);
+        `versions`: the weight version of each action token, where the engine records them."""
         if self.done:
             raise RuntimeError(f"episode {self.task.id} is over")
         stops = chat_format(self.tok).stop_ids
-        self._append(action_ids, logprobs, generated=True)
+        self._append(action_ids, logprobs, generated=True, versions=versions)
         self.routes = routes
         stopped = bool(action_ids) and action_ids[-1] in stops
         self.stopped_turns += stopped
@@ -177,7 +188,7 @@ class Episode:
             self.summarizing = False
             self.summaries.append(final_answer(text))
             self.summary_calls.append(len(self.calls))
-            self.closed.append(Trace(self.prompt_ids, self.ids, self.gen_mask, self.logprobs, self.routes))
+            self.closed.append(self._trace(len(self.ids)))
             return Step([], False) if self._restart(self.summaries[-1]) else self._truncate("the next turn")
         self.turns += 1
         self.last_turn = text

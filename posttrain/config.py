@@ -390,6 +390,11 @@ class RLConfig(_Strict):
     kl_coef: NonNegative = 0.0           # KL to the reference (the sft checkpoint); 0: no reference model
     entropy_coef: NonNegative = 0.0
     max_staleness: AtLeast0 = 1          # k: samples more than k policy versions old are dropped; 0 = synchronous
+    # GLM-5's partial rollouts: a weight update reaches the generations in flight (the server pauses them in place,
+    # takes the new weights and continues them) instead of waiting for them, so one long generation never holds an
+    # update back. Every token records the version that produced it; a sample is as stale as its oldest token.
+    # Needs runtime.rollout_engine sglang and max_staleness >= 1 (at 0 nothing generates across an update)
+    partial_rollouts: bool = False
     rollout_workers: AtLeast1 = 1
     worker_cpus: NonNegative = 0.25      # Ray CPUs each rollout worker reserves
     # torch threads of each rollout worker: a synchronous loop (max_staleness 0) alone on a machine can give the
@@ -619,6 +624,16 @@ class PipelineConfig(_Strict):
                               f"(got {self.ramp.dsa.own_indexer})")
         if self.runtime.train_engine == "megatron":
             errors += self._megatron_errors()
+        partial = {d: r for d in ["", *self.rl.per_domain] if (r := self.rl.for_domain(d)).partial_rollouts
+                   and (not d or {"partial_rollouts", "max_staleness"} & set(self.rl.per_domain[d]))}
+        if partial and self.runtime.rollout_engine != "sglang":
+            errors.append(f"rl.partial_rollouts: needs runtime.rollout_engine sglang (the torch engine cannot take "
+                          f"weights mid-generation; got {self.runtime.rollout_engine!r})")
+        for d, r in partial.items():
+            if r.max_staleness < 1:
+                key = f"rl.per_domain.{d}" if d else "rl"
+                errors.append(f"{key}.partial_rollouts: needs {key}.max_staleness >= 1 (at 0 nothing generates "
+                              f"across an update)")
         # the ramp extends the context: each stage sets max_position_embeddings to its seq_len
         first = self.ramp.stages[0].seq_len
         if first < m.max_position_embeddings and not self.base.init_from:

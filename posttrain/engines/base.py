@@ -20,6 +20,9 @@ class Generation:
     # the experts each position of prompt + ids ran through, [routers, positions, k] (posttrain.routing_replay);
     # None unless the engine records them
     routes: torch.Tensor | None = None
+    # the weight version that produced each of `ids` where an update can land mid-generation (an SGLang engine
+    # keeping generations in flight); None: all of them came from the engine's `version`
+    versions: list[int] | None = None
 
 
 class RolloutEngine(Protocol):

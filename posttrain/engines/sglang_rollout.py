@@ -17,6 +17,18 @@ from posttrain.engines.sglang_server import SGLangServer
 FULL_MAX = 65536  # ids a teacher returns per position when the whole distribution is needed
 
 
+def token_versions(meta: dict, n: int) -> list[int]:
+    """Each of a request's n output tokens' weight version, from SGLang's spans ({version, start, end}); the
+    version the server started with is "default", our 0."""
+    def num(v: str) -> int:
+        return int(v) if v.isdigit() else 0
+    spans = meta.get("weight_versions") or [{"version": meta.get("weight_version", "default"), "start": 0, "end": n}]
+    out = [num(s["version"]) for s in spans for _ in range(s["start"], s["end"])]
+    if len(out) != n:
+        raise RuntimeError(f"SGLang weight-version spans {spans} do not cover the {n} output tokens")
+    return out
+
+
 class SGLangRolloutEngine:
     """A checkpoint served by its own SGLang server (a child process of this one)."""
 
@@ -31,6 +43,7 @@ class SGLangRolloutEngine:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._open = threading.Event()
         self._open.set()
+        self.partial = False  # keep_in_flight(): updates land mid-generation
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> "SGLangRolloutEngine":
@@ -69,8 +82,17 @@ class SGLangRolloutEngine:
             ids = list(r["output_ids"])
             lps = [float(lp) for lp, _, *_ in meta["output_token_logprobs"]]
             stopped = meta["finish_reason"]["type"] == "stop"
-            gens.append(Generation(ids, lps, "stop" if stopped else "length"))
+            gens.append(Generation(ids, lps, "stop" if stopped else "length",
+                                   versions=token_versions(meta, len(ids)) if self.partial else None))
         return gens
+
+    def keep_in_flight(self) -> None:
+        """From now on an update reaches the generations in flight (GLM-5's partial rollouts): the server pauses them
+        in place, takes the new weights and continues them with the KV cache the old weights wrote, and each
+        Generation says which version produced each token (SGLang's per-request weight-version spans). Its radix
+        cache is not flushed at an update either (the paused requests hold it), so a new request may reuse a prefix
+        the old weights encoded: the behaviour log-probabilities are what the server computed all the same."""
+        self.partial = True
 
     def score(self, items: list[tuple[list[int], list[int], list[int]]], *, mode: str = "sampled", top_k: int = 16,
               temperature: float = 1.0) -> list:
@@ -120,11 +142,15 @@ class SGLangRolloutEngine:
         """From a checkpoint folder (`update_weights_from_disk`, what a trainer on another node can always do), or
         from a state dict in this process, broadcast to the server over a process group of the two
         (`update_weights_from_distributed`: gloo on CPU, NCCL on CUDA; no file written). New generations wait
-        meanwhile; the server lets the running ones finish on the old weights first."""
-        self._open.clear()
+        meanwhile; the server lets the running ones finish on the old weights first, or with `keep_in_flight`, pauses
+        them in place and continues them on the new weights."""
+        if self.partial:
+            self.pause()
+        else:
+            self._open.clear()
         try:
             if isinstance(source, (str, Path)):
-                out = self._call("update_weights_from_disk", {"model_path": str(source),
+                out = self._call("update_weights_from_disk", {"model_path": str(source), "flush_cache": not self.partial,
                                                               "weight_version": str(version)})
                 if not out.get("success", False):
                     raise RuntimeError(f"SGLang update_weights_from_disk {source}: {out.get('message')}")
@@ -134,7 +160,10 @@ class SGLangRolloutEngine:
                 self._weights = source
             self.version = version
         finally:
-            self._open.set()
+            if self.partial:
+                self.resume()
+            else:
+                self._open.set()
 
     def _broadcast(self, state: dict, version: int) -> None:
         import torch.distributed as dist
@@ -151,7 +180,7 @@ class SGLangRolloutEngine:
             receive = threading.Thread(target=lambda: done.append(self.server.post("update_weights_from_distributed", {
                 "names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
                 "shapes": [list(t.shape) for t in tensors], "group_name": self._group.name,
-                "weight_version": str(version)})))
+                "flush_cache": not self.partial, "weight_version": str(version)})))
             receive.start()
             for t in tensors:  # in the order the server receives them
                 dist.broadcast(t, src=0, group=self._group.pg)

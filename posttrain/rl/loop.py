@@ -167,7 +167,7 @@ class Feed:
         self.buffer = RolloutBuffer(r.max_staleness, st.groups)
         self.buffer.dropped, self.buffer.staleness = st.dropped, Counter(st.staleness)
         self.dbuffer = RolloutBuffer(r.max_staleness, st.distill_groups)
-        self.inflight: deque[Future] = deque()
+        self.inflight: deque[tuple[int, Future]] = deque()  # (worker, its result), oldest first
 
     def _submit(self) -> None:
         st, d = self.st, self.distill
@@ -175,9 +175,13 @@ class Feed:
         tasks = rng.sample(self.pool, self.rl_req) if self.rl_req else []
         dtasks = d.draw(rng, self.d_req, st.next_request) if self.d_req else []
         extra = {"distill": tuple(dtasks), "teacher_mode": d.mode, "top_k": d.top_k} if self.d_req else {}
-        self.inflight.append(self.workers.submit(st.next_request % len(self.workers), tasks, self.r.group_size,
-                                                 rng.getrandbits(31), temperature=self.r.temperature, **extra,
-                                                 **self.kw))
+        # the least-loaded worker (fewest unfinished requests; ties rotate), so a worker held up by long episodes
+        # gets fewer: the samples are the same whichever worker draws them
+        n = len(self.workers)
+        load = Counter(i for i, f in self.inflight if not f.done())
+        worker = min(range(n), key=lambda i: (load[i], (i - st.next_request) % n))
+        self.inflight.append((worker, self.workers.submit(worker, tasks, self.r.group_size, rng.getrandbits(31),
+                                                          temperature=self.r.temperature, **extra, **self.kw)))
         st.next_request += 1
 
     def _have(self) -> int:
@@ -204,7 +208,7 @@ class Feed:
             self.dbuffer.drop_stale(step)
             if len(self.buffer) >= self.n_rl and len(self.dbuffer) >= self.n_distill:
                 break
-            samples, info = self.inflight.popleft().result()
+            samples, info = self.inflight.popleft()[1].result()
             self._add(samples)
             gen_s, gen_tok = gen_s + info["seconds"], gen_tok + info["tokens"]
             for k in self.counts:
@@ -218,13 +222,13 @@ class Feed:
         """The loop's state after `step` steps; `drain` first waits for the rollouts in flight (they are part
         of a resumable state: the buffers are saved whole)."""
         while drain and self.inflight:
-            self._add(self.inflight.popleft().result()[0])
+            self._add(self.inflight.popleft()[1].result()[0])
         b, d = self.buffer, self.dbuffer
         return State(step, self.st.next_request, b.groups if drain else [], d.groups if drain else [],
                      b.dropped + d.dropped, dict(b.staleness + d.staleness), hist, attempts, wall_s, alarms)
 
     def close(self) -> None:
-        for f in self.inflight:
+        for _, f in self.inflight:
             f.cancel()
 
 
@@ -262,6 +266,10 @@ def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Fe
         row["subtrace_tokens"] = batch_tokens(batch) / len(batch)
         row["subtrace_tokens_max"] = float(max(len(s.prompt_ids) + len(s.ids) for s in batch))
         row["truncated_share"] = sum(s.truncated for s in batch) / episodes
+    if any(s.versions for s in both):  # partial rollouts: how many samples span an update, how old their tokens are
+        tokens = [v for s in both if s.versions for v, m in zip(s.versions, s.gen_mask) if m]
+        row["mixed_version_share"] = sum(len({v for v in s.versions if v >= 0}) > 1 for s in both) / len(both)
+        row["token_staleness_mean"] = sum(step - v for v in tokens) / max(1, len(tokens))
     if dbatch and batch:  # distillation beside RL: its samples' reward separately
         row["distill_reward"] = sum(s.reward for s in dbatch) / len(dbatch)
     return row
@@ -313,7 +321,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=rollout_engine,
                            placement=distill.teacher_placement) if distill else None
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, r.worker_threads, teachers=teachers,
-                         engine=rollout_engine, record_routes=r.routing_replay)
+                         engine=rollout_engine, record_routes=r.routing_replay, partial=r.partial_rollouts)
     feed = Feed(r, pool, distill, workers, seed, st,
                 {**kw, "judge": (judge, tuple(r.judge.features)) if judge else None, "stop_check": r.stop_check})
     active_alarms: set[str] = set()

@@ -36,6 +36,8 @@ def plot_curves(hist: dict, path: Path, title: str) -> None:
         b.set(xlabel="step", ylabel="per generated token", title="train / rollout mismatch")
         m = b.twinx()
         m.plot(steps, hist["masked_fraction"], color="C3", ls="--", label="share masked by IS")
+        if "mixed_version_share" in hist:  # partial rollouts: samples whose tokens span a weight update
+            m.plot(steps, hist["mixed_version_share"], color="C4", ls=":", label="share spanning an update")
         m.set_ylabel("share of tokens")
         b.legend(loc="upper left")
         m.legend(loc="upper right")

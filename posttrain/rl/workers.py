@@ -7,6 +7,7 @@ both hand back `concurrent.futures.Future`s, so the trainer's loop is the same e
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,13 +33,14 @@ class Sample:
     gen_mask: list[int]        # 1 where the policy generated the token
     logprobs: list[float]      # behaviour logprobs (0 on tool tokens)
     reward: float
-    version: int               # policy version (number of updates) that generated it
+    version: int               # policy version (number of updates) that generated it: its oldest token's
     blocked: list[dict] = field(default_factory=list)  # hack attempts the sandbox's guard stopped
     domain: str = ""
     teacher: Any = None        # distillation samples: the teacher's scores of the generated tokens
     subtrace: int = 0          # its place among the episode's compacted sub-traces (0: the first or only one)
     truncated: bool = False    # the episode ended at the context budget (compaction off)
     routes: Any = None         # the rollout's experts per position (rl.routing_replay; posttrain.routing_replay)
+    versions: list[int] | None = None  # rl.partial_rollouts: each of ids' version (-1: not generated)
 
     @property
     def n_generated(self) -> int:
@@ -48,10 +50,13 @@ class Sample:
 def samples_of(episodes: list, group_size: int, n_rl: int, version: int) -> list[Sample]:
     """Samples of finished episodes: the first `n_rl` in groups of `group_size`, the rest one group each. A
     compacted episode gives one sample per sub-trace, each with the episode's reward (critic PPO only: the
-    config refuses compaction for GRPO); its blocked calls are counted once, on the first."""
+    config refuses compaction for GRPO); its blocked calls are counted once, on the first. `version`: the
+    engine's, for traces whose tokens carry none of their own."""
+    def oldest(t) -> int:
+        return min((v for v in t.versions if v >= 0), default=version) if t.versions else version
     return [Sample(e.task.id, i // group_size if i < n_rl else n_rl // group_size + i - n_rl, t.prompt_ids, t.ids,
-                   t.gen_mask, t.logprobs, e.reward, version, e.blocked if j == 0 else [], e.task.domain,
-                   subtrace=j, truncated=e.truncated, routes=t.routes)
+                   t.gen_mask, t.logprobs, e.reward, oldest(t), e.blocked if j == 0 else [], e.task.domain,
+                   subtrace=j, truncated=e.truncated, routes=t.routes, versions=t.versions)
             for i, e in enumerate(episodes) for j, t in enumerate(e.traces())]
 
 
@@ -69,15 +74,28 @@ def check_stops(episodes: list, tok, max_new_tokens: int) -> None:
             f"checkpoint's generation_config.json, or rl.stop_check: false for an untrained model")
 
 
+UPDATE_WAIT_S = 600.0  # how long a rollout waits for the weights pushed before it (partial rollouts)
+
+
 class RolloutWorker:
+    """`partial`: updates reach the generations in flight (rl.partial_rollouts), so `set_weights` runs beside
+    `rollout` (its own thread) and each rollout first waits for the weights pushed before it was submitted."""
+
     def __init__(self, checkpoint: str, threads: int = 1, teachers=None, engine: str = "torch",
-                 record_routes: bool = False):
+                 record_routes: bool = False, partial: bool = False):
         torch.set_num_threads(threads)
         self.engine: RolloutEngine = rollout_engine(engine, checkpoint)
         if record_routes:  # routing replay: the samples carry the experts that produced them
             if not hasattr(self.engine, "record_routes"):
                 raise ValueError(f"rl.routing_replay: the {engine!r} rollout engine does not record expert routes")
             self.engine.record_routes()
+        if partial:
+            if not hasattr(self.engine, "keep_in_flight"):
+                raise ValueError(f"rl.partial_rollouts: the {engine!r} rollout engine cannot take weights "
+                                 f"mid-generation (use runtime.rollout_engine sglang)")
+            self.engine.keep_in_flight()
+        self._updated = threading.Condition()
+        self._update_error: BaseException | None = None
         self.tok = self.engine.tokenizer
         self.teachers = teachers  # a TeacherPool: distillation samples are scored here, off the trainer
 
@@ -102,15 +120,35 @@ class RolloutWorker:
         return self.engine.version
 
     def set_weights(self, source: WeightSource, version: int) -> None:
-        self.engine.update_weights(source, version)
+        if version < self.engine.version:  # a later push landed first (a threaded Ray actor may reorder calls)
+            return
+        try:
+            self.engine.update_weights(source, version)
+        except BaseException as e:  # the rollouts waiting for this version raise it (the trainer never waits here)
+            self._update_error = e
+            raise
+        finally:
+            with self._updated:
+                self._updated.notify_all()
+
+    def _wait_for(self, version: int) -> None:
+        with self._updated:
+            self._updated.wait_for(lambda: self.engine.version >= version or self._update_error, UPDATE_WAIT_S)
+        if self._update_error is not None:
+            raise RuntimeError(f"rollout worker: the weight update to version {version} failed") \
+                from self._update_error
+        if self.engine.version < version:
+            raise RuntimeError(f"rollout worker: the weights of version {version} did not arrive within "
+                               f"{UPDATE_WAIT_S:.0f} s (it holds version {self.engine.version})")
 
     def rollout(self, tasks: list[Task], group_size: int, seed: int, distill: tuple[Task, ...] = (),
                 teacher_mode: str = "sampled", top_k: int = 16, judge: tuple | None = None,
-                stop_check: bool = False, **kw) -> tuple[list[Sample], dict]:
+                stop_check: bool = False, min_version: int = 0, **kw) -> tuple[list[Sample], dict]:
         """`group_size` samples of each task, then one of each `distill` task scored by its domain's teacher
         (those come back with `teacher` set); the sampling stream is a pure function of `seed`. `judge`:
         (checkpoint, features) of the guard's model judge, loaded once per worker; `stop_check`: a batch that
-        never stops is an error (check_stops)."""
+        never stops is an error (check_stops); `min_version`: wait for the weights of that version first."""
+        self._wait_for(min_version)
         t0 = time.perf_counter()
         spec0 = dict(getattr(self.engine, "stats", {}))
         gen = torch.Generator().manual_seed(seed)
@@ -139,40 +177,49 @@ class RolloutWorker:
 
 
 class WorkerPool:
-    """n rollout workers; calls on one worker run in submission order (weights, then rollouts)."""
+    """n rollout workers; calls on one worker run in submission order (weights, then rollouts), or with `partial`,
+    weights beside the rollouts (in their own order) while each rollout waits for the weights pushed before it."""
 
     def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, teachers=None,
-                 engine: str = "torch", record_routes: bool = False):
+                 engine: str = "torch", record_routes: bool = False, partial: bool = False):
         import ray
-        self.use_ray = ray.is_initialized()
+        self.use_ray, self.partial, self.version = ray.is_initialized(), partial, 0
+        args = (checkpoint, threads, teachers, engine, record_routes, partial)
         if self.use_ray:
-            cls = ray.remote(RolloutWorker).options(num_cpus=num_cpus, max_restarts=0)
-            self.workers = [cls.remote(checkpoint, threads, teachers, engine, record_routes) for _ in range(n)]
+            # partial: set_weights in a group of its own (one thread, calls in order) beside the rollouts
+            cls = (ray.remote(concurrency_groups={"weights": 1})(RolloutWorker) if partial else
+                   ray.remote(RolloutWorker)).options(num_cpus=num_cpus, max_restarts=0)
+            self.workers = [cls.remote(*args) for _ in range(n)]
             try:
                 ray.get([w.ready.remote() for w in self.workers], timeout=180)
             except ray.exceptions.GetTimeoutError:
                 raise RuntimeError(f"{n} rollout worker(s) of {num_cpus} CPU could not be scheduled in 180 s: raise "
                                    "runtime.ray_num_cpus or lower rl.worker_cpus / rl.rollout_workers") from None
         else:
-            self.workers = [RolloutWorker(checkpoint, threads, teachers, engine, record_routes) for _ in range(n)]
+            self.workers = [RolloutWorker(*args) for _ in range(n)]
             self.pools = [ThreadPoolExecutor(1) for _ in range(n)]
+            self.weight_pools = [ThreadPoolExecutor(1) for _ in range(n)] if partial else self.pools
 
     def __len__(self) -> int:
         return len(self.workers)
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """New weights to every worker; rollouts submitted after this call use them."""
+        self.version = version
         if self.use_ray:
             import ray
             ref = ray.put(state_dict)  # a copy: the trainer's next update does not reach it
             for w in self.workers:
-                w.set_weights.remote(ref, version)
+                (w.set_weights.options(concurrency_group="weights") if self.partial else w.set_weights).remote(
+                    ref, version)
         else:  # threads share memory: snapshot the weights before the trainer changes them in place
             sd = {k: v.detach().clone() for k, v in state_dict.items()}
-            for w, p in zip(self.workers, self.pools):
+            for w, p in zip(self.workers, self.weight_pools):
                 p.submit(w.set_weights, sd, version)
 
     def submit(self, i: int, *args, **kw) -> Future:
+        if self.partial:
+            kw["min_version"] = self.version
         if self.use_ray:
             return self.workers[i].rollout.remote(*args, **kw).future()
         return self.pools[i].submit(self.workers[i].rollout, *args, **kw)
@@ -187,7 +234,7 @@ class WorkerPool:
             for w in self.workers:
                 ray.kill(w)
         else:
-            for p in self.pools:
+            for p in {*self.pools, *self.weight_pools}:
                 p.shutdown(wait=True)
             for w in self.workers:
                 w.close()
@@ -209,7 +256,7 @@ class RolloutBuffer:
         self.groups += by_group.values()
 
     def drop_stale(self, version: int) -> int:
-        keep = [g for g in self.groups if version - g[0].version <= self.k]
+        keep = [g for g in self.groups if version - min(s.version for s in g) <= self.k]
         n = sum(len(g) for g in self.groups) - sum(len(g) for g in keep)
         self.groups, self.dropped = keep, self.dropped + n
         return n

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from posttrain.config import ModelConfig
+from posttrain.engines.base import Generation
 from posttrain.engines.sglang_rollout import SGLangRolloutEngine
 from posttrain.engines.sglang_server import ServerError
 from posttrain.engines.torch_rollout import TorchRolloutEngine
@@ -155,3 +156,57 @@ def test_a_missing_environment_is_named_with_the_command_that_builds_it(monkeypa
     monkeypatch.delenv("POSTTRAIN_SGLANG_PYTHON", raising=False)
     with pytest.raises(ServerError, match=r"run `make sglang`"):
         SGLangRolloutEngine(ckpts[0])
+
+
+def test_an_update_mid_generation_continues_on_the_new_weights_and_says_which_tokens_are_whose(engine, ckpts, tok):
+    """Partial rollouts: the update lands while the rows are generating; each row's tokens before it are the old
+    weights' (the same as an uninterrupted run), the rest the new weights', and its versions say where the switch
+    was, token for token."""
+    prompts, kw = _prompts(len(tok), 16, seed=7), dict(max_new_tokens=220, temperature=0.0, stop_ids=set())
+    engine.update_weights(ckpts[0], version=10)
+    want = engine.generate(prompts, **kw)
+    engine.keep_in_flight()
+    try:
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(engine.generate(prompts, **kw)))
+        t.start()
+        time.sleep(0.5)
+        engine.pause()  # holds the rows where they are, so the update lands mid-generation
+        if not t.is_alive():
+            engine.resume()
+            pytest.skip("the generation finished before the pause (a much faster machine)")
+        engine.update_weights(ckpts[1], version=11)  # in place: the paused rows continue on the new weights
+        t.join(timeout=300)
+    finally:
+        engine.partial = False
+    spanning = 0
+    for g, w in zip(got[0], want, strict=True):
+        assert len(g.versions) == len(g.ids) == 220 and g.versions == sorted(g.versions)
+        assert set(g.versions) <= {10, 11}
+        n = g.versions.count(10)
+        _same([Generation(g.ids[:n], g.logprobs[:n], "length")], [Generation(w.ids[:n], w.logprobs[:n], "length")])
+        if 0 < n:
+            spanning += 1
+            # from the first version-11 token on, another model speaks
+            assert g.ids[n:] != w.ids[n:] or max(abs(p - q) for p, q in zip(g.logprobs[n:], w.logprobs[n:])) > 10 * TOL
+    assert spanning > 0
+    assert engine.generate(prompts[:1], **kw)[0].versions is None  # not recorded without keep_in_flight
+
+
+def test_partial_rollouts_over_two_servers_train_with_every_token_versioned(ckpts, tok, tmp_path, monkeypatch):
+    """The RL loop with two rollout workers, each owning its SGLang server, updates reaching generations in
+    flight: it trains, and each step says how old its tokens were (never older than k) and how many samples
+    spanned an update."""
+    import environments
+    from posttrain.config import RLConfig
+    from posttrain.rl.loop import train_policy
+    monkeypatch.setenv("POSTTRAIN_SGLANG_LOG_DIR", str(tmp_path))
+    tasks = environments.get("reasoning").generate("train", 32, 0)
+    r = RLConfig(steps=4, prompts_per_step=2, group_size=2, max_new_tokens=48, max_staleness=1, val_every=0,
+                 lr=1e-3, stop_check=False, rollout_workers=2, partial_rollouts=True)
+    _, _, st = train_policy(r, ckpts[0], tasks, tasks[:2], seed=0, rollout_engine="sglang")
+    h = st.history
+    assert len(list(tmp_path.glob("sglang-*.log"))) == 2  # a server per worker
+    assert len(h["mixed_version_share"]) == len(h["token_staleness_mean"]) == 4
+    assert all(0 <= s <= 1 for s in h["token_staleness_mean"]) and set(st.staleness) <= {0, 1}
+    assert all(0 <= s <= 1 for s in h["mixed_version_share"])
