@@ -544,6 +544,11 @@ class RuntimeConfig(_Strict):
     # what generates the RL rollouts, scores the OPD teachers' tokens, judges and evaluates (posttrain.engines):
     # torch (in each worker's process) or sglang (a real SGLang server per worker, teacher and checkpoint)
     rollout_engine: str = "torch"
+    # how the trainer's new weights reach the rollout workers after each step: `store` (a copy through Ray's object
+    # store, which each worker loads into its engine) or `broadcast` (the trainer broadcasts straight to every
+    # worker's SGLang server in one process group: NCCL on GPU, gloo on CPU; needs rollout_engine sglang, and
+    # without rl.partial_rollouts each push waits for the servers' running requests)
+    weight_sync: Literal["store", "broadcast"] = "store"
     device: Literal["auto", "cpu", "cuda"] = "auto"   # auto: CUDA where the Ray cluster has GPUs
     gpus_per_stage: NonNegative = 1.0    # Ray GPUs a training or evaluation stage reserves on CUDA (0.25: share)
     ray_num_cpus: AtLeast1 = 2
@@ -626,6 +631,9 @@ class PipelineConfig(_Strict):
             errors += self._megatron_errors()
         partial = {d: r for d in ["", *self.rl.per_domain] if (r := self.rl.for_domain(d)).partial_rollouts
                    and (not d or {"partial_rollouts", "max_staleness"} & set(self.rl.per_domain[d]))}
+        if self.runtime.weight_sync == "broadcast" and self.runtime.rollout_engine != "sglang":
+            errors.append(f"runtime.weight_sync: broadcast needs runtime.rollout_engine sglang (the torch engine's "
+                          f"weights load in its worker's process; got {self.runtime.rollout_engine!r})")
         if partial and self.runtime.rollout_engine != "sglang":
             errors.append(f"rl.partial_rollouts: needs runtime.rollout_engine sglang (the torch engine cannot take "
                           f"weights mid-generation; got {self.runtime.rollout_engine!r})")

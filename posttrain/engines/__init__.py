@@ -25,7 +25,7 @@ import torch
 from posttrain.engines.base import Generation, RolloutEngine, TrainEngine
 
 __all__ = ["Generation", "RolloutEngine", "TrainEngine", "rollout_engine", "train_engine", "as_rollout_engine",
-           "train_options"]
+           "train_options", "rollout_options"]
 
 ROLLOUT = {"torch": "posttrain.engines.torch_rollout:TorchRolloutEngine",
            "sglang": "posttrain.engines.sglang_rollout:SGLangRolloutEngine"}
@@ -63,6 +63,11 @@ def train_options(cfg) -> dict:
     from posttrain.engines.megatron_setup import Parallel
     m = cfg.megatron
     return {"parallel": Parallel(m.tp, m.pp, m.cp, m.ep, m.sequence_parallel), "recompute": m.recompute}
+
+
+def rollout_options(cfg) -> dict:
+    """What generates in the RL loop and how the trainer's weights reach it (train_policy's keywords)."""
+    return {"rollout_engine": cfg.runtime.rollout_engine, "weight_sync": cfg.runtime.weight_sync}
 
 
 def as_rollout_engine(model, tokenizer) -> RolloutEngine:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,9 @@ class SGLangRolloutEngine:
         self.server = SGLangServer(checkpoint, seed=seed)
         self.version = 0
         self._weights: str | dict = self.checkpoint  # what a restarted server reloads: a folder or a state dict
+        self._weights_version = 0
         self._group = self._group_server = None  # the process group broadcasting weights to the server
+        self._outside = None  # the server process that joined the trainer's group (join_group)
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._open = threading.Event()
         self._open.set()
@@ -57,12 +60,15 @@ class SGLangRolloutEngine:
         return self.server.call(route, payload, on_restart=self._reload)
 
     def _reload(self) -> None:
-        """A restarted server's weights: the last folder it was given, or the last broadcast state (as a folder)."""
+        """A restarted server's weights: the last folder it was given, or the last state it broadcast (as a folder).
+        Weights the trainer broadcast straight to the server died with it: the version falls back to what it
+        reloads, so its tokens are tagged with the weights that really made them until the trainer's next push."""
         if isinstance(self._weights, dict):
             self._weights = self._write(self._weights)
         if self._weights != self.checkpoint:
             self.server.post("update_weights_from_disk", {"model_path": self._weights,
-                                                          "weight_version": str(self.version)})
+                                                          "weight_version": str(self._weights_version)})
+        self.version = self._weights_version
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
                  generator: torch.Generator | None = None) -> list[Generation]:
@@ -144,11 +150,8 @@ class SGLangRolloutEngine:
         (`update_weights_from_distributed`: gloo on CPU, NCCL on CUDA; no file written). New generations wait
         meanwhile; the server lets the running ones finish on the old weights first, or with `keep_in_flight`, pauses
         them in place and continues them on the new weights."""
-        if self.partial:
-            self.pause()
-        else:
-            self._open.clear()
-        try:
+        from posttrain.engines.weight_group import send, weight_group
+        with self._updating():
             if isinstance(source, (str, Path)):
                 out = self._call("update_weights_from_disk", {"model_path": str(source), "flush_cache": not self.partial,
                                                               "weight_version": str(version)})
@@ -156,39 +159,56 @@ class SGLangRolloutEngine:
                     raise RuntimeError(f"SGLang update_weights_from_disk {source}: {out.get('message')}")
                 self._weights = str(source)
             else:
-                self._broadcast(source, version)
+                if self._group is None or self._group_server != self.server.proc:  # a restarted server joins afresh
+                    self._group = weight_group([lambda payload: self._call("init_weights_update_group", payload)])
+                    self._group_server = self.server.proc
+                send(self._group, source, [lambda payload: self._receive(payload, version)])
                 self._weights = source
-            self.version = version
+            self.version = self._weights_version = version
+
+    @contextmanager
+    def _updating(self):
+        if self.partial:
+            self.pause()
+        else:
+            self._open.clear()
+        try:
+            yield
         finally:
             if self.partial:
                 self.resume()
             else:
                 self._open.set()
 
-    def _broadcast(self, state: dict, version: int) -> None:
-        import torch.distributed as dist
-
-        from posttrain.engines.weight_group import weight_group
-        if self._group is None or self._group_server != self.server.proc:  # a restarted server joins afresh
-            self._group = weight_group(lambda payload: self._call("init_weights_update_group", payload))
-            self._group_server = self.server.proc
-        names = sorted(state)
-        tensors = [state[n].detach().to(self._group.device).contiguous() for n in names]
-        self._call("begin_weight_update", {})
+    def _receive(self, payload: dict, version: int) -> dict:
+        """Take the tensors the group's rank 0 broadcasts now (payload: names, dtypes, shapes, group_name)."""
+        self.server.post("begin_weight_update", {})
         try:
-            done: list = []
-            receive = threading.Thread(target=lambda: done.append(self.server.post("update_weights_from_distributed", {
-                "names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                "shapes": [list(t.shape) for t in tensors], "group_name": self._group.name,
-                "flush_cache": not self.partial, "weight_version": str(version)})))
-            receive.start()
-            for t in tensors:  # in the order the server receives them
-                dist.broadcast(t, src=0, group=self._group.pg)
-            receive.join()
-            if not done or not done[0].get("success", False):
-                raise RuntimeError(f"SGLang update_weights_from_distributed: {done[0] if done else 'no answer'}")
+            return self.server.post("update_weights_from_distributed", {
+                **payload, "flush_cache": not self.partial, "weight_version": str(version)})
         finally:
             self.server.post("end_weight_update", {})
+
+    # runtime.weight_sync broadcast: the trainer's rank 0 broadcasts to every worker's server in one group, so this
+    # engine never holds those weights; a restarted server comes back with the last ones it did hold (`_reload`)
+    def join_group(self, payload: dict) -> dict:
+        """Join the trainer's group (`weight_group` on the trainer's side)."""
+        out = self._call("init_weights_update_group", payload)
+        self._outside = self.server.proc
+        return out
+
+    def in_group(self) -> bool:
+        """Whether the server that joined the trainer's group is still the one running."""
+        return self._outside is not None and self._outside is self.server.proc and self.server.alive()
+
+    def receive_weights(self, payload: dict, version: int) -> dict:
+        """The trainer's broadcast of `version`, as `update_weights` takes one (pausing or holding generations)."""
+        with self._updating():
+            out = self._receive(payload, version)
+            if not out.get("success", False):
+                raise RuntimeError(f"SGLang update_weights_from_distributed: {out.get('message')}")
+            self.version = version
+        return out
 
     def _write(self, state: dict) -> str:
         """A state dict as a checkpoint folder beside the served one's config and tokenizer (replacing the last)."""

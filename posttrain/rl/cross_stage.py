@@ -13,7 +13,7 @@ from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.models.preset import save_checkpoint
 from posttrain.rl import alarms
-from posttrain.engines import train_options
+from posttrain.engines import rollout_options, train_options
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.rl.specialist import plot_curves
 from posttrain.stages import stage_name
@@ -37,7 +37,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
     policy, tok, st = train_policy(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", moe=cfg.moe,
                                  scratch=scratch, distill=distill,
                                  engine=(cfg.runtime.train_engine, train_options(cfg)),
-                                 rollout_engine=cfg.runtime.rollout_engine)
+                                 **rollout_options(cfg))
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

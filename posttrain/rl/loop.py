@@ -290,13 +290,15 @@ def update(r: RLConfig, eng: Engines, batch: list[Sample], dbatch: list[Sample],
 
 def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
                  scratch: str | Path | None = None, distill: Distill | None = None, judge: str = "",
-                 moe: MoEConfig | None = None, engine: tuple[str, dict] = ("torch", {}), rollout_engine: str = "torch"
-                 ) -> tuple[torch.nn.Module, object, State]:
+                 moe: MoEConfig | None = None, engine: tuple[str, dict] = ("torch", {}), rollout_engine: str = "torch",
+                 weight_sync: str = "store") -> tuple[torch.nn.Module, object, State]:
     """Train a policy from the `sft` checkpoint: RL on `pool` (may be empty), plus on-policy distillation
     when `distill` is given. `label` (the stage name in the pipeline) names it in the progress bar and in
     POSTTRAIN_KILL_AT; `scratch` makes it resumable; `judge`, a checkpoint, is the guard's model judge in the
     rollouts (validation keeps the rules-only guard); `engine`: the train engine's name and options
-    (posttrain.engines.train_options); `rollout_engine`: what the workers and teachers generate and score with. Returns the policy (a transformers model), tokenizer, final state."""
+    (posttrain.engines.train_options); `rollout_engine`, `weight_sync`: what the workers and teachers generate and
+    score with, and how the weights reach them (posttrain.engines.rollout_options). Returns the policy (a
+    transformers model), tokenizer, final state."""
     seed_all(seed)
     eng = build_engines(r, sft, with_critic=r.algorithm == "ppo" and bool(pool), rl=bool(pool), moe=moe,
                         engine=engine)
@@ -321,7 +323,8 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     teachers = TeacherPool(distill.teachers, distill.route, distill.teacher_cpus, engine=rollout_engine,
                            placement=distill.teacher_placement) if distill else None
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, r.worker_threads, teachers=teachers,
-                         engine=rollout_engine, record_routes=r.routing_replay, partial=r.partial_rollouts)
+                         engine=rollout_engine, record_routes=r.routing_replay, partial=r.partial_rollouts,
+                         weight_sync=weight_sync)
     feed = Feed(r, pool, distill, workers, seed, st,
                 {**kw, "judge": (judge, tuple(r.judge.features)) if judge else None, "stop_check": r.stop_check})
     active_alarms: set[str] = set()

@@ -11,7 +11,7 @@ from posttrain.models import moe
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.data import load_tasks
 from posttrain.models.preset import save_checkpoint
-from posttrain.engines import train_options
+from posttrain.engines import rollout_options, train_options
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.train import moe_metrics, summarize
 
@@ -67,7 +67,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd", moe=cfg.moe,
                                  scratch=scratch, distill=distill,
                                  engine=(cfg.runtime.train_engine, train_options(cfg)),
-                                 rollout_engine=cfg.runtime.rollout_engine)
+                                 **rollout_options(cfg))
     save_checkpoint(policy, tok, out)
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))

@@ -13,7 +13,7 @@ from posttrain.data import load_tasks
 from posttrain.models.preset import save_checkpoint
 from posttrain.judge import ModelJudge, measure
 from posttrain.rl import alarms
-from posttrain.engines import train_options
+from posttrain.engines import rollout_options, train_options
 from posttrain.rl.loop import train_policy
 from posttrain.train import moe_metrics, summarize
 
@@ -80,7 +80,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     policy, tok, st = train_policy(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}", moe=cfg.moe,
                                  scratch=scratch, judge=judge,
                                  engine=(cfg.runtime.train_engine, train_options(cfg)),
-                                 rollout_engine=cfg.runtime.rollout_engine)
+                                 **rollout_options(cfg))
     save_checkpoint(policy, tok, out)
     hist = st.history
     # blocked hack attempts, with the call and the guard stage that caught it, for reviewers

@@ -96,6 +96,7 @@ class RolloutWorker:
             self.engine.keep_in_flight()
         self._updated = threading.Condition()
         self._update_error: BaseException | None = None
+        self.landed = 0  # the newest version whose update completed (a restarted server may hold an older one)
         self.tok = self.engine.tokenizer
         self.teachers = teachers  # a TeacherPool: distillation samples are scored here, off the trainer
 
@@ -120,24 +121,41 @@ class RolloutWorker:
         return self.engine.version
 
     def set_weights(self, source: WeightSource, version: int) -> None:
-        if version < self.engine.version:  # a later push landed first (a threaded Ray actor may reorder calls)
-            return
+        if version >= self.landed:  # else a later push landed first (a threaded Ray actor may reorder calls)
+            self._land(version, lambda: self.engine.update_weights(source, version))
+
+    # runtime.weight_sync broadcast: the trainer's rank 0 sends to every worker's SGLang server in one group
+    def in_weight_group(self) -> bool:
+        return self.engine.in_group()
+
+    def join_weight_group(self, payload: dict) -> dict:
+        return self.engine.join_group(payload)
+
+    def receive_weights(self, payload: dict, version: int) -> dict:
+        return self._land(version, lambda: self.engine.receive_weights(payload, version))
+
+    def _land(self, version: int, update):
+        """Run an update of the weights to `version`; rollouts waiting for it go on once it landed, and raise if it
+        failed (the trainer does not wait on a push)."""
         try:
-            self.engine.update_weights(source, version)
-        except BaseException as e:  # the rollouts waiting for this version raise it (the trainer never waits here)
+            out = update()
+        except BaseException as e:
             self._update_error = e
             raise
         finally:
             with self._updated:
+                if self._update_error is None:
+                    self.landed = max(self.landed, version)
                 self._updated.notify_all()
+        return out
 
     def _wait_for(self, version: int) -> None:
         with self._updated:
-            self._updated.wait_for(lambda: self.engine.version >= version or self._update_error, UPDATE_WAIT_S)
+            self._updated.wait_for(lambda: self.landed >= version or self._update_error, UPDATE_WAIT_S)
         if self._update_error is not None:
             raise RuntimeError(f"rollout worker: the weight update to version {version} failed") \
                 from self._update_error
-        if self.engine.version < version:
+        if self.landed < version:
             raise RuntimeError(f"rollout worker: the weights of version {version} did not arrive within "
                                f"{UPDATE_WAIT_S:.0f} s (it holds version {self.engine.version})")
 
@@ -178,12 +196,19 @@ class RolloutWorker:
 
 class WorkerPool:
     """n rollout workers; calls on one worker run in submission order (weights, then rollouts), or with `partial`,
-    weights beside the rollouts (in their own order) while each rollout waits for the weights pushed before it."""
+    weights beside the rollouts (in their own order) while each rollout waits for the weights pushed before it.
+    `weight_sync`: how pushed weights travel: `store` (a copy in Ray's object store each worker loads into its
+    engine) or `broadcast` (this process, the trainer, broadcasts them to every worker's SGLang server in one
+    process group: NCCL on GPU, gloo on CPU)."""
 
     def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, teachers=None,
-                 engine: str = "torch", record_routes: bool = False, partial: bool = False):
+                 engine: str = "torch", record_routes: bool = False, partial: bool = False,
+                 weight_sync: str = "store"):
         import ray
+        if weight_sync == "broadcast" and engine != "sglang":
+            raise ValueError(f"runtime.weight_sync broadcast: needs runtime.rollout_engine sglang (got {engine!r})")
         self.use_ray, self.partial, self.version = ray.is_initialized(), partial, 0
+        self.broadcast, self.group = weight_sync == "broadcast", None
         args = (checkpoint, threads, teachers, engine, record_routes, partial)
         if self.use_ray:
             # partial: set_weights in a group of its own (one thread, calls in order) beside the rollouts
@@ -204,8 +229,11 @@ class WorkerPool:
         return len(self.workers)
 
     def push(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """New weights to every worker; rollouts submitted after this call use them."""
+        """New weights to every worker; rollouts submitted after this call use them. A broadcast returns once every
+        server has them: without `partial`, after each server's running requests finished."""
         self.version = version
+        if self.broadcast:
+            return self._broadcast(state_dict, version)
         if self.use_ray:
             import ray
             ref = ray.put(state_dict)  # a copy: the trainer's next update does not reach it
@@ -216,6 +244,29 @@ class WorkerPool:
             sd = {k: v.detach().clone() for k, v in state_dict.items()}
             for w, p in zip(self.workers, self.weight_pools):
                 p.submit(w.set_weights, sd, version)
+
+    def _weights_call(self, i: int, method: str, *args):
+        """A call on worker i's weights channel (its own thread with `partial`), waited for."""
+        w = self.workers[i]
+        if self.use_ray:
+            import ray
+            f = getattr(w, method)
+            return ray.get((f.options(concurrency_group="weights") if self.partial else f).remote(*args))
+        return self.weight_pools[i].submit(getattr(w, method), *args).result()
+
+    def _broadcast(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        from posttrain.engines.weight_group import send, weight_group
+        n = len(self.workers)
+        # a group with every server, built again when one of them restarted since (it left the group with its process)
+        if self.group is None or not all(self._weights_call(i, "in_weight_group") for i in range(n)):
+            address = "127.0.0.1"
+            if self.use_ray:
+                import ray
+                address = ray.util.get_node_ip_address()
+            self.group = weight_group([lambda p, i=i: self._weights_call(i, "join_weight_group", p) for i in range(n)],
+                                      address)
+        send(self.group, state_dict, [lambda p, i=i: self._weights_call(i, "receive_weights", p, version)
+                                      for i in range(n)])
 
     def submit(self, i: int, *args, **kw) -> Future:
         if self.partial:

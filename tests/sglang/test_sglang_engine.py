@@ -193,10 +193,40 @@ def test_an_update_mid_generation_continues_on_the_new_weights_and_says_which_to
     assert engine.generate(prompts[:1], **kw)[0].versions is None  # not recorded without keep_in_flight
 
 
-def test_partial_rollouts_over_two_servers_train_with_every_token_versioned(ckpts, tok, tmp_path, monkeypatch):
+def test_the_trainer_broadcasts_to_every_server_in_one_group_and_a_restarted_one_says_what_it_holds(engine, ckpts,
+                                                                                                      tok):
+    """runtime.weight_sync broadcast: one process group of the trainer and two servers, one broadcast for both. A
+    server that dies afterwards comes back with the weights its engine last held itself, tagged with their version,
+    and out of the group (the trainer's next push builds it again)."""
+    from posttrain.engines.weight_group import send, weight_group
+    prompts, kw = _prompts(len(tok), seed=8), dict(max_new_tokens=8, temperature=0.0, stop_ids=set())
+    old = TorchRolloutEngine.from_checkpoint(ckpts[0]).generate(prompts, **kw)
+    new = TorchRolloutEngine.from_checkpoint(ckpts[1]).generate(prompts, **kw)
+    other = SGLangRolloutEngine(ckpts[0])
+    try:
+        engine.update_weights(ckpts[0], version=20)
+        both = [engine, other]
+        group = weight_group([e.join_group for e in both])
+        assert all(e.in_group() for e in both)
+        send(group, load_checkpoint(ckpts[1])[0].state_dict(), [lambda p, e=e: e.receive_weights(p, 21) for e in both])
+        for e in both:
+            assert e.version == 21
+            _same(e.generate(prompts, **kw), new)
+        os.killpg(engine.server.proc.pid, 9)
+        engine.server.proc.wait()
+        _same(engine.generate(prompts, **kw), old)  # restarted with version 20's folder
+        assert engine.version == 20 and not engine.in_group() and other.in_group()
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("weight_sync", ["store", "broadcast"])
+def test_partial_rollouts_over_two_servers_train_with_every_token_versioned(ckpts, tok, tmp_path, monkeypatch,
+                                                                             weight_sync):
     """The RL loop with two rollout workers, each owning its SGLang server, updates reaching generations in
-    flight: it trains, and each step says how old its tokens were (never older than k) and how many samples
-    spanned an update."""
+    flight, the weights through Ray's object store or broadcast by the trainer to both servers at once: each step
+    says how old its tokens were and how many samples spanned an update. Tokens never older than k mean every push
+    reached both servers (version 0's tokens would be 3 versions old at the last step)."""
     import environments
     from posttrain.config import RLConfig
     from posttrain.rl.loop import train_policy
@@ -204,7 +234,8 @@ def test_partial_rollouts_over_two_servers_train_with_every_token_versioned(ckpt
     tasks = environments.get("reasoning").generate("train", 32, 0)
     r = RLConfig(steps=4, prompts_per_step=2, group_size=2, max_new_tokens=48, max_staleness=1, val_every=0,
                  lr=1e-3, stop_check=False, rollout_workers=2, partial_rollouts=True)
-    _, _, st = train_policy(r, ckpts[0], tasks, tasks[:2], seed=0, rollout_engine="sglang")
+    _, _, st = train_policy(r, ckpts[0], tasks, tasks[:2], seed=0, rollout_engine="sglang",
+                            weight_sync=weight_sync)
     h = st.history
     assert len(list(tmp_path.glob("sglang-*.log"))) == 2  # a server per worker
     assert len(h["mixed_version_share"]) == len(h["token_staleness_mean"]) == 4
