@@ -152,8 +152,8 @@ class RolloutWorker:
     def _wait_for(self, version: int) -> None:
         with self._updated:
             self._updated.wait_for(lambda: self.landed >= version or self._update_error, UPDATE_WAIT_S)
-        if self._update_error is not None:
-            raise RuntimeError(f"rollout worker: the weight update to version {version} failed") \
+        if self._update_error is not None:  # its weights are behind the trainer's for good: say so, loudly
+            raise RuntimeError(f"rollout worker: a weight update failed: {self._update_error}") \
                 from self._update_error
         if self.landed < version:
             raise RuntimeError(f"rollout worker: the weights of version {version} did not arrive within "

@@ -1,5 +1,6 @@
-"""The smoke DAG with `runtime.rollout_engine: sglang`: the RL specialist's rollouts, OPD's teachers and every
-evaluation go through real SGLang servers, and none outlives the run."""
+"""The smoke DAG with `runtime.rollout_engine: sglang` (partial rollouts, the trainer broadcasting each update to
+the servers): the RL specialist's rollouts, OPD's teachers and every evaluation go through real SGLang servers, and
+none outlives the run."""
 import json
 import os
 import subprocess
@@ -19,7 +20,8 @@ def test_the_smoke_dag_generates_scores_and_evaluates_through_sglang(tmp_path):
     before = _servers()
     env = {**os.environ, "POSTTRAIN_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
     p = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke", "--set",
-                        "runtime.rollout_engine=sglang", "--set", "rl.domains=[reasoning]"], cwd=ROOT, env=env,
+                        "runtime.rollout_engine=sglang", "--set", "rl.domains=[reasoning]", "--set",
+                        "rl.partial_rollouts=true", "--set", "runtime.weight_sync=broadcast"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     report = json.loads((tmp_path / "latest" / "report.json").read_text())
