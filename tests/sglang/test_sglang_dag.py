@@ -28,7 +28,8 @@ def test_the_smoke_dag_generates_scores_and_evaluates_through_sglang(tmp_path):
     assert {"sft", "specialist/reasoning", "generalist", "quantized"} <= set(report["eval"])
     # each stage's servers log under the run's folder: the rollout worker's, OPD's teacher and worker, and one per
     # evaluated unquantized checkpoint
-    logs = {stage.name: len(list(stage.glob("sglang-*.log"))) for stage in (tmp_path / "latest" / "logs").iterdir()}
+    (run,) = (tmp_path / "runs").iterdir()
+    logs = {stage.name: len(list(stage.glob("sglang-*.log"))) for stage in (run / "logs").iterdir()}
     assert logs["rl-reasoning"] >= 1 and logs["opd"] >= 2 and logs["evaluate"] >= 3, logs
     deadline = time.monotonic() + 60  # a server stopping as its owner exits gets its SIGTERM's grace
     while not _servers() <= before and time.monotonic() < deadline:
