@@ -684,6 +684,13 @@ class PipelineConfig(_Strict):
         if self.mtp.depth:
             errors.append("mtp.depth: must be 0 with runtime.train_engine megatron (its MTP layer is posttrain's "
                           "own torch module)")
+        if self.ramp.attention == "dsa":
+            errors.append("ramp.attention: dsa is posttrain's own torch module, which the megatron engine does not "
+                          "run; use sdpa, packed_sdpa or flash_attention_2 with runtime.train_engine megatron")
+        for i, st in enumerate(self.ramp.stages):
+            if st.rope_scaling:
+                errors.append(f"ramp.stages.{i}.rope_scaling: the megatron engine runs default RoPE (a stage's "
+                              f"rope_theta) only; drop it or use runtime.train_engine torch (got {st.rope_scaling})")
         for key in ("pp", "cp"):
             if getattr(g, key) > 1:
                 errors.append(f"megatron.{key}: not wired into the engine yet (supported: 1)")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -166,6 +168,20 @@ def _indexer_warmup(cfg: PipelineConfig, model, next_batch, name: str) -> dict:
     return curves
 
 
+@contextmanager
+def megatron_engine(cfg: PipelineConfig, model, tok, lr: float):
+    """The stage's model (its RoPE set) in the megatron train engine, one rank, as runtime.train_engine megatron
+    asks; ramp.activation_checkpointing is Megatron's full-layer recompute there."""
+    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    g = cfg.megatron
+    with tempfile.TemporaryDirectory(prefix="posttrain-ramp-megatron-") as d:
+        save_checkpoint(model, tok, d)
+        yield MegatronTrainEngine(d, lr=lr, parallel=Parallel(g.tp, g.pp, g.cp, g.ep, g.sequence_parallel),
+                                  weight_decay=cfg.ramp.weight_decay, seed=cfg.seed,
+                                  recompute=g.recompute or cfg.ramp.activation_checkpointing)
+
+
 def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: list[list[int]],
                 sets: dict[int, list[Task]], short_val: dict):
     """One rung of the ladder: RoPE + attention set, packed mixture trained, then measured."""
@@ -178,7 +194,8 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
         model = attention.use(model, "packed_sdpa" if r.attention == "dsa" else r.attention)
     if cfg.mtp.depth and mtp.get(model) is None:
         mtp.install(model, cfg.mtp.depth)
-    if r.activation_checkpointing:
+    megatron = cfg.runtime.train_engine == "megatron"
+    if r.activation_checkpointing and not megatron:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     short_rows = pack([(d, [1] * len(d)) for d in docs], st.seq_len)
     long_rows = pack(long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight), st.seq_len)
@@ -193,12 +210,18 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
             warm = _indexer_warmup(cfg, model, lambda i: next_batch(10_000_000 + i), name)
             extra = {f"dsa_warmup.{key}": v for c in warm for key, v in summarize(warm, c).items()}
         loss_fn = _with_indexer_loss(r.dsa.kl_weight, curves) if dsa.state(model) else masked_lm_loss
-        hist = train(model, next_batch, steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio,
-                     grad_accum=r.grad_accum, weight_decay=r.weight_decay, desc=name,
-                     loss_fn=mtp.with_loss(loss_fn, cfg.mtp.loss_weight, curves), moe=cfg.moe)
+        kw = dict(steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
+                  weight_decay=r.weight_decay, desc=name)
+        if megatron:  # the config refuses what only the torch path has (DSA, MTP, RoPE scaling)
+            with megatron_engine(cfg, model, tok, st.lr) as engine:
+                hist = train(engine, next_batch, **kw)
+                model = engine.hf_model()
+        else:
+            hist = train(model, next_batch, **kw, loss_fn=mtp.with_loss(loss_fn, cfg.mtp.loss_weight, curves),
+                         moe=cfg.moe)
         if dsa.state(model):
             dsa.state(model).collect = False
-    if r.activation_checkpointing:
+    if r.activation_checkpointing and not megatron:
         model.activation_checkpointing_disable()
     curves = {c: xs for c, xs in curves.items() if xs}
     hist.update(curves)

@@ -81,7 +81,7 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
         Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base", "moe"), "tasks.base:base"),
         Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
               ("seed", "world.seed", "model", "ramp", "mtp", "moe", "eval.n_per_suite", "eval.max_new_tokens",
-               "eval.batch_size"),
+               "eval.batch_size", *TRAIN_ENGINE),
               "tasks.ramp:ramp", resumable=True),
         # sft's own Ray task only waits on its Ray Train workers; base: the model whose answers it replays
         Stage("sft", "posttrain.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE),

@@ -252,3 +252,33 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
         assert rule in str(e.value)
     with pytest.raises(ConfigError, match="runtime.train_engine: megatron maps dense Llama / Qwen models"):
         load_config("tiny-glm5", ["runtime.train_engine=megatron"])
+    with pytest.raises(ConfigError, match="ramp.attention: dsa is posttrain's own"):
+        load_config("smoke", ["runtime.train_engine=megatron", "ramp.attention=dsa", "ramp.dsa.top_k=32"])
+    with pytest.raises(ConfigError, match="ramp.stages.0.rope_scaling: the megatron engine runs default RoPE"):
+        load_config("smoke", ["runtime.train_engine=megatron", "ramp.stages=[{seq_len: 96, tokens: 384, rope_theta: "
+                              "20000.0, rope_scaling: {rope_type: yarn, factor: 2.0}}]"])
+
+
+def test_a_ramp_stage_through_megatron_follows_the_torch_ramp(ckpts, tok):
+    """One rung of the context ladder (its RoPE theta and length set, packed documents with restarting positions,
+    long rows mixed in) trained through the megatron engine: the torch path's loss curve, and the model that comes
+    back carries the stage's RoPE."""
+    from posttrain import ramp
+    from posttrain.models.preset import load_checkpoint
+    from posttrain.packing import collate, pack
+    rng = random.Random(1)
+    docs = [[rng.randrange(3, len(tok)) for _ in range(rng.randrange(8, 40))] for _ in range(64)]
+    short_val = collate(pack([(d, [1] * len(d)) for d in docs[:4]], 96), tok.pad_token_id)
+    sets = ["ramp.stages=[{seq_len: 256, tokens: 6144, lr: 0.01, warmup: 2, rope_theta: 40000.0, long_share: 0.5}]",
+            "ramp.batch_size=2", "ramp.long_docs=4"]
+    got = {}
+    for engine in ("torch", "megatron"):
+        cfg = load_config("smoke", [*sets, f"runtime.train_engine={engine}"])
+        model, _ = load_checkpoint(ckpts["llama"])
+        got[engine] = ramp.train_stage(cfg, 0, cfg.ramp.stages[0], model, tok, docs, {}, short_val)
+    (torch_model, want), (model, child) = got["torch"], got["megatron"]
+    loss, ref = child["history"]["loss"], want["history"]["loss"]
+    assert len(loss) == 12 and ref[-1] < ref[0] - 0.5  # it learned
+    assert max(abs(a - b) for a, b in zip(loss, ref)) < 1e-4
+    assert model.config.rope_parameters["rope_theta"] == 40000.0 and model.config.max_position_embeddings == 256
+    assert abs(child["metrics"]["short_val_loss"] - want["metrics"]["short_val_loss"]) < 1e-3
