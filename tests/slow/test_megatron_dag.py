@@ -1,6 +1,6 @@
-"""The smoke DAG with `runtime.train_engine: megatron`: sft, the RL specialist and OPD train through megatron-core;
-sft's Ray Train workers are its ranks (tensor parallel over two of them gives one rank's curve) and resume exactly
-after a SIGKILL from their own per-rank state."""
+"""The smoke DAG with `runtime.train_engine: megatron`: the ramp, sft, the RL specialist and OPD train through
+megatron-core; sft's Ray Train workers are its ranks (tensor parallel over two of them gives one rank's curve) and
+resume exactly after a SIGKILL from their own per-rank state."""
 import json
 from pathlib import Path
 
@@ -28,7 +28,7 @@ def test_the_smoke_dag_trains_through_megatron_and_lineage_says_so(run):
     assert {"sft", "rl-reasoning", "opd", "quantize", "evaluate"} <= set(report["stages"])
     assert set(report["eval"]) >= {"sft", "specialist/reasoning", "generalist", "quantized"}
     c = MlflowClient(tracking_uri=f"sqlite:///{home}/mlflow.db")
-    for stage in ("sft", "rl-reasoning", "opd"):
+    for stage in ("ramp", "sft", "rl-reasoning", "opd"):
         params = c.get_run(report["stages"][stage]["mlflow_run_id"]).data.params
         assert json.loads(params["runtime.train_engine"]) == "megatron", stage
 
