@@ -395,6 +395,9 @@ class RLConfig(_Strict):
     # update back. Every token records the version that produced it; a sample is as stale as its oldest token.
     # Needs runtime.rollout_engine sglang and max_staleness >= 1 (at 0 nothing generates across an update)
     partial_rollouts: bool = False
+    # what the rollout workers generate in: the trainer stays fp32 and the importance-sampling ratio (and its mask)
+    # absorbs the difference, as GLM-5 rolls out in lower precision than it trains
+    rollout_dtype: Literal["float32", "bfloat16"] = "float32"
     rollout_workers: AtLeast1 = 1
     worker_cpus: NonNegative = 0.25      # Ray CPUs each rollout worker reserves
     # torch threads of each rollout worker: a synchronous loop (max_staleness 0) alone on a machine can give the

@@ -56,6 +56,19 @@ def test_update_weights_from_a_folder_or_a_state_dict_and_the_version(ckpts, tok
         assert got_ids == ids and torch.allclose(got_lp, lp, atol=1e-5) and engine.version == version
 
 
+def test_a_bf16_rollout_engine_samples_near_the_fp32_ones_distribution_and_takes_fp32_weights(ckpts, tok):
+    """rl.rollout_dtype bfloat16: the weights are held in bf16, the behaviour log-probabilities come out near fp32's
+    (the gap the importance ratio absorbs) but not equal, and fp32 weights pushed by the trainer load into it."""
+    prompts, kw = _prompts(tok), dict(max_new_tokens=8, temperature=0.0, stop_ids=set())
+    fp32, bf16 = rollout_engine("torch", ckpts[0]), rollout_engine("torch", ckpts[0], "bfloat16")
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    a, b = (torch.tensor([g.logprobs for g in e.generate(prompts, **kw)]) for e in (fp32, bf16))
+    assert 0 < (a - b).abs().max() < 0.1
+    bf16.update_weights(train_engine("torch", ckpts[1]).weights(), version=1)
+    want = torch.tensor([g.logprobs for g in rollout_engine("torch", ckpts[1]).generate(prompts, **kw)])
+    assert (torch.tensor([g.logprobs for g in bf16.generate(prompts, **kw)]) - want).abs().max() < 0.1
+
+
 def test_a_paused_engine_generates_nothing_until_resumed(ckpts, tok):
     engine, done = rollout_engine("torch", ckpts[0]), []
     engine.pause()

@@ -40,9 +40,17 @@ def _cls(table: dict[str, str], name: str, key: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def rollout_engine(name: str, checkpoint: str | Path) -> RolloutEngine:
-    """A rollout engine holding the checkpoint (plain or W4A8 compressed-tensors)."""
-    return _cls(ROLLOUT, name, "runtime.rollout_engine").from_checkpoint(checkpoint)
+def rollout_engine(name: str, checkpoint: str | Path, dtype: str = "float32",
+                   keep_in_flight: bool = False) -> RolloutEngine:
+    """A rollout engine holding the checkpoint (plain or W4A8 compressed-tensors) in `dtype`; `keep_in_flight`:
+    weight updates reach its generations in flight (rl.partial_rollouts), where the engine can."""
+    cls = _cls(ROLLOUT, name, "runtime.rollout_engine")
+    if not keep_in_flight:
+        return cls.from_checkpoint(checkpoint, dtype=dtype)
+    if not getattr(cls, "KEEPS_IN_FLIGHT", False):
+        raise ValueError(f"rl.partial_rollouts: the {name!r} rollout engine cannot take weights mid-generation "
+                         f"(use runtime.rollout_engine sglang)")
+    return cls.from_checkpoint(checkpoint, dtype=dtype, keep_in_flight=True)
 
 
 def train_engine(name: str, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,

@@ -33,11 +33,20 @@ def token_versions(meta: dict, n: int) -> list[int]:
 class SGLangRolloutEngine:
     """A checkpoint served by its own SGLang server (a child process of this one)."""
 
-    def __init__(self, checkpoint: str | Path, *, seed: int = 0):
+    KEEPS_IN_FLIGHT = True  # rl.partial_rollouts (posttrain.engines.rollout_engine)
+
+    def __init__(self, checkpoint: str | Path, *, seed: int = 0, dtype: str = "float32", keep_in_flight: bool = False):
+        """`keep_in_flight`: updates reach the generations in flight (GLM-5's partial rollouts): the server retracts
+        them (their generated tokens kept), takes the new weights and prefills them again, so every token after an
+        update is exactly the new weights' given what came before; each Generation says which version produced each
+        token (SGLang's per-request weight-version spans). The server then keeps no prefix cache: a cached prefix
+        would be the old weights' encoding."""
         from transformers import AutoTokenizer
         self.checkpoint = str(checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        self.server = SGLangServer(checkpoint, seed=seed)
+        self.partial = keep_in_flight
+        self.server = SGLangServer(checkpoint, seed=seed, extra_args=(
+            "--dtype", dtype, *(("--disable-radix-cache",) if keep_in_flight else ())))
         self.version = 0
         self._weights: str | dict = self.checkpoint  # what a restarted server reloads: a folder or a state dict
         self._weights_version = 0
@@ -46,15 +55,15 @@ class SGLangRolloutEngine:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._open = threading.Event()
         self._open.set()
-        self.partial = False  # keep_in_flight(): updates land mid-generation
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path) -> "SGLangRolloutEngine":
+    def from_checkpoint(cls, path: str | Path, dtype: str = "float32", keep_in_flight: bool = False
+                        ) -> "SGLangRolloutEngine":
         from posttrain.quant.int_linear import is_compressed
         if is_compressed(path):
             raise ValueError(f"runtime.rollout_engine sglang: {path} is a W4A8 compressed-tensors export; SGLang's int4 / "
                              f"int8 kernels are CUDA's, and posttrain's mixed export has not been tried there")
-        return cls(path)
+        return cls(path, dtype=dtype, keep_in_flight=keep_in_flight)
 
     def _call(self, route: str, payload: dict | None = None):
         return self.server.call(route, payload, on_restart=self._reload)
@@ -91,14 +100,6 @@ class SGLangRolloutEngine:
             gens.append(Generation(ids, lps, "stop" if stopped else "length",
                                    versions=token_versions(meta, len(ids)) if self.partial else None))
         return gens
-
-    def keep_in_flight(self) -> None:
-        """From now on an update reaches the generations in flight (GLM-5's partial rollouts): the server pauses them
-        in place, takes the new weights and continues them with the KV cache the old weights wrote, and each
-        Generation says which version produced each token (SGLang's per-request weight-version spans). Its radix
-        cache is not flushed at an update either (the paused requests hold it), so a new request may reuse a prefix
-        the old weights encoded: the behaviour log-probabilities are what the server computed all the same."""
-        self.partial = True
 
     def score(self, items: list[tuple[list[int], list[int], list[int]]], *, mode: str = "sampled", top_k: int = 16,
               temperature: float = 1.0) -> list:
@@ -148,8 +149,8 @@ class SGLangRolloutEngine:
         """From a checkpoint folder (`update_weights_from_disk`, what a trainer on another node can always do), or
         from a state dict in this process, broadcast to the server over a process group of the two
         (`update_weights_from_distributed`: gloo on CPU, NCCL on CUDA; no file written). New generations wait
-        meanwhile; the server lets the running ones finish on the old weights first, or with `keep_in_flight`, pauses
-        them in place and continues them on the new weights."""
+        meanwhile; the server lets the running ones finish on the old weights first, or with `keep_in_flight`,
+        retracts them and continues them on the new weights."""
         from posttrain.engines.weight_group import send, weight_group
         with self._updating():
             if isinstance(source, (str, Path)):
@@ -168,17 +169,15 @@ class SGLangRolloutEngine:
 
     @contextmanager
     def _updating(self):
-        if self.partial:
-            self.pause()
-        else:
-            self._open.clear()
+        self._open.clear()
+        if self.partial:  # the running requests give their KV cache back, to be prefilled again by the new weights
+            self._call("pause_generation", {"mode": "retract"})
         try:
             yield
         finally:
             if self.partial:
-                self.resume()
-            else:
-                self._open.set()
+                self._call("continue_generation", {})
+            self._open.set()
 
     def _receive(self, payload: dict, version: int) -> dict:
         """Take the tensors the group's rank 0 broadcasts now (payload: names, dtypes, shapes, group_name)."""

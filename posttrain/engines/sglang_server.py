@@ -100,8 +100,10 @@ class SGLangServer:
         # ramp); SGLang refuses a request longer than --context-length
         trained = json.loads((Path(self.checkpoint) / "config.json").read_text()).get("max_position_embeddings", 0)
         args += ["--context-length", str(max(trained, MIN_CONTEXT))]
-        if not cuda:  # SGLang's CPU path: fp32 as the torch engine, torch attention and sampling, no graphs
-            args += ["--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native",
+        if "--dtype" not in self.extra_args:  # fp32 as the torch engine (SGLang's "auto" serves fp32 weights in fp16)
+            args += ["--dtype", "float32"]
+        if not cuda:  # SGLang's CPU path: torch attention and sampling, no graphs
+            args += ["--device", "cpu", "--attention-backend", "torch_native",
                      "--sampling-backend", "pytorch", "--disable-cuda-graph", "--grammar-backend", "none",
                      "--mem-fraction-static", "0.05", "--max-total-tokens", "65536"]
         return args + list(self.extra_args)

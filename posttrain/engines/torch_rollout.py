@@ -115,11 +115,12 @@ class TorchRolloutEngine:
         self._open.set()
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path) -> "TorchRolloutEngine":
+    def from_checkpoint(cls, path: str | Path, dtype: str = "float32") -> "TorchRolloutEngine":
+        """`dtype`: what the weights, activations and KV cache are held in (the sampling distribution is fp32)."""
         from posttrain.device import device
         from posttrain.quant.int_linear import load_any  # plain or W4A8 compressed-tensors
         model, tok = load_any(path)
-        return cls(model.to(device()), tok)
+        return cls(model.to(device(), getattr(torch, dtype)), tok)
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
                  generator: torch.Generator | None = None) -> list[Generation]:

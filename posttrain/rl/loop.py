@@ -324,7 +324,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
                            placement=distill.teacher_placement) if distill else None
     workers = WorkerPool(sft, r.rollout_workers, r.worker_cpus, r.worker_threads, teachers=teachers,
                          engine=rollout_engine, record_routes=r.routing_replay, partial=r.partial_rollouts,
-                         weight_sync=weight_sync)
+                         weight_sync=weight_sync, dtype=r.rollout_dtype)
     feed = Feed(r, pool, distill, workers, seed, st,
                 {**kw, "judge": (judge, tuple(r.judge.features)) if judge else None, "stop_check": r.stop_check})
     active_alarms: set[str] = set()

@@ -82,18 +82,13 @@ class RolloutWorker:
     `rollout` (its own thread) and each rollout first waits for the weights pushed before it was submitted."""
 
     def __init__(self, checkpoint: str, threads: int = 1, teachers=None, engine: str = "torch",
-                 record_routes: bool = False, partial: bool = False):
+                 record_routes: bool = False, partial: bool = False, dtype: str = "float32"):
         torch.set_num_threads(threads)
-        self.engine: RolloutEngine = rollout_engine(engine, checkpoint)
+        self.engine: RolloutEngine = rollout_engine(engine, checkpoint, dtype, keep_in_flight=partial)
         if record_routes:  # routing replay: the samples carry the experts that produced them
             if not hasattr(self.engine, "record_routes"):
                 raise ValueError(f"rl.routing_replay: the {engine!r} rollout engine does not record expert routes")
             self.engine.record_routes()
-        if partial:
-            if not hasattr(self.engine, "keep_in_flight"):
-                raise ValueError(f"rl.partial_rollouts: the {engine!r} rollout engine cannot take weights "
-                                 f"mid-generation (use runtime.rollout_engine sglang)")
-            self.engine.keep_in_flight()
         self._updated = threading.Condition()
         self._update_error: BaseException | None = None
         self.landed = 0  # the newest version whose update completed (a restarted server may hold an older one)
@@ -199,17 +194,17 @@ class WorkerPool:
     weights beside the rollouts (in their own order) while each rollout waits for the weights pushed before it.
     `weight_sync`: how pushed weights travel: `store` (a copy in Ray's object store each worker loads into its
     engine) or `broadcast` (this process, the trainer, broadcasts them to every worker's SGLang server in one
-    process group: NCCL on GPU, gloo on CPU)."""
+    process group: NCCL on GPU, gloo on CPU); `dtype`: what the workers' engines generate in."""
 
     def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, teachers=None,
                  engine: str = "torch", record_routes: bool = False, partial: bool = False,
-                 weight_sync: str = "store"):
+                 weight_sync: str = "store", dtype: str = "float32"):
         import ray
         if weight_sync == "broadcast" and engine != "sglang":
             raise ValueError(f"runtime.weight_sync broadcast: needs runtime.rollout_engine sglang (got {engine!r})")
         self.use_ray, self.partial, self.version = ray.is_initialized(), partial, 0
         self.broadcast, self.group = weight_sync == "broadcast", None
-        args = (checkpoint, threads, teachers, engine, record_routes, partial)
+        args = (checkpoint, threads, teachers, engine, record_routes, partial, dtype)
         if self.use_ray:
             # partial: set_weights in a group of its own (one thread, calls in order) beside the rollouts
             cls = (ray.remote(concurrency_groups={"weights": 1})(RolloutWorker) if partial else
