@@ -3,7 +3,9 @@
 The general specialist's GRPO from the sft checkpoint of the latest `make run` (`BENCH_MISMATCH_RUN` names
 another run's report), synchronous (rl.max_staleness 0: the trainer scores each batch with the weights that
 sampled it, so any gap is the engines'), for each (train engine, rollout engine) pair: torch/torch,
-torch/sglang, megatron/torch, megatron/sglang; and torch/torch asynchronous (k=1) for scale. Per run, over its
+torch/sglang, megatron/torch, megatron/sglang, all in fp32; torch/torch asynchronous (k=1) for scale; and the
+rollouts in bf16 against the fp32 trainer (rl.rollout_dtype, torch and SGLang), what GLM-5's lower-precision
+rollouts cost the importance ratio. Per run, over its
 steps: `logratio_abs` (mean |log pi_train - log pi_rollout| over the generated tokens, each step's mean over its
 micro-batches), `masked_fraction` (the share of tokens the importance-sampling mask drops), and the mean reward.
 Figures: each pair's mean over `SEEDS` seeds with the spread (min, max), and `mismatch.png`.
@@ -28,15 +30,17 @@ PROFILE = size("tiny", "smoke")
 DOMAIN = "general"
 STEPS = size(12, 2)
 SEEDS = size([0, 1, 2], [0])
-PAIRS = [("torch", "torch", 0), ("torch", "sglang", 0), ("megatron", "torch", 0), ("megatron", "sglang", 0),
-         ("torch", "torch", 1)]
+# (train engine, rollout engine, max_staleness, what the rollouts generate in)
+PAIRS = [("torch", "torch", 0, "float32"), ("torch", "sglang", 0, "float32"), ("megatron", "torch", 0, "float32"),
+         ("megatron", "sglang", 0, "float32"), ("torch", "torch", 1, "float32"), ("torch", "torch", 0, "bfloat16"),
+         ("torch", "sglang", 0, "bfloat16")]
 
 
 def _inputs() -> tuple[str, str]:
     return sft_inputs("mismatch", "BENCH_MISMATCH_RUN")
 
 
-def run(train: str, rollout: str, k: int, seed: int, sft: str, curate: str) -> dict:
+def run(train: str, rollout: str, k: int, dtype: str, seed: int, sft: str, curate: str) -> dict:
     from posttrain.config import load_config
     from posttrain.data import load_tasks
     from posttrain.engines.megatron_setup import Parallel
@@ -44,7 +48,7 @@ def run(train: str, rollout: str, k: int, seed: int, sft: str, curate: str) -> d
     cfg = load_config(PROFILE)
     domain = DOMAIN if DOMAIN in cfg.rl.domains else cfg.rl.domains[0]
     r = cfg.rl.for_domain(domain).model_copy(update={
-        "steps": STEPS, "max_staleness": k, "val_every": 0, "checkpoint_every": 0})
+        "steps": STEPS, "max_staleness": k, "rollout_dtype": dtype, "val_every": 0, "checkpoint_every": 0})
     pool, val = load_tasks(curate, "rl", domain), load_tasks(curate, "val", domain)[:4]
     opts = {"parallel": Parallel()} if train == "megatron" else {}
     _, _, st = train_policy(r, sft, pool, val, seed=seed, label=f"{train}/{rollout} k={k}", engine=(train, opts),
@@ -90,15 +94,16 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     fig: dict = {"device": device, "profile": PROFILE, "domain": DOMAIN, "steps": STEPS, "seeds": SEEDS}
     rows: dict[str, dict] = {}
-    for train, rollout, k in pairs:
-        runs = [run(train, rollout, k, seed, sft, curate) for seed in SEEDS]
-        name = f"{train}/{rollout}" + (f" k={k}" if k else "")
+    for train, rollout, k, dtype in pairs:
+        runs = [run(train, rollout, k, dtype, seed, sft, curate) for seed in SEEDS]
+        bf16 = dtype == "bfloat16"
+        name = f"{train}/{rollout}" + (f" k={k}" if k else "") + (" bf16" if bf16 else "")
         row = {}
         for key in ("logratio_abs", "masked_fraction", "reward"):
             xs = [x[key] for x in runs]
             row |= {f"{key}_mean": mean(xs), f"{key}_min": min(xs), f"{key}_max": max(xs)}
         rows[name] = row
-        slug = f"{train}_{rollout}" + (f"_k{k}" if k else "")
+        slug = f"{train}_{rollout}" + (f"_k{k}" if k else "") + ("_bf16" if bf16 else "")
         fig |= {f"{key}_{slug}": v for key, v in row.items()}  # one flat object, as every bench writes
         print(f"[mismatch] {name}: |dlogp| {row['logratio_abs_mean']:.2e} (min {row['logratio_abs_min']:.2e}, max "
               f"{row['logratio_abs_max']:.2e}), masked {row['masked_fraction_mean']:.4f}, reward "
