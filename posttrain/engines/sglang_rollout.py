@@ -152,6 +152,8 @@ class SGLangRolloutEngine:
         meanwhile; the server lets the running ones finish on the old weights first, or with `keep_in_flight`,
         retracts them and continues them on the new weights."""
         from posttrain.engines.weight_group import send, weight_group
+        # flush_cache: a server keeping generations in flight has no prefix cache, and refuses a flush while the
+        # retracted requests wait in its queue
         with self._updating():
             if isinstance(source, (str, Path)):
                 out = self._call("update_weights_from_disk", {"model_path": str(source), "flush_cache": not self.partial,
