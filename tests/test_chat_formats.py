@@ -142,7 +142,7 @@ def test_rollouts_stop_on_a_stop_token_mismatch(monkeypatch, tok):
     import posttrain.rl.workers as workers
     tasks = environments.get("reasoning").generate("train", 2, 0)
     for stop_on, fails in ((None, True), (1, False)):
-        monkeypatch.setattr(workers, "rollout_engine", lambda name, ckpt: _Babbler(tok, stop_on))
+        monkeypatch.setattr(workers, "rollout_engine", lambda name, ckpt, *a, **kw: _Babbler(tok, stop_on))
         worker = workers.RolloutWorker("unused")
         if fails:
             with pytest.raises(ChatFormatError, match=r"none of 4 episodes ended a turn on a stop id within 6 new "
