@@ -43,3 +43,15 @@ def parity_env(tmp_path, monkeypatch):
     yield "parity_env"
     environments.REGISTRY.pop("parity", None)
     sys.modules.pop("parity_env", None)
+
+
+@pytest.fixture(scope="module")
+def megatron_groups():
+    """For a module whose tests open the megatron engine's world of one in this process: closed after it, since
+    later tests open their own process groups."""
+    yield
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -17,14 +17,8 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _process_groups():
-    """The engine opens a world of one in this process; later tests open their own."""
-    yield
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def _process_groups(megatron_groups):
+    """The engine opens a world of one in this process; later tests open their own (conftest)."""
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ import torch
 
 from posttrain.engines.megatron_memory import Layout, Shape, per_gpu
 
+pytestmark = pytest.mark.usefixtures("megatron_groups")  # the measured step opens the engine's world of one
+
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_parameter_counts_equal_the_models(kind):
