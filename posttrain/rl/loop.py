@@ -341,7 +341,8 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             t_train = time.perf_counter()
             stats = update(r, eng, batch, dbatch, distill)
             t_push = time.perf_counter()
-            workers.push(eng.policy.weights(), step + 1)
+            if step + 1 < r.steps:  # no rollout uses the last step's weights
+                workers.push(eng.policy.weights(), step + 1)
             times = {"rollout_wait_s": t_train - t_wait, "train_s": t_push - t_train,
                      "push_s": time.perf_counter() - t_push}
             st.attempts += [{"step": step, "task": s.task_id, **b} for s in batch + dbatch for b in s.blocked]

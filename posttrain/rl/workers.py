@@ -273,7 +273,9 @@ class WorkerPool:
     def close(self) -> None:
         if self.use_ray:
             import ray
-            try:  # the engines' servers stopped cleanly first; a stuck worker is killed all the same
+            try:  # a weight update under way finishes first (partial: on its own thread), then the servers stop
+                if self.partial:
+                    ray.get([w.ready.options(concurrency_group="weights").remote() for w in self.workers], timeout=60)
                 ray.get([w.close.remote() for w in self.workers], timeout=60)
             except Exception:  # noqa: BLE001 (closing: any failure ends in the kill below)
                 pass
