@@ -390,9 +390,9 @@ class RLConfig(_Strict):
     kl_coef: NonNegative = 0.0           # KL to the reference (the sft checkpoint); 0: no reference model
     entropy_coef: NonNegative = 0.0
     max_staleness: AtLeast0 = 1          # k: samples more than k policy versions old are dropped; 0 = synchronous
-    # GLM-5's partial rollouts: a weight update reaches the generations in flight (the server pauses them in place,
-    # takes the new weights and continues them) instead of waiting for them, so one long generation never holds an
-    # update back. Every token records the version that produced it; a sample is as stale as its oldest token.
+    # GLM-5's partial rollouts: a weight update reaches the generations in flight (the server retracts them, takes
+    # the new weights and prefills them again to continue) instead of waiting for them, so one long generation never
+    # holds an update back. Every token records the version that produced it; a sample is as stale as its oldest token.
     # Needs runtime.rollout_engine sglang and max_staleness >= 1 (at 0 nothing generates across an update)
     partial_rollouts: bool = False
     # what the rollout workers generate in: the trainer stays fp32 and the importance-sampling ratio (and its mask)
