@@ -10,7 +10,8 @@ Then, from that run's sft checkpoint, the same GRPO specialist twice, without an
 (`rl.routing_replay`), asynchronous (`rl.max_staleness` 1: each batch was sampled by the weights before the last
 update, the mismatch replay exists for): per step, the mean |log pi_train - log pi_rollout| over generated tokens
 at the start of the step, the clip and importance-sampling mask fractions, the reward, and under replay the share of
-replayed routes the trainer's router would have chosen otherwise.
+replayed routes the trainer's router would have chosen otherwise. Both arms again with the rollouts in bf16 against
+the fp32 trainer (`rl.rollout_dtype`): the other mismatch GLM-5's replay is for.
 
     python -m bench.moe [--seeds 0 1 2]     (make bench B=moe)
 
@@ -79,19 +80,22 @@ def param_counts(checkpoint: str) -> tuple[int, int]:
     return total, total - idle
 
 
-def rl_arm(home: Path, report: dict, seed: int, replay: bool) -> dict:
-    """The reasoning specialist from the run's sft checkpoint, asynchronous, with or without routing replay."""
+def rl_arm(home: Path, report: dict, seed: int, replay: bool, dtype: str = "float32") -> dict:
+    """The reasoning specialist from the run's sft checkpoint, asynchronous, with or without routing replay, its
+    rollouts in `dtype`."""
     from posttrain.config import load_config
     from posttrain.data import load_tasks
     from posttrain.rl.loop import train_policy
     cfg = load_config(PROFILE, [f"seed={seed}", *SETS])
     r = cfg.rl.for_domain("reasoning").model_copy(update={"routing_replay": replay, "max_staleness": 1,
-                                                          "steps": RL_STEPS, "val_every": 0, "checkpoint_every": 0})
+                                                          "rollout_dtype": dtype, "steps": RL_STEPS, "val_every": 0,
+                                                          "checkpoint_every": 0})
     stages = report["stages"]
     cur = stages["curate"]["artifact"]
     t = time.perf_counter()
     _, _, st = train_policy(r, stages["sft"]["artifact"], load_tasks(cur, "rl", "reasoning"),
-                            load_tasks(cur, "val", "reasoning"), seed=seed, label=f"moe-{'replay' if replay else 'plain'}",
+                            load_tasks(cur, "val", "reasoning"), seed=seed,
+                            label=f"moe-{'replay' if replay else 'plain'}-{dtype}",
                             moe=cfg.moe)
     h = st.history
     out = {k: mean(h[k]) for k in ("logratio_abs", "clip_frac", "masked_fraction", "staleness_mean", "reward")}
@@ -117,7 +121,9 @@ def measure(seeds: list[int]) -> dict:
                           "expert_load_cv_start": base["moe_cv_first"], "expert_load_cv_end": base["moe_cv_last"],
                           "w4a8_drop": drop, "w4a8_drop_max": max(drop.values()),
                           "w4a8_bytes_ratio": report["quantization"]["bytes_ratio_vs_bf16"],
-                          "no_replay": rl_arm(home, report, seed, False), "replay": rl_arm(home, report, seed, True)}
+                          **{f"{arm}{suffix}": rl_arm(home, report, seed, arm == "replay", dtype)
+                             for suffix, dtype in (("", "float32"), ("_bf16", "bfloat16"))
+                             for arm in ("no_replay", "replay")}}
         print(f"bench/moe seed {seed}: {json.dumps({k: v for k, v in per_seed[seed].items() if 'replay' not in k})}",
               flush=True)
     runs = list(per_seed.values())
@@ -139,7 +145,10 @@ def measure(seeds: list[int]) -> dict:
                      "masked_fraction_no_replay": lambda x: x["no_replay"]["masked_fraction"],
                      "reward_replay": lambda x: x["replay"]["reward"],
                      "reward_no_replay": lambda x: x["no_replay"]["reward"],
-                     "routes_differ_replay": lambda x: x["replay"]["routes_differ"]}.items():
+                     "routes_differ_replay": lambda x: x["replay"]["routes_differ"],
+                     **{f"{k}_{arm}_bf16": (lambda x, k=k, arm=arm: x[f"{arm}_bf16"][k])
+                        for k in ("logratio_abs", "clip_frac", "masked_fraction", "reward")
+                        for arm in ("replay", "no_replay")}}.items():
         fig[key], fig[f"{key}_std"] = agg(get)
     fig["per_seed"] = per_seed
     return fig
