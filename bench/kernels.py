@@ -42,9 +42,13 @@ FULL = {"tokens": 16384, "hidden": 4096, "vocab": 152064, "kl_tokens": 4096, "w4
         "moe": {"experts": 256, "top_k": 8, "k": 6144, "n": 2048, "tokens": [16, 512]}}
 DRY = {"tokens": 64, "hidden": 32, "vocab": 500, "kl_tokens": 32, "w4a8_k": 64, "w4a8_n": 48,
        "batches": [1, 16], "group": 32, "moe": {"experts": 4, "top_k": 2, "k": 64, "n": 48, "tokens": [3, 9]}}
-# the W4A8 tile sweep (deterministic configurations only: split-K adds fixed-order partial sums), both weight
-# layouts; 8 warps on the wider tiles; 128-row tiles from 128 rows
-SWEEP = {"BN": [64, 128], "SPLIT_K": [1, 4, 8], "layout": ["planes", "nk"], "num_warps": [4, 8]}
+# the W4A8 sweep, in stages (deterministic configurations only: split-K adds fixed-order partial sums): every
+# layout and form at the default tiles, then the best one's tiles, then its K step and pipeline depth
+FORMS = [{"layout": "nk"}, {"layout": "planes"}] + [{"layout": "bytes", "swap": swap, "asm": asm, "BK": 128}
+                                                   for swap in (False, True) for asm in (False, True)]
+TILES = {"BN": [64, 128, 256], "SPLIT_K": [4, 8, 16], "num_warps": [4, 8]}
+DEPTH = {"BK": [64, 128], "num_stages": [2, 3, 4]}
+SWEEP_ROWS = (1, 16, 64)  # the row counts the ratios are read at; the others run the shipped defaults
 DEFAULTS_ONLY = "--defaults" in sys.argv  # no sweep: the shipped default tiles, timed
 ROW_SWEEP = [{"BLOCK": 4096, "num_warps": 8}, {"BLOCK": 8192, "num_warps": 16}, {"BLOCK": 16384, "num_warps": 16},
              {"BLOCK": 32768, "num_warps": 32}]
@@ -178,39 +182,59 @@ def _profile(steps: dict) -> None:
                                                                              max_name_column_width=50), flush=True)
 
 
-def _sweep(fn, device: str, base: dict, m: int, layouts) -> tuple[dict, dict]:
-    """The fastest configuration of `fn(config)` in a CUDA graph over SWEEP, then with the activation quantization
-    in the prologue or not: (best config, seconds per tried config). `fn` gets the weights in the config's layout."""
+def _sweep(fn, want: torch.Tensor, device: str, base: dict, m: int, layouts,
+           splits: list[int] | None = None) -> tuple[dict, dict]:
+    """The fastest configuration of `fn(config)` in a CUDA graph, in stages (FORMS, TILES, DEPTH, then the
+    activation quantization in the prologue): (best config, seconds or why not per tried config). A configuration
+    that fails to compile or run, or whose output is off `want` by more than 1e-3 of its largest value, is recorded
+    and skipped. `fn` gets the weights in the config's layout."""
     import itertools
     if device != "cuda" or DEFAULTS_ONLY:
         return dict(base), {}
-    configs = [{**base, "BN": bn, "SPLIT_K": split, "layout": lay, "num_warps": warps, "fuse_quant": False}
-               for bn, split, lay, warps in itertools.product(*SWEEP.values())
-               if (warps == 4 or bn == 128) and lay in layouts]
-    if m >= 128:
-        configs += [{**c, "BM": 128} for c in configs if c["SPLIT_K"] == 1 and c["layout"] == "planes"]
-    tried = {}
-    for cfg in configs:
-        tried[json.dumps(cfg)] = _fast(lambda: fn(cfg), device, graph=True, rep=30)
-    best = json.loads(min(tried, key=tried.get))
-    fused = {**best, "fuse_quant": True}
-    tried[json.dumps(fused)] = _fast(lambda: fn(fused), device, graph=True, rep=30)
-    return json.loads(min(tried, key=tried.get)), tried
+    tried: dict[str, float | str] = {}
+
+    def trial(cfg: dict) -> None:
+        key = json.dumps(cfg, sort_keys=True)
+        if key in tried or cfg["layout"] not in layouts:
+            return
+        try:
+            err = ((fn(cfg) - want).abs().max() / want.abs().max()).item()
+            tried[key] = _fast(lambda: fn(cfg), device, graph=True, rep=30) if err < 1e-3 else f"wrong: {err:.2g}"
+        except Exception as e:  # noqa: BLE001 - a configuration this Triton or GPU cannot run
+            tried[key] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"bench/kernels sweep rows {m}: {key} -> {tried[key]}", flush=True)
+
+    def best() -> dict:
+        timed = {k: v for k, v in tried.items() if isinstance(v, float)}
+        return json.loads(min(timed, key=timed.get)) if timed else dict(base)
+    for form in FORMS:
+        trial({**base, "swap": False, "asm": False, **form})
+    splits = splits or (TILES["SPLIT_K"] if m <= 16 else [1])
+    for bn, split, warps in itertools.product(TILES["BN"], splits, TILES["num_warps"]):
+        trial({**best(), "BN": bn, "SPLIT_K": split, "num_warps": warps})
+    for bk, stages in itertools.product(DEPTH["BK"] if best()["layout"] == "bytes" else [best()["BK"]],
+                                        DEPTH["num_stages"]):
+        trial({**best(), "BK": bk, "num_stages": stages})
+    trial({**best(), "fuse_quant": True})
+    return best(), tried
 
 
 def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
-    from kernels.w4a8 import (default_config, kernel_layout, layout_for, pack_int4, quantize_activations, w4a8_linear,
-                              w4a8_reference)
+    from kernels.w4a8 import (LAYOUTS, default_config, kernel_layout, layout_for, pack_int4, quantize_activations,
+                              w4a8_linear, w4a8_reference)
     k, cols, group = s["w4a8_k"], s["w4a8_n"], s["group"]
     q = torch.randint(-8, 8, (cols, k), dtype=torch.int8, device=device, generator=g)
-    layouts = {name: kernel_layout(pack_int4(q), name) for name in {layout_for(k, group), "nk"}}
+    layouts = {name: kernel_layout(pack_int4(q), name) for name in {layout_for(k, group, lay) for lay in LAYOUTS}}
     scales = torch.rand(cols, k // group, device=device, generator=g) * 0.01
     w_bf16 = (q.float() * 0.01).to(dtype)
     out = {}
     for b in s["batches"]:
         x = torch.randn(b, k, device=device, dtype=dtype, generator=g)
-        best, tried = _sweep(lambda c: w4a8_linear(x, layouts[c["layout"]], scales, config=c), device,
-                             default_config(b, k, group), b, layouts)
+        want = w4a8_reference(*quantize_activations(x), pack_int4(q), scales)  # float64 sums: exact
+        best, tried = ({}, {}) if b not in SWEEP_ROWS else _sweep(
+            lambda c: w4a8_linear(x, layouts[c["layout"]], scales, config=c), want, device, default_config(b, k, group),
+            b, layouts)
+        best = best or default_config(b, k, group)
         packed = layouts[best["layout"]]
         row = {"config": best, "default_config": default_config(b, k, group)}
         for mode in ("graph", "plain"):
@@ -223,22 +247,23 @@ def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) 
                          "speedup": _ratio(t_bf16, t_best), "speedup_default": _ratio(t_bf16, t_default)}
         first = w4a8_linear(x, packed, scales, config=best)
         row["deterministic"] = all(torch.equal(first, w4a8_linear(x, packed, scales, config=best)) for _ in range(5))
-        want = w4a8_reference(*quantize_activations(x), pack_int4(q), scales)  # float64 sums: exact
         row["max_rel_err"] = ((first - want).abs().max() / want.abs().max()).item()
         row["sweep"] = tried
         out[b] = row
+        print(f"bench/kernels w4a8 rows {b}: {row['graph']}", flush=True)
     return out
 
 
 def _moe_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
     """Routed experts at GLM-5's gate-projection shape: grouped (one launch) against the loop over experts and
     against torch's bf16 grouped matmul (or a bf16 loop where this torch has none)."""
-    from kernels.w4a8 import default_config, kernel_layout, layout_for, pack_int4, w4a8_grouped, w4a8_linear
+    from kernels.w4a8 import (LAYOUTS, default_config, kernel_layout, layout_for, pack_int4, w4a8_grouped,
+                              w4a8_grouped_reference, w4a8_linear)
     e, top, k, n = s["experts"], s["top_k"], s["k"], s["n"]
     group = s.get("group", 128) if k % 128 == 0 else 32
-    layouts = {"nk": torch.empty(e, n, k // 8, dtype=torch.int32, device=device)}
-    if layout_for(k, group) == "planes":
-        layouts["planes"] = torch.empty(e, k // 8, n, dtype=torch.int32, device=device)
+    shapes = {"nk": ((n, k // 8), torch.int32), "planes": ((k // 8, n), torch.int32), "bytes": ((n, k // 2), torch.int8)}
+    layouts = {name: torch.empty(e, *shapes[name][0], dtype=shapes[name][1], device=device)
+               for name in {layout_for(k, group, lay) for lay in LAYOUTS}}
     w_bf16 = torch.empty(e, n, k, dtype=dtype, device=device)
     for i in range(e):  # per expert: the packing's int64 intermediates of all experts at once would not fit
         q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=device, generator=g)
@@ -257,8 +282,9 @@ def _moe_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -
         bounds = offsets.tolist()
         used = [(i, bounds[i], bounds[i + 1]) for i in range(e) if bounds[i + 1] > bounds[i]]
         rows = x.size(0)
-        best, tried = _sweep(lambda c: w4a8_grouped(x, offsets, layouts[c["layout"]], scales, config=c), device,
-                             default_config(max(1, rows // e), k, group, grouped=True), 16, layouts)
+        want = w4a8_grouped_reference(x, offsets, layouts["nk"], scales)
+        best, tried = _sweep(lambda c: w4a8_grouped(x, offsets, layouts[c["layout"]], scales, config=c), want, device,
+                             default_config(max(1, rows // e), k, group, grouped=True), 16, layouts, splits=[1, 2])
         packed = layouts[best["layout"]]
 
         def loop():  # each expert at its own rows' default tiles, as IntLinear runs it
@@ -284,12 +310,14 @@ def _moe_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -
         row["max_abs_err_vs_loop"] = (got - want).abs().max().item()
         row["sweep"] = tried
         out[tokens] = row
+        print(f"bench/kernels moe tokens {tokens}: {row['graph']}, config {best}", flush=True)
     return out
 
 
 def gpu_figures(device: str, s: dict, dtype: torch.dtype) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     fig = _logprob_figures(device, s, dtype, g)
+    print(f"bench/kernels logprob: {fig['logprob']}\nbench/kernels reverse_kl: {fig['reverse_kl']}", flush=True)
     w4a8 = _w4a8_figures(device, s, dtype, g)
     moe = _moe_figures(device, s["moe"], dtype, g)
     big = max(s["moe"]["tokens"])
@@ -369,7 +397,7 @@ def summary(fig: dict) -> str:
         gr, pl = row["graph"], row["plain"]
         lines.append(f"  w4a8 rows {b:>4}: graph {gr['w4a8_s'] * 1e6:7.1f} us vs bf16 {gr['bf16_s'] * 1e6:7.1f} "
                      f"({gr['speedup']}x; default tiles {gr['speedup_default']}x), plain {pl['speedup']}x, "
-                     f"{json.dumps({k: row['config'][k] for k in ('BM', 'BN', 'SPLIT_K', 'num_warps', 'layout', 'fuse_quant')})}")
+                     f"{json.dumps({k: row['config'].get(k) for k in ('BM', 'BN', 'BK', 'SPLIT_K', 'num_warps', 'num_stages', 'layout', 'swap', 'asm', 'fuse_quant')})}")
     for t, row in (fig.get("moe") or {}).items():
         gr = row["graph"]
         lines.append(f"  moe tokens {t:>4} ({row['rows']} rows, {row['experts_used']} experts): grouped "

@@ -80,16 +80,18 @@ def _check_losses(device, g, h, w, target, teacher, temp, lp_ref, lp_loss, kl_re
 
 
 def _check_w4a8(device: str, g: torch.Generator) -> dict[str, float]:
-    """The W4A8 GEMM in both weight layouts ("nk" at K 96, "planes" at K 512 with groups of 32, 128 and 512) on
-    pre-quantized activations (split-K 1 and 2), with the quantization in its prologue, the one-launch quantization,
-    the grouped launch over experts (one with no rows), and the model's layer."""
+    """The W4A8 GEMM in its three weight layouts ("nk" at K 96, "planes" at K 512 with groups of 32, 128 and 512,
+    "bytes" with groups of 64 and 256, its transposed product and inline PTX where compiled) on pre-quantized
+    activations (split-K 1 and 2), with the quantization in its prologue, the one-launch quantization, the grouped
+    launch over experts (one with no rows), and the model's layer."""
     from kernels.w4a8 import (kernel_layout, pack_int4, quantize_activations, quantize_activations_fused,
                               w4a8_grouped, w4a8_grouped_reference, w4a8_linear, w4a8_matmul, w4a8_reference)
     triton_here = use_triton(torch.empty(0, device=device))
     out: dict[str, float] = {"w4a8": 0.0, "w4a8_fused_quant": 0.0, "w4a8_grouped": 0.0} if triton_here else {}
     m, cols, experts = 5, 70, 4
     offsets = torch.tensor([0, 3, 3, 20, 23])
-    cases = ((96, 32, "nk"), (512, 32, "planes"), (512, 128, "planes"), (512, 512, "planes"))
+    cases = ((96, 32, "nk"), (512, 32, "planes"), (512, 128, "planes"), (512, 512, "planes"), (512, 64, "bytes"),
+             (512, 256, "bytes"))
     for k, group, layout in cases if triton_here else ():
         q = torch.randint(-8, 8, (cols, k), generator=g, dtype=torch.int8)
         scales = torch.rand(cols, k // group, generator=g) * 0.01
@@ -103,18 +105,19 @@ def _check_w4a8(device: str, g: torch.Generator) -> dict[str, float]:
         packed = kernel_layout(pack_int4(q).to(device), layout)
         xd, sd = x.to(device), scales.to(device)
         out["w4a8"] = max(out["w4a8"], *(_worst([w4a8_matmul(xq.to(device), sx.to(device), packed, sd, config=dict(
-            SPLIT_K=split, layout=layout))], [ref]) for split in (1, 2)))
+            SPLIT_K=split, layout=layout, swap=split == 2, asm=True))], [ref]) for split in (1, 2)))
         out["w4a8_fused_quant"] = max(out["w4a8_fused_quant"], *(_worst([w4a8_linear(xd, packed, sd, config=dict(
-            SPLIT_K=split, fuse_quant=True, layout=layout))], [ref]) for split in (1, 3)))
+            SPLIT_K=split, fuse_quant=True, layout=layout, swap=split == 3))], [ref]) for split in (1, 3)))
         x70 = torch.randn(70, k, generator=g)  # 64-row tiles (the tensor cores' wgmma shape on Hopper)
         out["w4a8_64_rows"] = max(out.get("w4a8_64_rows", 0.0), _worst(
-            [w4a8_linear(x70.to(device), packed, sd, config=dict(BM=64, BN=64, SPLIT_K=1, layout=layout))],
+            [w4a8_linear(x70.to(device), packed, sd, config=dict(BM=64, BN=64, SPLIT_K=1, layout=layout, swap=True))],
             [w4a8_reference(*quantize_activations(x70), pack_int4(q), scales)]))
         out["quantize_activations"] = _worst(quantize_activations_fused(xd), (xq, sx.to(device)))
         pe = kernel_layout(pack_int4(qe).to(device), layout)
         xed, od, sed = xe.to(device), offsets.to(device), se.to(device)
         out["w4a8_grouped"] = max(out["w4a8_grouped"], *(_worst([w4a8_grouped(xed, od, pe, sed, config=dict(
-            SPLIT_K=split, fuse_quant=f, layout=layout))], [ref_e]) for split in (1, 2) for f in (False, True)))
+            SPLIT_K=split, fuse_quant=f, layout=layout, swap=f, asm=True))], [ref_e]) for split in (1, 2)
+            for f in (False, True)))
     try:  # the model's layer (kernel or _int_mm); it loads checkpoints through compressed-tensors, not on every GPU box
         from posttrain.quant.int_linear import IntLinear
     except ImportError:
