@@ -7,7 +7,9 @@
 - the full-vocabulary reverse KL at 4k tokens, the same three ways of ours against torch;
 - the W4A8 GEMM at 4096 -> 14336 against the bf16 matmul at 1..256 rows, each timed by Triton's `do_bench` and
   inside a CUDA graph (`do_bench_cudagraph`, how a serving engine runs a decode step: launches cost nothing);
-  the tiles are swept first (split-K deterministic only) and the best per row count is what is timed;
+  the launch is swept first in stages (layout and form, tiles, K step and depth; split-K deterministic only;
+  configurations that fail or are off the reference skipped) and the best per row count is timed beside the
+  shipped defaults;
 - the grouped expert GEMM (a GLM-5 gate projection: 256 experts, 6144 -> 2048, top 8) at 16 and 512 tokens
   against the loop over experts (our dense kernel per expert) and against torch's bf16 grouped matmul.
 
@@ -48,7 +50,7 @@ FORMS = [{"layout": "nk"}, {"layout": "planes"}] + [{"layout": "bytes", "swap": 
                                                    for swap in (False, True) for asm in (False, True)]
 TILES = {"BN": [64, 128, 256], "SPLIT_K": [4, 8, 16], "num_warps": [4, 8]}
 DEPTH = {"BK": [64, 128], "num_stages": [2, 3, 4]}
-SWEEP_ROWS = (1, 16, 64)  # the row counts the ratios are read at; the others run the shipped defaults
+SWEEP_ROWS = (1, 4, 16, 64, 256)
 DEFAULTS_ONLY = "--defaults" in sys.argv  # no sweep: the shipped default tiles, timed
 ROW_SWEEP = [{"BLOCK": 4096, "num_warps": 8}, {"BLOCK": 8192, "num_warps": 16}, {"BLOCK": 16384, "num_warps": 16},
              {"BLOCK": 32768, "num_warps": 32}]
@@ -210,8 +212,9 @@ def _sweep(fn, want: torch.Tensor, device: str, base: dict, m: int, layouts,
     for form in FORMS:
         trial({**base, "swap": False, "asm": False, **form})
     splits = splits or (TILES["SPLIT_K"] if m <= 16 else [1])
-    for bn, split, warps in itertools.product(TILES["BN"], splits, TILES["num_warps"]):
-        trial({**best(), "BN": bn, "SPLIT_K": split, "num_warps": warps})
+    for bm, bn, split, warps in itertools.product([base["BM"]] if m <= 16 else [32, 64], TILES["BN"], splits,
+                                                  TILES["num_warps"]):
+        trial({**best(), "BM": bm, "BN": bn, "SPLIT_K": split, "num_warps": warps})
     for bk, stages in itertools.product(DEPTH["BK"] if best()["layout"] == "bytes" else [best()["BK"]],
                                         DEPTH["num_stages"]):
         trial({**best(), "BK": bk, "num_stages": stages})

@@ -5,13 +5,14 @@ mixture-of-experts layer's routed experts (`w4a8_grouped`: rows sorted by expert
 
 torch has no int4 x int8 matmul (`torch._int_mm` is int8 x int8 and needs the weights unpacked, 2x the
 bytes); the kernel reads the packed weights and unpacks them in registers, which is where the speed at small
-batch comes from (the GEMM is bound by reading the weights). Two weight layouts (`kernel_layout`): "planes" for
-up to 16 rows, compressed-tensors' own ("nk") beyond (docs/kernels.md has the H100 sweep behind `default_config`).
+batch comes from (the GEMM is bound by reading the weights). Three weight layouts (`kernel_layout`): "bytes"
+wherever K and the group allow (two signed nibbles a byte, each plane one integer operation from a dot operand),
+"planes" and compressed-tensors' own "nk" elsewhere (docs/kernels.md has the H200 sweep behind `default_config`).
 The activations' per-token int8 quantization is one launch before the GEMM, or in its prologue (`fuse_quant`:
 each program takes its rows' absolute maximum itself and quantizes each tile as it loads it; off by default, since
-on the H100 every split-K program re-quantizing its rows took 6x the time of the separate launch). Split-K (more
-programs than column tiles, for the few rows of a decode step) writes per-split partial sums that one `sum` adds
-in a fixed order: the result is the same from run to run (atomics would let a greedy decode vary)."""
+every split-K program re-quantizing its rows took 3x the separate launch's time on the H200, 6x on the H100).
+Split-K (more programs than column tiles, for the few rows of a decode step) writes per-split partial sums that one
+`sum` adds in a fixed order: the result is the same from run to run (atomics would let a greedy decode vary)."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,10 @@ from kernels import jit_cache
 def quantize_activations(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8: (xq [M, K] int8, scale [M] fp32), x ~= xq * scale[:, None]."""
     top = 2 ** (bits - 1) - 1
-    sx = (x.float().abs().amax(-1) / top).clamp(min=1e-8)
+    amax = x.float().abs().amax(-1)
+    # a tensor divisor: CUDA divides by a Python number as a multiplication by its reciprocal, which can round the
+    # scale one ulp away from the kernel's correctly rounded division (and flip an activation at a half)
+    sx = (amax / torch.full_like(amax, top)).clamp(min=1e-8)
     return torch.round(x.float() / sx[:, None]).clamp(-top - 1, top).to(torch.int8), sx
 
 
@@ -119,14 +123,22 @@ def kernel_layout(packed: torch.Tensor, layout: str) -> torch.Tensor:
 
 def default_config(m: int, k: int, group: int, fuse_quant: bool = False, grouped: bool = False) -> dict:
     """Tiles and launch settings by rows (rows per expert for a grouped launch), from bench/kernels' sweep on an
-    H100 (docs/kernels.md): up to 16 rows the "planes" layout with split-K 8 (1 for a grouped launch, whose experts
-    already fill the GPU); beyond, compressed-tensors' layout, whose one K-128 dot per step beats eight K-32 ones.
-    BK (the "nk" layout's step) is the largest power of 2 dividing the group, <= 128."""
+    H200 (docs/kernels.md). Where K and the group fit it, the "bytes" layout with inline PTX (on a GPU): up to 16
+    rows the transposed product over 256 columns with split-K 4 (a grouped launch: 128 columns, split-K 1, its
+    experts already fill the GPU), beyond it 64-row tiles. Elsewhere "planes" up to 16 rows with split-K 8 and
+    compressed-tensors' layout beyond. BK is the largest power of 2 dividing the group, <= 128."""
     few = m <= 16
     cfg = dict(BM=16 if few else 32 if m <= 32 else 64, BN=128 if few or m > 64 else 64,
                SPLIT_K=(1 if grouped else 8) if few else 1, num_warps=4, num_stages=3, fuse_quant=fuse_quant,
-               layout=layout_for(k, group) if few else "nk", swap=False, asm=False)
-    cfg["BK"] = max(16, min(128, group & -group))
+               layout=layout_for(k, group) if few else "nk", swap=False, asm=False,
+               BK=max(16, min(128, group & -group)))
+    if layout_for(k, group, "bytes") != "bytes":
+        return cfg
+    cfg.update(layout="bytes", asm=True, BK=128, swap=not grouped)
+    if few and not grouped:
+        cfg.update(BN=256, SPLIT_K=4, num_stages=2)
+    elif not few:
+        cfg.update(BN=128 if m <= 128 else 64, num_warps=8)
     return cfg
 
 
