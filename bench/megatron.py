@@ -118,6 +118,7 @@ def exactness(path: Path) -> dict:
     from posttrain.models.preset import load_checkpoint
     hf, _ = load_checkpoint(path)
     engine = MegatronTrainEngine(path, "reference")
+    hf = hf.to(engine.device)
     ids = torch.randint(3, hf.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(ids.to(engine.device)).logits
