@@ -624,12 +624,13 @@ class PipelineConfig(_Strict):
                                                                   for d in self.rl.per_domain.values())):
                 errors.append(f"rl.routing_replay: needs a mixture-of-experts policy (model.arch glm5, or a "
                               f"base.init_from checkpoint with routers); model.arch {m.arch} is dense")
-            if m.arch == "glm5" and self.mtp.depth:
-                errors.append("mtp.depth: must be 0 with model.arch glm5 for now: posttrain's MTP layer is a Llama "
-                              "decoder layer, not GLM-5's (issue 46 step 7)")
             if self.ramp.attention == "dsa" and any(i >= m.num_layers for i in self.ramp.dsa.own_indexer):
                 errors.append(f"ramp.dsa.own_indexer: layers must be < model.num_layers {m.num_layers} "
                               f"(got {self.ramp.dsa.own_indexer})")
+        if self.mtp.depth and (self.rl.routing_replay or any(d.get("routing_replay")
+                                                             for d in self.rl.per_domain.values())):
+            errors.append("mtp.depth: must be 0 with rl.routing_replay: the draft layer's router runs outside the "
+                          "model's forward, so its routes are neither recorded nor replayed")
         if self.runtime.train_engine == "megatron":
             errors += self._megatron_errors()
         partial = {d: r for d in ["", *self.rl.per_domain] if (r := self.rl.for_domain(d)).partial_rollouts

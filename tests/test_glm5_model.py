@@ -106,3 +106,67 @@ def test_a_glm5_checkpoint_whose_indexer_pattern_misses_layers_fails_naming_key_
     (tmp_path / "config.json").write_text(json.dumps(cfg | {"indexer_types": ["shared", "full", "full", "full"]}))
     with pytest.raises(CheckpointError, match=r"indexer_types\[0\] is 'shared'"):
         check_folder(tmp_path)
+
+
+def test_glm5s_mtp_layer_is_its_own_draft_layer_stored_where_glm5_keeps_it(tok, tmp_path):
+    import torch.nn.functional as F
+    from safetensors.torch import load_file, save_file
+
+    from posttrain.engines.speculative import sample_speculative
+    from posttrain.engines.torch_rollout import sample
+    from posttrain.models import mtp
+    torch.manual_seed(0)
+    model = mtp.install(build_model(ModelConfig(**GLM5), tok), 2).eval()
+    draft = model.mtp
+    assert hasattr(draft.layer.mlp, "gate") and draft.layer.self_attn.indexer is not None  # routed experts, DSA
+    assert "mtp.layer.mlp.gate" in dict(moe.routers(model))                                  # balanced like the rest
+    with torch.no_grad():
+        draft.proj.weight.normal_(std=0.3)   # a draft that disagrees with the model: every rejection path runs
+        draft.norm_e.weight.uniform_(0.5, 1.5)
+    save_checkpoint(model, tok, tmp_path / "ckpt")
+    saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert not any(k.startswith("mtp.") for k in saved)
+    n = f"model.layers.{GLM5['num_layers']}."
+    assert {n + k for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                            "mlp.experts.7.up_proj.weight", "self_attn.indexer.wk.weight")} <= set(saved)
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    # a serving engine's draft from the saved tensors (eh_proj over [enorm(embedding), hnorm(state)]) = ours
+    ids = torch.randint(3, len(tok), (2, 12))
+    pos = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        state = model.model(input_ids=ids).last_hidden_state
+        nxt = torch.roll(ids, -1, 1)
+        eps = model.config.rms_norm_eps
+        x = F.linear(torch.cat([F.rms_norm(model.model.embed_tokens(nxt), (32,), saved[n + "enorm.weight"], eps),
+                                F.rms_norm(state, (32,), saved[n + "hnorm.weight"], eps)], -1), saved[n + "eh_proj.weight"])
+        mask = torch.full((12, 12), float("-inf")).triu(1)[None, None].expand(2, 1, 12, 12)
+        out = draft.layer(x, attention_mask=mask, position_ids=pos,
+                          position_embeddings=model.model.rotary_emb(x, pos))[0]
+        want = model.lm_head(F.rms_norm(out, (32,), saved[n + "shared_head.norm.weight"], eps))
+        got = draft.logits(model, draft.step(model, state, nxt, pos, mask))
+    assert (got - want).abs().max() < 1e-5
+    back, _ = load_checkpoint(tmp_path / "ckpt")
+    assert mtp.get(back).depth == 2
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in back.state_dict().items())
+    # a GLM-5 checkpoint that names only num_nextn_predict_layers (no posttrain settings): its draft layer, depth 1
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del cfg["posttrain_mtp"]
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(cfg))
+    bare, _ = load_checkpoint(tmp_path / "ckpt")
+    assert mtp.get(bare).depth == 1 and torch.equal(bare.mtp.proj.weight, draft.proj.weight)
+    # speculative decoding through it keeps greedy decoding's output
+    prompts = [[5, 6, 7, 8, 9], [40, 41], [100] * 9]
+    plain = sample(back, prompts, max_new_tokens=16, temperature=0, stop_ids=set(), pad_id=0)
+    stats = {}
+    spec = sample_speculative(back, prompts, max_new_tokens=16, temperature=0, stop_ids=set(), pad_id=0, stats=stats)
+    assert [g.ids for g in plain] == [g.ids for g in spec] and stats["verifications"] > 0
+    # a draft layer that lost a tensor stops the load, naming the folder and the key
+    del saved[n + "enorm.weight"]
+    save_file(saved, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"ckpt: config.json names a GLM-5 draft layer.*enorm"):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_mtp_with_routing_replay_is_refused_at_load():
+    with pytest.raises(ConfigError, match="mtp.depth: must be 0 with rl.routing_replay"):
+        load_config("tiny-glm5", ["mtp.depth=2", "rl.routing_replay=true"])

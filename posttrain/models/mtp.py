@@ -8,6 +8,12 @@ cross-entropy of the `depth` steps, times a weight, to the LM loss (`with_loss`)
 the LM loss trains; the MTP layer starts as a copy of the model's last layer. Its weights sit under `mtp.` in the
 checkpoint and its settings in config.json (`posttrain_mtp`), so `restore` reinstalls it on load.
 
+On a GLM-5-shaped model the layer is GLM-5's own draft layer and is stored as GLM-5 and DeepSeek-V3 checkpoints
+store it: layer `num_hidden_layers` (`enorm`, `hnorm`, `eh_proj` over [embedding, state], the decoder layer with
+its routed experts and an indexer of its own, `shared_head.norm`; the embedding and head are the model's), with
+`num_nextn_predict_layers: 1` in config.json, so a serving engine's speculative decoding can load it, and a GLM-5
+checkpoint that carries one is trained and exported with it.
+
 Decoding with it (`posttrain.engines.speculative`) drafts `depth` tokens, checks them in one forward of the
 model and keeps what the model would have produced: greedy output is plain greedy output, and sampled output
 follows the model's distribution exactly (speculative sampling).
@@ -21,7 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.models.glm5 import is_glm5
+
 CONFIG_KEY = "posttrain_mtp"
+# our MTP module's names -> GLM-5's under layer num_hidden_layers (the decoder layer's own names are kept)
+GLM5_NAMES = (("norm_e.", "enorm."), ("norm_h.", "hnorm."), ("proj.", "eh_proj."), ("norm_out.", "shared_head.norm."),
+              ("layer.", ""))
 
 
 def _layers(model) -> nn.ModuleList:
@@ -72,8 +83,18 @@ class MTP(nn.Module):
             self.proj.weight.zero_()
             self.proj.weight[:, :hidden].copy_(torch.eye(hidden))
             nn.init.normal_(self.proj.weight[:, hidden:], std=model.config.initializer_range)
-        self.layer = type(last)(config, layer_idx=0)
-        self.layer.load_state_dict({k: v for k, v in last.state_dict().items() if ".indexer." not in k}, strict=False)
+        if is_glm5(model):
+            # GLM-5's draft layer: the last layer's MLP kind and an indexer of its own. It is built as layer 0 of a
+            # config whose layer 0 is that, so caches and per-layer lists index it as a one-layer model's (it is
+            # saved as layer num_hidden_layers); a last layer sharing its indexer leaves the new one at its init
+            for key, kind in (("mlp_layer_types", config.mlp_layer_types[-1]), ("indexer_types", "full")):
+                setattr(config, key, [kind] + list(getattr(config, key))[1:])
+            self.layer = type(last)(config, layer_idx=0)
+            self.layer.load_state_dict(last.state_dict(), strict=False)
+        else:  # posttrain's own DSA indexers belong to the model's layers
+            self.layer = type(last)(config, layer_idx=0)
+            self.layer.load_state_dict({k: v for k, v in last.state_dict().items() if ".indexer." not in k},
+                                       strict=False)
         _fuse_norms(self)
         self.to(next(model.parameters()).device, next(model.parameters()).dtype)
 
@@ -121,20 +142,79 @@ def install(model, depth: int):
         _capture_hooks(model)
     get(model).depth = depth
     setattr(model.config, CONFIG_KEY, {"depth": depth})
+    if is_glm5(model):
+        model.config.num_nextn_predict_layers = 1
     return model
 
 
 def restore(model, checkpoint: str | Path | None = None):
-    """Reinstall the MTP layer config.json names (`posttrain_mtp`), its weights from `checkpoint`; a model
-    without one (or a bare backbone, which has no head) is returned as is."""
+    """Reinstall the MTP layer config.json names (`posttrain_mtp`, or a GLM-5 checkpoint's draft layer under
+    `num_nextn_predict_layers`), its weights from `checkpoint`; a model without one (or a bare backbone, which has
+    no head) is returned as is."""
     settings = getattr(model.config, CONFIG_KEY, None)
+    if not settings and is_glm5(model) and getattr(model.config, "num_nextn_predict_layers", 0) and checkpoint:
+        settings = {"depth": 1}  # a GLM-5 checkpoint's own draft layer: one draft token a step until set
     if not settings or model.get_output_embeddings() is None:
         return model
     install(model, **settings)
-    if checkpoint is not None:
+    if checkpoint is not None and is_glm5(model):
+        _load_glm5_layer(model, checkpoint)
+    elif checkpoint is not None:
         from posttrain.models.preset import load_added_weights
         load_added_weights(model, checkpoint, lambda k: k.startswith("mtp."), "an MTP layer")
     return model
+
+
+def _glm5_name(model, key: str) -> str:
+    """An MTP tensor's name in GLM-5's layout: `mtp.norm_e.weight` -> `model.layers.<n>.enorm.weight`."""
+    ours, theirs = next((a, b) for a, b in GLM5_NAMES if key[4:].startswith(a))
+    return f"model.layers.{model.config.num_hidden_layers}.{theirs}{key[4 + len(ours):]}"
+
+
+def glm5_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with the MTP layer's tensors under GLM-5's names (layer num_hidden_layers; eh_proj takes
+    [embedding, state], ours [state, embedding])."""
+    h = model.config.hidden_size
+    out = {}
+    for k, v in state.items():
+        if k.startswith("mtp."):
+            k, v = _glm5_name(model, k), (torch.cat([v[:, h:], v[:, :h]], 1) if k == "mtp.proj.weight" else v)
+        out[k] = v
+    return out
+
+
+def _load_glm5_layer(model, checkpoint: str | Path) -> None:
+    """The MTP layer's weights from a checkpoint's layer num_hidden_layers (GLM-5's names; routed experts one
+    Linear each on disk, as transformers writes them, fused here as its loader fuses the model's layers)."""
+    from safetensors import safe_open
+    n, h = model.config.num_hidden_layers, model.config.hidden_size
+    prefix = f"model.layers.{n}."
+    raw = {}
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            raw.update({k[len(prefix):]: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for k in [k for k in raw if ".experts." in k and k.split(".experts.")[1].split(".")[0].isdigit()]:
+        head, rest = k.split(".experts.")
+        e, proj = rest.split(".")[:2]
+        experts.setdefault(f"{head}.experts.{proj}", {})[int(e)] = raw.pop(k)
+    for key, per in experts.items():  # gate_up_proj [E, 2I, H] is each expert's gate rows, then its up rows
+        head, proj = key.rsplit(".", 1)
+        if proj == "down_proj":
+            raw[f"{head}.down_proj"] = torch.stack([per[e] for e in sorted(per)])
+        elif proj == "gate_proj":
+            up = experts[f"{head}.up_proj"]
+            raw[f"{head}.gate_up_proj"] = torch.stack([torch.cat([per[e], up[e]]) for e in sorted(per)])
+    ours = {}
+    for k, v in raw.items():
+        a, b = next((a, b) for a, b in GLM5_NAMES if k.startswith(b))
+        ours["mtp." + a + k[len(b):]] = torch.cat([v[:, h:], v[:, :h]], 1) if b == "eh_proj." else v
+    want = {k for k in model.state_dict() if k.startswith("mtp.")}
+    if set(ours) != want:
+        raise ValueError(f"{checkpoint}: config.json names a GLM-5 draft layer (num_nextn_predict_layers), but "
+                         f"layer {n}'s weights hold {len(set(ours) & want)} of its {len(want)} tensors "
+                         f"(missing e.g. {sorted(_glm5_name(model, k) for k in want - set(ours))[:3]})")
+    model.load_state_dict(ours, strict=False)
 
 
 def _capture_hooks(model) -> None:

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
-from posttrain.models import glm5
+from posttrain.models import glm5, mtp
 from posttrain.config import ModelConfig
 
 hf_logging.disable_progress_bar()  # per-load bars drown the stage progress
@@ -128,7 +128,7 @@ def load_checkpoint(path: str | Path) -> tuple[LlamaForCausalLM, object]:
 def load_pretrained(auto_class, path: str | Path):
     """`auto_class.from_pretrained` in fp32, with the DSA indexers and MTP layer the checkpoint's config names
     reinstalled."""
-    from posttrain.models import dsa, mtp
+    from posttrain.models import dsa
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # else transformers reports the indexers' weights as unexpected
     try:
@@ -174,6 +174,8 @@ def save_checkpoint(model, tok, out: str | Path, max_shard_size: str = MAX_SHARD
                 if v.data_ptr() not in cast:
                     cast[v.data_ptr()] = v.detach().to(dtype)
                 state[k] = cast[v.data_ptr()]
+        if glm5.is_glm5(model) and mtp.get(model) is not None:  # the draft layer where GLM-5 keeps it
+            state = mtp.glm5_state(model, state if state is not None else model.state_dict())
         model.save_pretrained(out, safe_serialization=True, state_dict=state, max_shard_size=max_shard_size)
         if state is not None:  # config.json says what the files hold
             cfg_path = Path(out) / "config.json"
