@@ -170,3 +170,27 @@ def test_glm5s_mtp_layer_is_its_own_draft_layer_stored_where_glm5_keeps_it(tok, 
 def test_mtp_with_routing_replay_is_refused_at_load():
     with pytest.raises(ConfigError, match="mtp.depth: must be 0 with rl.routing_replay"):
         load_config("tiny-glm5", ["mtp.depth=2", "rl.routing_replay=true"])
+
+
+def test_the_w4a8_export_keeps_glm5s_draft_layer_where_glm5_keeps_it(tok, tmp_path):
+    from safetensors.torch import load_file
+
+    from posttrain.config import QuantizeConfig
+    from posttrain.engines.speculative import sample_speculative
+    from posttrain.engines.torch_rollout import sample
+    from posttrain.models import mtp
+    from posttrain.quant.int_linear import load_compressed
+    from posttrain.quant.stage import calibrate, export
+    torch.manual_seed(0)
+    model = mtp.install(build_model(ModelConfig(**GLM5), tok), 2).eval()
+    moe.unfuse_experts(model)  # as the quantize stage holds it
+    qcfg = QuantizeConfig(group_size=16)
+    export(model, tok, calibrate(model, torch.randint(3, len(tok), (4, 24)), qcfg), qcfg, tmp_path)
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert "model.layers.4.eh_proj.weight" in keys and not any(k.startswith("mtp.") for k in keys)
+    again, _ = load_compressed(tmp_path)
+    assert mtp.get(again).depth == 2
+    assert torch.equal(again.mtp.proj.weight, model.mtp.proj.weight.to(again.mtp.proj.weight.dtype))
+    plain = sample(again, [[5, 6, 7]], max_new_tokens=10, temperature=0, stop_ids=set(), pad_id=0)
+    spec = sample_speculative(again, [[5, 6, 7]], max_new_tokens=10, temperature=0, stop_ids=set(), pad_id=0)
+    assert plain[0].ids == spec[0].ids

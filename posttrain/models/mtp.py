@@ -183,16 +183,28 @@ def glm5_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def from_glm5_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `glm5_state`: layer num_hidden_layers' tensors under the MTP module's names."""
+    prefix, h = f"model.layers.{model.config.num_hidden_layers}.", model.config.hidden_size
+    out = {}
+    for k, v in state.items():
+        if k.startswith(prefix):
+            ours, theirs = next((a, b) for a, b in GLM5_NAMES if k[len(prefix):].startswith(b))
+            k = f"mtp.{ours}{k[len(prefix) + len(theirs):]}"
+            v = torch.cat([v[:, h:], v[:, :h]], 1) if k == "mtp.proj.weight" else v
+        out[k] = v
+    return out
+
+
 def _load_glm5_layer(model, checkpoint: str | Path) -> None:
     """The MTP layer's weights from a checkpoint's layer num_hidden_layers (GLM-5's names; routed experts one
     Linear each on disk, as transformers writes them, fused here as its loader fuses the model's layers)."""
     from safetensors import safe_open
-    n, h = model.config.num_hidden_layers, model.config.hidden_size
-    prefix = f"model.layers.{n}."
+    prefix = f"model.layers.{model.config.num_hidden_layers}."
     raw = {}
     for f in sorted(Path(checkpoint).glob("*.safetensors")):
         with safe_open(f, "pt") as st:
-            raw.update({k[len(prefix):]: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
+            raw.update({k: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for k in [k for k in raw if ".experts." in k and k.split(".experts.")[1].split(".")[0].isdigit()]:
         head, rest = k.split(".experts.")
@@ -205,15 +217,12 @@ def _load_glm5_layer(model, checkpoint: str | Path) -> None:
         elif proj == "gate_proj":
             up = experts[f"{head}.up_proj"]
             raw[f"{head}.gate_up_proj"] = torch.stack([torch.cat([per[e], up[e]]) for e in sorted(per)])
-    ours = {}
-    for k, v in raw.items():
-        a, b = next((a, b) for a, b in GLM5_NAMES if k.startswith(b))
-        ours["mtp." + a + k[len(b):]] = torch.cat([v[:, h:], v[:, :h]], 1) if b == "eh_proj." else v
+    ours = from_glm5_state(model, raw)
     want = {k for k in model.state_dict() if k.startswith("mtp.")}
     if set(ours) != want:
         raise ValueError(f"{checkpoint}: config.json names a GLM-5 draft layer (num_nextn_predict_layers), but "
-                         f"layer {n}'s weights hold {len(set(ours) & want)} of its {len(want)} tensors "
-                         f"(missing e.g. {sorted(_glm5_name(model, k) for k in want - set(ours))[:3]})")
+                         f"layer {model.config.num_hidden_layers}'s weights hold {len(set(ours) & want)} of its "
+                         f"{len(want)} tensors (missing e.g. {sorted(_glm5_name(model, k) for k in want - set(ours))[:3]})")
     model.load_state_dict(ours, strict=False)
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kernels import use_triton
-from posttrain.models import dsa, moe, mtp
+from posttrain.models import dsa, glm5, moe, mtp
 
 
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -95,6 +95,8 @@ def load_compressed(path: str | Path):
     model = mtp.restore(dsa.restore(AutoModelForCausalLM.from_config(config, dtype=torch.float32))).eval()
     moe.unfuse_experts(model)  # GLM-5's routed experts are stored one Linear each, quantized as such
     tensors = load_file(str(path / "model.safetensors"))
+    if glm5.is_glm5(model) and mtp.get(model) is not None:  # its draft layer where GLM-5 keeps it
+        tensors = mtp.from_glm5_state(model, tensors)
     replaced = set()
     for name, module in list(model.named_modules()):
         if f"{name}.weight_scale" not in tensors:

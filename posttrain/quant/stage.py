@@ -17,11 +17,12 @@ from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                              apply_quantization_config)
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import environments
 from posttrain import loadcheck
-from posttrain.models import moe
+from posttrain.models import moe, mtp
 from posttrain.chat import render_ids
 from posttrain.config import PipelineConfig, QuantizeConfig
 from posttrain.console import kv
@@ -136,6 +137,9 @@ def export(model, tok, ints: dict[str, tuple[torch.Tensor, torch.Tensor]], qcfg:
     for _, router in moe.routers(model):  # GLM-5's balancing bias stays fp32, as GLM-5 stores it
         router.e_score_correction_bias.data = router.e_score_correction_bias.float()
     model.save_pretrained(out)
+    if is_glm5(model) and mtp.get(model) is not None:  # the draft layer (unquantized) where GLM-5 keeps it
+        tensors = mtp.glm5_state(model, load_file(str(out / "model.safetensors")))
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     compressor.update_config(str(out))
     tok.save_pretrained(out)
     reloaded, _ = load_compressed(out)
