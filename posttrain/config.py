@@ -627,10 +627,6 @@ class PipelineConfig(_Strict):
             if self.ramp.attention == "dsa" and any(i >= m.num_layers for i in self.ramp.dsa.own_indexer):
                 errors.append(f"ramp.dsa.own_indexer: layers must be < model.num_layers {m.num_layers} "
                               f"(got {self.ramp.dsa.own_indexer})")
-        if self.mtp.depth and (self.rl.routing_replay or any(d.get("routing_replay")
-                                                             for d in self.rl.per_domain.values())):
-            errors.append("mtp.depth: must be 0 with rl.routing_replay: the draft layer's router runs outside the "
-                          "model's forward, so its routes are neither recorded nor replayed")
         if self.runtime.train_engine == "megatron":
             errors += self._megatron_errors()
         partial = {d: r for d in ["", *self.rl.per_domain] if (r := self.rl.for_domain(d)).partial_rollouts

@@ -167,11 +167,6 @@ def test_glm5s_mtp_layer_is_its_own_draft_layer_stored_where_glm5_keeps_it(tok, 
         load_checkpoint(tmp_path / "ckpt")
 
 
-def test_mtp_with_routing_replay_is_refused_at_load():
-    with pytest.raises(ConfigError, match="mtp.depth: must be 0 with rl.routing_replay"):
-        load_config("tiny-glm5", ["mtp.depth=2", "rl.routing_replay=true"])
-
-
 def test_the_w4a8_export_keeps_glm5s_draft_layer_where_glm5_keeps_it(tok, tmp_path):
     from safetensors.torch import load_file
 

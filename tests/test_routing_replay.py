@@ -72,9 +72,15 @@ def test_replay_gives_the_rollouts_logprobs_after_the_routing_moved():
     assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
 
 
-def test_a_grpo_step_under_replay_trains_and_reports_what_replay_changed():
+@pytest.mark.parametrize("draft", [False, True])
+def test_a_grpo_step_under_replay_trains_and_reports_what_replay_changed(draft):
     model = sparse_glm()
+    if draft:  # an MTP draft layer: its router is balanced, but it runs outside the forward replay covers
+        from posttrain.models import mtp
+        mtp.install(model, 1)
+        assert moe.RouterHooks(model).routed == len(moe.routers(model)) - 1 == 3
     samples = samples_of(rollout(model))
+    assert samples[0].routes.shape[0] == 3
     engine = TorchTrainEngine(model, policy_logits(0), lr=1e-2, routing_replay=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     from posttrain.rl.step import train_step

@@ -101,7 +101,7 @@ class TorchTrainEngine:
             yield
             return
         from posttrain.routing_replay import prefix_calls
-        self.routers.replay_calls(prefix_calls(samples, len(self.routers.routers)))
+        self.routers.replay_calls(prefix_calls(samples, self.routers.routed))
         try:
             yield
         finally:

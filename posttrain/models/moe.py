@@ -29,6 +29,11 @@ def routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if hasattr(m, "e_score_correction_bias") and hasattr(m, "top_k")]
 
 
+def _drafting(name: str) -> bool:
+    """Whether a module name is inside an MTP draft layer (`mtp.`, or `module.mtp.` under a DDP wrapper)."""
+    return re.match(r"(module\.)?mtp\.", name) is not None
+
+
 def load_stats(load: torch.Tensor) -> dict[str, float]:
     """Coefficient of variation, max/mean and dead experts (no token) of one layer's expert load."""
     load = load.float()
@@ -52,6 +57,10 @@ class RouterHooks:
 
     def __init__(self, model: nn.Module, *, aux: bool = False):
         self.routers = routers(model)
+        # routes are recorded and replayed for the model's own layers: an MTP draft layer's router runs outside the
+        # model's forward (drafting, its own loss), so it is balanced with the others but has no routes to replay
+        self._slot = {i: s for s, i in enumerate(i for i, (n, _) in enumerate(self.routers) if not _drafting(n))}
+        self.routed = len(self._slot)
         self.aux = aux
         self.loads = [torch.zeros(r.e_score_correction_bias.numel()) for _, r in self.routers]
         self._aux_terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]] = []
@@ -84,8 +93,10 @@ class RouterHooks:
         def hook(router, args, out):
             logits, weights, idx = out
             valid = self._valid if self._valid is not None and self._valid.numel() == idx.shape[0] else None
-            if self._replay is not None:
-                forced = self._replay[i]
+            slot = self._slot.get(i)
+            replay = self._replay if slot is not None else None
+            if replay is not None:
+                forced = replay[slot]
                 if forced.shape != idx.shape:
                     raise ValueError(f"routing replay: router {self.routers[i][0]} got {tuple(forced.shape)} "
                                      f"routes for {tuple(idx.shape)} tokens")
@@ -98,14 +109,14 @@ class RouterHooks:
                     self.replayed[1] += int((kept & ~same).sum())
                 idx = torch.where(fresh, idx, forced)
                 weights = _rescore(router, logits, idx)
-            if self.recorded is not None:
-                self.recorded[i].append(idx.detach().clone())
+            if self.recorded is not None and slot is not None:
+                self.recorded[slot].append(idx.detach().clone())
             if torch.is_grad_enabled():
                 chosen = idx if valid is None else idx[valid]
                 self.loads[i] += torch.bincount(chosen.reshape(-1).cpu(), minlength=self.loads[i].numel()).float()
                 if self.aux:
                     self._aux_terms.append((logits, idx, valid, self._rows))
-            if self._replay is not None:
+            if replay is not None:
                 return logits, weights, idx
             return None
         return hook
@@ -113,7 +124,7 @@ class RouterHooks:
     # routing record / replay
     def record(self) -> None:
         """Record the experts every router chooses from the next forward on (one [N, k] per router call)."""
-        self.recorded = [[] for _ in self.routers]
+        self.recorded = [[] for _ in range(self.routed)]
 
     def take_recorded(self) -> list[list[torch.Tensor]]:
         out, self.recorded = self.recorded or [], None
@@ -130,16 +141,16 @@ class RouterHooks:
     def replay(self, routes: list[torch.Tensor] | None) -> None:
         """Force these experts in the next forwards: per router an [N, k] index tensor for the forward's N tokens,
         rows of -1 left to the router; None ends the replay."""
-        if routes is not None and len(routes) != len(self.routers):
-            raise ValueError(f"routing replay: {len(routes)} route tensors for {len(self.routers)} routers")
+        if routes is not None and len(routes) != self.routed:
+            raise ValueError(f"routing replay: {len(routes)} route tensors for {self.routed} routers")
         self._replay, self._calls = routes, None
 
     def replay_calls(self, calls: list[list[torch.Tensor]] | None) -> None:
         """Like `replay`, one route list per coming forward of the model, in order (a prefill, then its
         continuation); forwards past the last run unforced. None ends the replay."""
         for routes in calls or []:
-            if len(routes) != len(self.routers):
-                raise ValueError(f"routing replay: {len(routes)} route tensors for {len(self.routers)} routers")
+            if len(routes) != self.routed:
+                raise ValueError(f"routing replay: {len(routes)} route tensors for {self.routed} routers")
         self._replay, self._calls = None, (list(calls) if calls is not None else None)
 
     def take_replayed(self) -> dict[str, float]:
