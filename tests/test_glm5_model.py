@@ -165,6 +165,10 @@ def test_glm5s_mtp_layer_is_its_own_draft_layer_stored_where_glm5_keeps_it(tok, 
     save_file(saved, str(tmp_path / "ckpt" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"ckpt: config.json names a GLM-5 draft layer.*enorm"):
         load_checkpoint(tmp_path / "ckpt")
+    # a conversion that dropped the draft layer but kept num_nextn_predict_layers loads without one
+    save_file({k: v for k, v in saved.items() if not k.startswith(n)}, str(tmp_path / "ckpt" / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert mtp.get(load_checkpoint(tmp_path / "ckpt")[0]) is None
 
 
 def test_the_w4a8_export_keeps_glm5s_draft_layer_where_glm5_keeps_it(tok, tmp_path):

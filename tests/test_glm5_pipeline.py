@@ -1,5 +1,5 @@
 """The whole DAG on GLM-5's architecture (the glm5 preset at smoke size): every stage, routing replay in RL and OPD,
-W4A8 as GLM-5 deploys, lineage."""
+an MTP draft layer where GLM-5 keeps it, W4A8 as GLM-5 deploys, lineage."""
 import json
 
 from safetensors import safe_open
@@ -7,7 +7,7 @@ from tests.test_pipeline_smoke import posttrain, stage_runs
 
 GLM5 = ["--set", "model.arch=glm5", "--set", "ramp.attention=sdpa", "--set", "model.num_layers=2",
         "--set", "model.indexer_types=[full, shared]", "--set", "moe.aux_loss_weight=0.0001",
-        "--set", "rl.routing_replay=true"]
+        "--set", "rl.routing_replay=true", "--set", "mtp.depth=1"]
 
 
 def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
@@ -28,6 +28,7 @@ def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
     assert "model.layers.1.mlp.experts.7.down_proj.weight_packed" in keys  # int4, one expert at a time
     assert "model.layers.1.mlp.shared_experts.up_proj.weight_scale" in keys  # int8 per channel
     assert "model.layers.0.mlp.gate_proj.weight_scale" in keys and not any("indexer" in k and "scale" in k for k in keys)
+    assert "model.layers.2.eh_proj.weight" in keys and not any(k.startswith("mtp.") for k in keys)  # the draft layer
     from posttrain.quant.int_experts import IntExperts
     from posttrain.quant.int_linear import load_compressed
     experts = [m for m in load_compressed(quantized)[0].modules() if isinstance(m, IntExperts)]

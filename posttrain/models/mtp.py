@@ -152,8 +152,9 @@ def restore(model, checkpoint: str | Path | None = None):
     `num_nextn_predict_layers`), its weights from `checkpoint`; a model without one (or a bare backbone, which has
     no head) is returned as is."""
     settings = getattr(model.config, CONFIG_KEY, None)
-    if not settings and is_glm5(model) and getattr(model.config, "num_nextn_predict_layers", 0) and checkpoint:
-        settings = {"depth": 1}  # a GLM-5 checkpoint's own draft layer: one draft token a step until set
+    if (not settings and is_glm5(model) and getattr(model.config, "num_nextn_predict_layers", 0) and checkpoint
+            and _glm5_layer(model, checkpoint, keys_only=True)):
+        settings = {"depth": 1}  # a GLM-5 checkpoint's own draft layer (many conversions drop it: then none)
     if not settings or model.get_output_embeddings() is None:
         return model
     install(model, **settings)
@@ -196,15 +197,23 @@ def from_glm5_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _load_glm5_layer(model, checkpoint: str | Path) -> None:
-    """The MTP layer's weights from a checkpoint's layer num_hidden_layers (GLM-5's names; routed experts one
-    Linear each on disk, as transformers writes them, fused here as its loader fuses the model's layers)."""
+def _glm5_layer(model, checkpoint: str | Path, keys_only: bool = False) -> dict[str, torch.Tensor | None]:
+    """A checkpoint's layer num_hidden_layers as stored (names only, read from the file headers, with
+    `keys_only`); DeepSeek-V3's copies of the shared embedding and head left out."""
     from safetensors import safe_open
     prefix = f"model.layers.{model.config.num_hidden_layers}."
     raw = {}
     for f in sorted(Path(checkpoint).glob("*.safetensors")):
         with safe_open(f, "pt") as st:
-            raw.update({k: st.get_tensor(k) for k in st.keys() if k.startswith(prefix)})
+            raw.update({k: None if keys_only else st.get_tensor(k) for k in st.keys() if k.startswith(prefix)
+                        and not k[len(prefix):].startswith(("embed_tokens.", "shared_head.head."))})
+    return raw
+
+
+def _load_glm5_layer(model, checkpoint: str | Path) -> None:
+    """The MTP layer's weights from a checkpoint's layer num_hidden_layers (GLM-5's names; routed experts one
+    Linear each on disk, as transformers writes them, fused here as its loader fuses the model's layers)."""
+    raw = _glm5_layer(model, checkpoint)
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for k in [k for k in raw if ".experts." in k and k.split(".experts.")[1].split(".")[0].isdigit()]:
         head, rest = k.split(".experts.")
@@ -219,10 +228,12 @@ def _load_glm5_layer(model, checkpoint: str | Path) -> None:
             raw[f"{head}.gate_up_proj"] = torch.stack([torch.cat([per[e], up[e]]) for e in sorted(per)])
     ours = from_glm5_state(model, raw)
     want = {k for k in model.state_dict() if k.startswith("mtp.")}
-    if set(ours) != want:
-        raise ValueError(f"{checkpoint}: config.json names a GLM-5 draft layer (num_nextn_predict_layers), but "
-                         f"layer {model.config.num_hidden_layers}'s weights hold {len(set(ours) & want)} of its "
-                         f"{len(want)} tensors (missing e.g. {sorted(_glm5_name(model, k) for k in want - set(ours))[:3]})")
+    missing, extra = want - set(ours), set(ours) - want
+    if missing or extra:
+        raise ValueError(f"{checkpoint}: config.json names a GLM-5 draft layer, but layer "
+                         f"{model.config.num_hidden_layers}'s weights hold {len(set(ours) & want)} of its {len(want)} "
+                         f"tensors (missing e.g. {sorted(_glm5_name(model, k) for k in missing)[:3]}, unexpected e.g. "
+                         f"{sorted(_glm5_name(model, k) for k in extra)[:3]})")
     model.load_state_dict(ours, strict=False)
 
 
