@@ -223,8 +223,7 @@ def _load_glm5_layer(model, checkpoint: str | Path) -> None:
         head, proj = key.rsplit(".", 1)
         if proj == "down_proj":
             raw[f"{head}.down_proj"] = torch.stack([per[e] for e in sorted(per)])
-        elif proj == "gate_proj":
-            up = experts[f"{head}.up_proj"]
+        elif proj == "gate_proj" and set(per) == set(up := experts.get(f"{head}.up_proj", {})):
             raw[f"{head}.gate_up_proj"] = torch.stack([torch.cat([per[e], up[e]]) for e in sorted(per)])
     ours = from_glm5_state(model, raw)
     want = {k for k in model.state_dict() if k.startswith("mtp.")}
