@@ -50,7 +50,6 @@ FORMS = [{"layout": "nk"}, {"layout": "planes"}] + [{"layout": "bytes", "swap": 
                                                    for swap in (False, True) for asm in (False, True)]
 TILES = {"BN": [64, 128, 256], "SPLIT_K": [4, 8, 16], "num_warps": [4, 8]}
 DEPTH = {"BK": [64, 128], "num_stages": [2, 3, 4]}
-SWEEP_ROWS = (1, 4, 16, 64, 256)
 DEFAULTS_ONLY = "--defaults" in sys.argv  # no sweep: the shipped default tiles, timed
 ROW_SWEEP = [{"BLOCK": 4096, "num_warps": 8}, {"BLOCK": 8192, "num_warps": 16}, {"BLOCK": 16384, "num_warps": 16},
              {"BLOCK": 32768, "num_warps": 32}]
@@ -234,10 +233,8 @@ def _w4a8_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) 
     for b in s["batches"]:
         x = torch.randn(b, k, device=device, dtype=dtype, generator=g)
         want = w4a8_reference(*quantize_activations(x), pack_int4(q), scales)  # float64 sums: exact
-        best, tried = ({}, {}) if b not in SWEEP_ROWS else _sweep(
-            lambda c: w4a8_linear(x, layouts[c["layout"]], scales, config=c), want, device, default_config(b, k, group),
-            b, layouts)
-        best = best or default_config(b, k, group)
+        best, tried = _sweep(lambda c: w4a8_linear(x, layouts[c["layout"]], scales, config=c), want, device,
+                             default_config(b, k, group), b, layouts)
         packed = layouts[best["layout"]]
         row = {"config": best, "default_config": default_config(b, k, group)}
         for mode in ("graph", "plain"):
