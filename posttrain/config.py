@@ -691,9 +691,11 @@ class PipelineConfig(_Strict):
             if st.rope_scaling:
                 errors.append(f"ramp.stages.{i}.rope_scaling: the megatron engine runs default RoPE (a stage's "
                               f"rope_theta) only; drop it or use runtime.train_engine torch (got {st.rope_scaling})")
-        for key in ("pp", "cp"):
-            if getattr(g, key) > 1:
-                errors.append(f"megatron.{key}: not wired into the engine yet (supported: 1)")
+        if g.pp > 1:
+            errors.append("megatron.pp: not wired into the engine yet (supported: 1)")
+        if g.cp > 1 and g.sequence_parallel:
+            errors.append("megatron.cp: with megatron.sequence_parallel needs Transformer Engine's attention, which "
+                          "the engine does not drive yet; set one of them off")
         if g.ep > 1:
             errors.append("megatron.ep: the engine maps dense models only (supported: 1)")
         if g.sequence_parallel and g.tp == 1:

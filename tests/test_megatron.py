@@ -178,8 +178,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, tp: int, path: str, out: str) -> None:
-    """One rank of `world`: four RL-style steps on the batch (data-parallel ranks each take their share)."""
+def _lm_batches(vocab: int) -> list[dict]:
+    """sft's two batch forms: padded rows (21 tokens: not a multiple of the 2 x cp chunks) and packed documents."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (2, 21), generator=g)
+    mask = (torch.rand(2, 21, generator=g) > 0.3).long()
+    docs = torch.tensor([list(range(9)) + list(range(12)), list(range(15)) + list(range(6))])
+    return [{"input_ids": ids, "loss_mask": mask}, {"input_ids": ids, "loss_mask": mask, "position_ids": docs}]
+
+
+def _steps(engine, samples: list, lm: bool) -> list[float]:
+    """Four steps: RL-style on `samples` (this rank's share), or sft's LM loss on both batch forms twice."""
+    losses = []
+    engine.train()
+    for i in range(4):
+        if lm:
+            loss = engine.lm_loss(_lm_batches(engine.vocab_size)[i % 2])
+        else:
+            loss, _, _ = engine.logprob_loss(samples, 1.0, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / 4)
+        engine.backward(loss)
+        engine.step(1.0)
+        losses.append(loss.detach())
+    return losses
+
+
+def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: bool) -> None:
+    """One rank of `world` running `_steps` (data-parallel ranks each take their share of the samples)."""
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -187,18 +211,13 @@ def _rank(rank: int, world: int, port: int, tp: int, path: str, out: str) -> Non
 
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
-    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(tp=tp))
-    samples = _samples(engine.vocab_size)
+    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par))
     dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine, losses = samples[shard::dp], []
-    engine.train()
-    for _ in range(4):
-        loss, _, _ = engine.logprob_loss(mine, 1.0, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / len(samples))
-        engine.backward(loss)
-        engine.step(1.0)
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=ps.get_data_parallel_group())  # the whole batch's loss
-        losses.append(total.item())
+    losses = []
+    for loss in _steps(engine, _samples(engine.vocab_size)[shard::dp], lm):
+        if not lm:  # the whole batch's loss (the LM loss is the whole batch's on every rank already)
+            dist.all_reduce(loss, group=ps.get_data_parallel_group())
+        losses.append(loss.item())
     weights = engine.weights()
     if rank == 0:
         torch.save({"losses": losses, "weights": weights}, out)
@@ -206,20 +225,14 @@ def _rank(rank: int, world: int, port: int, tp: int, path: str, out: str) -> Non
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("tp,world", [(2, 2), (1, 2)], ids=["tp2", "dp2"])
-def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, tp, world):
+@pytest.mark.parametrize("par,lm", [({"tp": 2}, False), ({}, False), ({"cp": 2}, True)], ids=["tp2", "dp2", "cp2"])
+def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm):
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(world, _free_port(), tp, ckpts["llama"], out), nprocs=world)
+    mp.spawn(_rank, args=(2, _free_port(), par, ckpts["llama"], out, lm), nprocs=2)
     got = torch.load(out)
     one = MegatronTrainEngine(ckpts["llama"], lr=1e-3)
-    samples, want = _samples(one.vocab_size), []
-    one.train()
-    for _ in range(4):
-        loss, _, _ = one.logprob_loss(samples, 1.0, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / len(samples))
-        one.backward(loss)
-        one.step(1.0)
-        want.append(loss.item())
+    want = [x.item() for x in _steps(one, _samples(one.vocab_size), lm)]
     assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
     w = one.weights()
     assert max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
@@ -236,8 +249,6 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
     with pytest.raises(ValueError, match=r"no Megatron mapping for model_type 'gpt2' \(supported: llama, qwen2, "
                                          r"qwen3\)"):
         check_layout(GPT2Config(), Parallel())
-    with pytest.raises(ValueError, match="megatron.cp: context parallelism is not wired"):
-        MegatronTrainEngine(ckpts["llama"], parallel=Parallel(cp=2))
     with pytest.raises(ConfigError) as e:
         load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "mtp.depth=1", "megatron.pp=2",
                               "megatron.distributed_optimizer=true"])

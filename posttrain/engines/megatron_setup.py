@@ -46,6 +46,11 @@ def cpu_patches() -> None:
         torch.cuda.current_device = lambda: "cpu"
     with quiet():
         import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        if not torch.cuda.is_available():  # its CP slice of the RoPE table moves an index to CUDA
+            from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+            from posttrain.engines.context_parallel import rope_slice
+            rotary_pos_embedding.get_pos_emb_on_this_cp_rank = rope_slice
         import megatron.core.optimizer  # noqa: F401
         import mbridge  # noqa: F401
 
@@ -81,9 +86,9 @@ def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
     # can, and installs with CUDA only
     if par.sequence_parallel and not _has_te():
         raise ValueError(f"{where}.sequence_parallel: needs Transformer Engine (not installed here)")
-    if par.cp > 1:
-        raise ValueError(f"{where}.cp: context parallelism is not wired into this engine yet; Megatron runs it in "
-                         f"Transformer Engine's attention only (supported: 1)")
+    if par.cp > 1 and _has_te():
+        raise ValueError(f"{where}.cp: with Transformer Engine installed the engine builds its attention, whose "
+                         f"context parallelism this engine does not drive yet (supported: 1)")
     if par.pp > 1:
         raise ValueError(f"{where}.pp: pipeline stages are not wired into this engine yet (supported: 1)")
 
@@ -177,16 +182,30 @@ def recompute_layers(gpt) -> None:
 def sdpa_attention():
     """Megatron's local core attention with torch's scaled_dot_product_attention in place of its explicit
     [b, heads, s, s] scores and softmax (which also builds its causal mask on CUDA): one fused kernel where torch
-    has one, grouped-query heads without repeating the keys. No mask given: causal."""
+    has one, grouped-query heads without repeating the keys. No mask given: causal. With context parallelism
+    (`engines.context_parallel`) the keys and values of the whole sequence are gathered and the mask (always given
+    then) is this rank's queries' rows."""
+    import copy
+
     import torch.nn.functional as F
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from posttrain.engines import context_parallel
+
     class SdpaAttention(DotProductAttention):
+        def __init__(self, config, *args, **kwargs):
+            one = copy.copy(config)  # Megatron's local attention refuses context parallelism: this one runs it
+            one.context_parallel_size = 1
+            super().__init__(one, *args, **kwargs)
+            self.config = config
+
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
             if packed_seq_params is not None or attention_bias is not None:
                 raise ValueError("megatron: packed sequences and attention biases need Transformer Engine")
             s, b = query.shape[:2]
+            if context_parallel.size() > 1:
+                key, value = context_parallel.GatherKV.apply(key), context_parallel.GatherKV.apply(value)
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,

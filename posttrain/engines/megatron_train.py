@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from posttrain.engines import vocab_parallel
+from posttrain.engines import context_parallel, vocab_parallel
 from posttrain.engines.megatron_setup import Parallel, bridge, check_layout, init_parallel, quiet, recompute_layers
 
 
@@ -94,22 +94,33 @@ class MegatronTrainEngine:
         return ids, row, pos
 
     def _hidden(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, local: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The decoder's last hidden state (after the final norm) [b, T, h], the full sequence on every rank.
         Without `position_ids` each row is one sequence; with them each restart at 0 begins a new document that
         attends only to itself (packed rows: Megatron's block-diagonal mask, since its packed-sequence kernels need
-        Transformer Engine); `attention_mask` (1 = token, 0 = padding) keeps padding out."""
+        Transformer Engine); `attention_mask` (1 = token, 0 = padding) keeps padding out.
+        `local`: (this context-parallel rank's hidden states [b, s, h], their sequence positions [s]) instead; with
+        one context-parallel rank that is the whole sequence."""
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         b, T = ids.shape
+        cp = context_parallel.size()
         causal = position_ids is None and attention_mask is None  # one sequence a row: no mask to build
         if position_ids is None:
             position_ids = torch.arange(T, device=ids.device)[None].expand(b, T)
-        pad = (-T) % self.parallel.tp if self.parallel.sequence_parallel else 0  # SP splits the sequence over tp
+        # sequence parallelism splits the sequence over tp, context parallelism into 2 x cp chunks
+        pad = (-T) % ((self.parallel.tp if self.parallel.sequence_parallel else 1) * (2 * cp if cp > 1 else 1))
         if pad:
             ids, position_ids = F.pad(ids, (0, pad), value=self.pad_id), F.pad(position_ids, (0, pad))
             if attention_mask is not None:
                 attention_mask = F.pad(attention_mask, (0, pad))
         mask = None if causal else self._document_mask(position_ids, attention_mask)
+        where = torch.arange(T + pad, device=ids.device)
+        if cp > 1:  # this rank's chunks of every row; attention sees the whole sequence's keys (context_parallel)
+            where = context_parallel.positions(T + pad, cp, ps.get_context_parallel_rank(), ids.device)
+            mask = context_parallel.local_mask(mask, T + pad, b, ids.device)
+            ids, position_ids = ids[:, where], position_ids[:, where]
         self.gpt.post_process = False  # GPTModel then returns the final-normed hidden states [s, b, h]
         try:
             h = self.gpt(ids, position_ids, mask)
@@ -117,6 +128,10 @@ class MegatronTrainEngine:
             self.gpt.post_process = True
         if self.parallel.sequence_parallel:
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
+        if local:
+            return h.transpose(0, 1), where
+        if cp > 1:
+            h = context_parallel.GatherOutput.apply(h)
         return h.transpose(0, 1)[:, :T]
 
     @staticmethod
@@ -153,16 +168,30 @@ class MegatronTrainEngine:
 
     def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """`posttrain.train.masked_lm_loss` on an LM batch (input_ids, loss_mask, optional position_ids and
-        attention_mask): the next-token NLL's mean weighted by the target's loss mask, vocab-parallel."""
+        attention_mask): the next-token NLL's mean weighted by the target's loss mask, vocab-parallel. With
+        context parallelism each rank scores its own slice of the sequence; the value is the whole batch's loss on
+        every rank, the gradient that of this rank's share (`_sync_grads` sums the shares)."""
         batch = {k: v.to(self.device) for k, v in batch.items() if v is not None}
-        ids, mask = batch["input_ids"], batch["loss_mask"][:, 1:]
-        sel = mask != 0
-        if not bool(sel.any()):
+        ids, weight = batch["input_ids"], batch["loss_mask"]
+        total = weight[:, 1:].float().sum()
+        if not bool(total):
             return self._head_weight().sum() * 0.0  # no scored token: a zero loss every rank can still backward
-        h = self._hidden(ids, batch.get("position_ids"), batch.get("attention_mask"))[:, :-1][sel]
-        logp, _ = vocab_parallel.token_scores(*self._logits(h), self.vocab_size, 1.0, target=ids[:, 1:][sel],
-                                              entropy=False)
-        return -(logp * mask[sel].float()).sum() / mask.float().sum()
+        h, where = self._hidden(ids, batch.get("position_ids"), batch.get("attention_mask"), local=True)
+        scored = where < ids.shape[1] - 1  # positions with a next token (not the last, not padding)
+        h, nxt = h[:, scored], where[scored] + 1
+        w = weight[:, nxt]
+        sel = w != 0
+        if bool(sel.any()):
+            logp, _ = vocab_parallel.token_scores(*self._logits(h[sel]), self.vocab_size, 1.0,
+                                                  target=ids[:, nxt][sel], entropy=False)
+            loss = -(logp * w[sel].float()).sum() / total
+        else:  # nothing scored in this rank's slice: still part of the graph, for the backward's collectives
+            loss = h.sum() * 0.0
+        if context_parallel.size() > 1:
+            whole = loss.detach().clone()
+            dist.all_reduce(whole, group=context_parallel.group())
+            loss = loss + (whole - loss.detach())
+        return loss
 
     def forward(self, samples) -> torch.Tensor:
         """An LM batch (a dict): its `lm_loss`. Samples: values [samples, longest] for a critic; for a policy the
@@ -215,9 +244,10 @@ class MegatronTrainEngine:
             for p in params:
                 if getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-        dp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        if dp > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in params]) / dp
+        # the replicas' gradients are averaged; a replica's context-parallel ranks each hold the gradient of their
+        # slice of the sequence, which add up
+        if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params]) / ps.get_data_parallel_world_size()
             dist.all_reduce(flat, group=ps.get_data_parallel_group(with_context_parallel=True))
             at = 0
             for p in params:
