@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -28,6 +26,7 @@ from posttrain.data import load_pretrain_texts
 from posttrain.memory import peak_memory
 from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack, packing_efficiency
+from posttrain.ramp_ranks import train_rung
 from posttrain.store import checkpointed
 from posttrain.train import eval_loss, masked_lm_loss, moe_metrics, summarize, train
 
@@ -168,20 +167,6 @@ def _indexer_warmup(cfg: PipelineConfig, model, next_batch, name: str) -> dict:
     return curves
 
 
-@contextmanager
-def megatron_engine(cfg: PipelineConfig, model, tok, lr: float):
-    """The stage's model (its RoPE set) in the megatron train engine, one rank, as runtime.train_engine megatron
-    asks; ramp.activation_checkpointing is Megatron's full-layer recompute there."""
-    from posttrain.engines.megatron_setup import Parallel
-    from posttrain.engines.megatron_train import MegatronTrainEngine
-    g = cfg.megatron
-    with tempfile.TemporaryDirectory(prefix="posttrain-ramp-megatron-") as d:
-        save_checkpoint(model, tok, d)
-        yield MegatronTrainEngine(d, lr=lr, parallel=Parallel(g.tp, g.pp, g.cp, g.ep, g.sequence_parallel),
-                                  weight_decay=cfg.ramp.weight_decay, seed=cfg.seed,
-                                  recompute=g.recompute or cfg.ramp.activation_checkpointing)
-
-
 def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: list[list[int]],
                 sets: dict[int, list[Task]], short_val: dict):
     """One rung of the ladder: RoPE + attention set, packed mixture trained, then measured."""
@@ -213,9 +198,7 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
         kw = dict(steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
                   weight_decay=r.weight_decay, desc=name)
         if megatron:  # the config refuses what only the torch path has (DSA, MTP, RoPE scaling)
-            with megatron_engine(cfg, model, tok, st.lr) as engine:
-                hist = train(engine, next_batch, **kw)
-                model = engine.hf_model()
+            hist, model = train_rung(cfg, model, tok, next_batch, kw)
         else:
             hist = train(model, next_batch, **kw, loss_fn=mtp.with_loss(loss_fn, cfg.mtp.loss_weight, curves),
                          moe=cfg.moe)

@@ -1,6 +1,6 @@
 """The smoke DAG with `runtime.train_engine: megatron`: the ramp, sft, the RL specialist and OPD train through
 megatron-core; sft's Ray Train workers are its ranks (tensor parallel over two of them gives one rank's curve) and
-resume exactly after a SIGKILL from their own per-rank state."""
+resume exactly after a SIGKILL from their own per-rank state; the ramp's rungs run over context-parallel ranks."""
 import json
 from pathlib import Path
 
@@ -54,3 +54,18 @@ def test_megatron_sft_resumes_exactly_after_sigkill_from_each_ranks_state(run):
     assert "resuming at step 2 of 4" in p.stdout + p.stderr
     resumed = json.loads((home / "latest" / "report.json").read_text())
     assert max(abs(a - b) for a, b in zip(_loss(resumed, "sft"), _loss(report, "sft"))) < 1e-5
+
+
+def test_the_ramp_over_two_context_parallel_ranks_gives_one_ranks_curve(run):
+    """Each ramp rung over two Ray Train ranks at cp=2 (each holding half of every sequence) follows the one-rank
+    rungs' losses."""
+    home, report = run
+    posttrain(home, "rerun", "ramp", "--from", report["run_id"], *MEGATRON, "--set", "megatron.cp=2",
+              "--set", "sft.workers=2")
+    cp2 = json.loads((home / "latest" / "report.json").read_text())
+    assert cp2["stages"]["ramp"]["artifact"] != report["stages"]["ramp"]["artifact"]
+    got, want = (json.loads((Path(r["stages"]["ramp"]["artifact"]) / "history.json").read_text())
+                 for r in (cp2, report))
+    rungs = [k for k in want if k.startswith("loss@")]
+    assert rungs and set(rungs) <= set(got)
+    assert max(abs(a - b) for k in rungs for a, b in zip(got[k], want[k])) < 1e-5
