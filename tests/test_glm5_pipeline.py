@@ -7,7 +7,8 @@ from tests.test_pipeline_smoke import posttrain, stage_runs
 
 GLM5 = ["--set", "model.arch=glm5", "--set", "ramp.attention=sdpa", "--set", "model.num_layers=2",
         "--set", "model.indexer_types=[full, shared]", "--set", "moe.aux_loss_weight=0.0001",
-        "--set", "rl.routing_replay=true", "--set", "mtp.depth=1"]
+        "--set", "rl.routing_replay=true", "--set", "mtp.depth=1",
+        "--set", "rl.domains=[reasoning, agentic]"]  # GRPO and PPO; the third specialist adds time, not paths
 
 
 def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
