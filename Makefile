@@ -7,7 +7,7 @@ PROFILE ?= tiny
 B       ?=
 SEEDS   ?= 0 1 2
 
-.PHONY: install run test test-cluster test-slow test-sglang sglang bench figures ui-shots checkpoint-smollm2 clean
+.PHONY: install run test test-cluster test-slow test-sglang sglang bench bench-small figures ui-shots checkpoint-smollm2 clean
 
 install: $(STAMP)
 
@@ -49,6 +49,10 @@ $(VENV)/.bench-installed: $(STAMP)
 
 bench: $(VENV)/.bench-installed
 	$(BIN)/python -m bench $(B)
+
+# every benchmark at its small size: a check that each still runs, its figures meaningless (bench/__init__.py)
+bench-small: install
+	BENCH_SMALL=1 $(BIN)/python -m bench $(B)
 
 # the profile over several training seeds: .posttrain/figures.json and figures.md (the README's tables)
 figures: install

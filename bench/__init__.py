@@ -1,8 +1,8 @@
 """Benchmarks against peers: `python -m bench [NAME]`; each writes .posttrain/bench/<name>.json.
 
 `BENCH_SMALL=1`: every benchmark at a small size (steps, rows, lengths, seeds, repeats), each in well under a
-minute on 2 CPU cores, every variant still run: a check that the benchmark runs, its figures meaningless. CI runs
-it (`.ci/run`), so a benchmark that no longer runs cannot land. Small mode writes under .posttrain/bench-small/
+minute on 2 CPU cores (bench/moe takes ~3), every variant still run: a check that the benchmark runs, its figures
+meaningless (`make bench-small`; `make test` runs the cheap ones, tests/test_bench_small.py). Small mode writes under .posttrain/bench-small/
 (the JSON marked `"small": true`), never over the full figures; a peer library that is not installed (the `bench`
 extra) is skipped there with a note; benchmarks that need a CUDA device say so and return; those that start from a
 finished `make run` (or bench/dsa's tiny models) start from one smoke-profile run of the pipeline instead, made

@@ -1,5 +1,5 @@
 """The benchmarks' small mode (BENCH_SMALL=1, bench/__init__.py): its switches, every benchmark importable with a
-main(), and the cheap ones run end to end in a fresh folder. `.ci/run` runs them all (`python -m bench`)."""
+main(), and the cheap ones run end to end in a fresh folder (`make bench-small` runs them all)."""
 import json
 import os
 import subprocess
@@ -51,10 +51,11 @@ def test_every_benchmark_imports_in_small_mode_with_a_main():
 
 
 def test_the_cheap_benchmarks_run_in_small_mode_and_write_their_marked_json(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "bench", "ramp", "cuda_shapes"], cwd=tmp_path, env=small_env(),
+    cheap = ["ramp", "cuda_shapes", "dsa", "cpu_bf16", "megatron_memory"]  # seconds each; `make bench-small`: all
+    p = subprocess.run([sys.executable, "-m", "bench", *cheap], cwd=tmp_path, env=small_env(),
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     fig = json.loads((tmp_path / ".posttrain/bench-small/ramp.json").read_text())
     assert fig["small"] is True and fig["seq_lens"] == [64, 128] and None in fig["tokens_per_s_padded"]
     assert not (tmp_path / ".posttrain/bench").exists()  # the full figures are never overwritten
-    assert "== bench cuda_shapes" in p.stdout
+    assert all(f"== bench {name}" in p.stdout for name in cheap)

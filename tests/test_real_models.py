@@ -9,7 +9,7 @@ from chat_fixtures import make_checkpoint
 from test_pipeline_smoke import posttrain
 
 FAMILIES = {  # family -> (thinking switch, tool format, extra settings)
-    "chatml": (True, "hermes", []),
+    "chatml": (True, "hermes", ["--set", "rl.domains=[reasoning, agentic]"]),  # thinking, and Hermes tool calls
     # the tool-calling domain alone: every stage still runs, in about half the time
     "llama3": (False, "json", ["--set", "rl.domains=[agentic]"]),
 }
@@ -23,7 +23,7 @@ def test_a_real_template_trains_in_every_stage(tmp_path, family):
     posttrain(home, "run", "--profile", "smoke", "--set", f"base.init_from={ckpt}", "--set", "sft.steps=12", *extra)
     report = json.loads((home / "latest" / "report.json").read_text())
     fmt = report["chat_format"]
-    domains = ["reasoning", "agentic", "general"] if family == "chatml" else ["agentic"]
+    domains = ["reasoning", "agentic"] if family == "chatml" else ["agentic"]
     # the user's chat checkpoint is scored as chat from the start (base); only the ramped one as completion
     assert set(fmt) == {"base", "sft", *(f"specialist/{d}" for d in domains), "generalist", "quantized"}
     assert fmt["sft"]["template"].startswith(f"{family}:") and fmt["sft"]["thinking"] is thinking

@@ -15,6 +15,7 @@ FEW_STEPS = [
     "sft.steps=6", "sft.batch_size=4", "sft.seq_len=256", "sft.warmup=1", "sft.lr=3.0e-4",
     "rl.steps=1", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=48", "rl.val_every=0",
     "rl.stop_check=false", "rl.per_domain.agentic.prompts_per_step=2",
+    "rl.domains=[agentic]",  # one specialist (tool calls, multi-turn PPO): the others add forwards, not wiring
     "opd.steps=1", "opd.prompts_per_step=3", "opd.max_new_tokens=48", "opd.val_every=0",
     "quantize.calib_samples=4", "quantize.calib_seq_len=64", "eval.n_per_suite=2", "eval.max_new_tokens=16",
 ]
