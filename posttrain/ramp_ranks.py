@@ -29,47 +29,61 @@ def _engine(cfg: PipelineConfig, path: str, lr: float):
 
 
 def _worker(c: dict) -> None:
-    """One rank: the rung's loop, then (every rank gathering its shards) rank 0 saves the weights and history."""
+    """One rank: the rung's checkpoint from Ray's object store (the driver's disk may be another node's), the rung's
+    loop, then (every rank gathering its shards) rank 0 reports the weights and history as the run's checkpoint."""
+    import ray
     import ray.train
     torch.set_num_threads(c["threads"])
-    engine = _engine(c["cfg"], c["init"], c["kw"]["lr"])
-    hist = train(engine, c["next_batch"], **c["kw"])
-    model = engine.hf_model()  # a collective over the tensor-parallel ranks
-    if ray.train.get_context().get_world_rank() == 0:
-        _, tok = load_checkpoint(c["init"])
-        save_checkpoint(model, tok, c["out"])
-        (Path(c["out"]) / "history.json").write_text(json.dumps(hist))
+    with tempfile.TemporaryDirectory() as init, tempfile.TemporaryDirectory() as out:
+        for name, data in ray.get(c["init"]).items():
+            (Path(init) / name).write_bytes(data)
+        engine = _engine(c["cfg"], init, c["kw"]["lr"])
+        hist = train(engine, c["next_batch"], **c["kw"])
+        model = engine.hf_model()  # a collective over the tensor-parallel ranks
+        first = ray.train.get_context().get_world_rank() == 0
+        if first:
+            save_checkpoint(model, c["tok"], out)
+            (Path(out) / "history.json").write_text(json.dumps(hist))
+        ray.train.report({"steps": len(hist["loss"])},
+                         checkpoint=ray.train.Checkpoint.from_directory(out) if first else None)
 
 
 def train_rung(cfg: PipelineConfig, model, tok, next_batch: Callable[[int], dict], kw: dict) -> tuple[dict, object]:
     """(the rung's history, the model holding its trained weights) after `train(engine, next_batch, **kw)`."""
     g = cfg.megatron
     ranks = g.tp * g.pp * g.cp
-    with tempfile.TemporaryDirectory(prefix="posttrain-ramp-megatron-") as d:
-        init, out = str(Path(d) / "in"), str(Path(d) / "out")
-        save_checkpoint(model, tok, init)  # the rung's RoPE and weights, as the engine loads them
+    with tempfile.TemporaryDirectory(prefix="posttrain-ramp-megatron-") as d, \
+            tempfile.TemporaryDirectory(prefix="posttrain-ramp-train-") as storage:
+        save_checkpoint(model, tok, d)  # the rung's RoPE and weights, as the engine loads them
         if ranks == 1:
-            engine = _engine(cfg, init, kw["lr"])
+            engine = _engine(cfg, d, kw["lr"])
             return train(engine, next_batch, **kw), engine.hf_model()
-        _over_ranks(cfg, ranks, {"cfg": cfg, "init": init, "out": out, "kw": kw, "next_batch": next_batch,
-                                 "threads": max(1, cfg.runtime.torch_threads // ranks)}, d)
-        trained, _ = load_checkpoint(out)
-        return json.loads((Path(out) / "history.json").read_text()), trained
+        import ray
+        files = ray.put({f.name: f.read_bytes() for f in Path(d).iterdir() if f.is_file()})
+        result = _over_ranks(cfg, ranks, storage, {
+            "cfg": cfg, "init": files, "tok": tok, "kw": kw, "next_batch": next_batch,
+            "threads": max(1, cfg.runtime.torch_threads // ranks)})
+        with result.checkpoint.as_directory() as out:
+            trained, _ = load_checkpoint(out)
+            return json.loads((Path(out) / "history.json").read_text()), trained
 
 
-def _over_ranks(cfg: PipelineConfig, ranks: int, config: dict, storage: str) -> None:
+def _over_ranks(cfg: PipelineConfig, ranks: int, scratch: str, config: dict):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from posttrain.device import stage_gpus
+    from posttrain.store import train_storage
+    storage, filesystem = train_storage(scratch)  # the stage's scratch in the store when it is remote
     trainer = TorchTrainer(
         _worker, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=ranks,
                                      use_gpu=stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) > 0),
-        run_config=RunConfig(name="ramp-rung", storage_path=storage, failure_config=FailureConfig(max_failures=0)))
+        run_config=RunConfig(name=f"ramp-{config['kw']['desc'].split('@')[-1]}", storage_path=storage,
+                             storage_filesystem=filesystem, failure_config=FailureConfig(max_failures=0)))
     sigint = signal.getsignal(signal.SIGINT)  # as in sft: fit() installs a handler that keeps its controller alive
     try:
-        trainer.fit()
+        return trainer.fit()
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, sigint)
