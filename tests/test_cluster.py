@@ -132,7 +132,9 @@ def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_serv
            "RAY_AUTH_MODE": "disabled", "MLFLOW_TRACKING_URI": uri}
     # two runs at once, as two machines of a team would start them (each its own mirror): one computes each node
     # (conditional PUTs on the lease and the commit), the other waits for it; both models' lineage verifies
-    racing = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], cwd=ROOT,
+    # the specialists this test reads (agentic's stage run, general's resume): the third adds time, not paths
+    racing = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke", "--set",
+                                "rl.domains=[agentic, general]"], cwd=ROOT,
                                env={**env, "RAY_ADDRESS": address, "POSTTRAIN_LOCAL": str(tmp_path / m)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for m in ("mirror", "mirror-b")]
