@@ -47,7 +47,7 @@ def _gather(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(cp)]
     dist.all_gather(parts, x.contiguous(), group=group())
     chunks = torch.cat(parts).view(2 * cp, x.shape[0] // 2, *x.shape[1:])
-    return chunks[torch.tensor(chunk_order(cp)).argsort()].flatten(0, 1)
+    return chunks[torch.tensor(chunk_order(cp), device=x.device).argsort()].flatten(0, 1)
 
 
 def _mine(full: torch.Tensor) -> torch.Tensor:
