@@ -242,10 +242,11 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
         if cfg.runtime.cpu_bf16:
             env_vars[CPU_BF16] = "1"
         gpus = stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) if stage.gpu else 0.0
+        # this stage's own variables: set in its worker for the call (and passed to the actors it starts), so that
+        # the run-wide runtime_env above stays one and Ray reuses the workers, imports and all, stage after stage
+        stage_env = {SERVER_LOGS_VAR: str(Path(ctx.home) / "runs" / ctx.run_id / "logs" / name)}  # beside the report
         if scratch_url:  # resume checkpoints go to the store too (posttrain.store.checkpointed)
-            env_vars[SCRATCH_VAR] = scratch_url
-        # the servers a stage starts (SGLang) write their logs under the run's folder, beside its report
-        env_vars[SERVER_LOGS_VAR] = str(Path(ctx.home) / "runs" / ctx.run_id / "logs" / name)
+            stage_env[SCRATCH_VAR] = scratch_url
         # same key after a crash: resume from it
         extra = {"scratch": str(Path(ctx.home) / "scratch" / name / key[:16])} if stage.resumable else {}
         manifest = {"stage": name, "parents": {k: v.sha256 for k, v in inputs.items()},
@@ -253,7 +254,7 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
         result = await submit("posttrain.stages:produce", stage.num_cpus, stage.threads, stage.fn, cfg,
                               {k: (v.path, v.sha256) for k, v in inputs.items()}, ctx.home, ctx.store, key,
                               manifest, dict(stage.params), frozenset(versions.seen), env_vars=env_vars or None,
-                              num_gpus=gpus, **extra)
+                              stage_env=stage_env, num_gpus=gpus, **extra)
         uri, digest, metrics = result["uri"], result["digest"], result["metrics"]
         for notice in result.get("notices", []):
             print(f"[{name}] {notice.replace('{artifact}', uri)}", flush=True)

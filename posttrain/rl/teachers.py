@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from posttrain.engines import rollout_engine
+from posttrain.raysupport import actor_options
 
 Mode = Literal["sampled", "topk", "full"]
 
@@ -59,7 +60,7 @@ class TeacherPool:
         self.route, self.checkpoints, self.engine = dict(route or {}), dict(checkpoints), engine
         self.use_ray = ray.is_initialized() and placement == "actor"
         if self.use_ray:
-            cls = ray.remote(Teacher).options(num_cpus=num_cpus, max_restarts=0)
+            cls = ray.remote(Teacher).options(**actor_options(num_cpus=num_cpus, max_restarts=0))
             self.teachers = {d: cls.remote(c, threads, engine) for d, c in checkpoints.items()}
             ray.get([t.ready.remote() for t in self.teachers.values()], timeout=180)
         elif ray.is_initialized():

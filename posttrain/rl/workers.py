@@ -20,6 +20,7 @@ from environments.base import Task
 from posttrain.chat import ChatFormatError, chat_format
 from posttrain.engines import RolloutEngine, rollout_engine
 from posttrain.engines.base import WeightSource
+from posttrain.raysupport import actor_options
 from posttrain.rl.rollout import run_episodes
 
 
@@ -208,7 +209,7 @@ class WorkerPool:
         if self.use_ray:
             # partial: set_weights in a group of its own (one thread, calls in order) beside the rollouts
             cls = (ray.remote(concurrency_groups={"weights": 1})(RolloutWorker) if partial else
-                   ray.remote(RolloutWorker)).options(num_cpus=num_cpus, max_restarts=0)
+                   ray.remote(RolloutWorker)).options(**actor_options(num_cpus=num_cpus, max_restarts=0))
             self.workers = [cls.remote(*args) for _ in range(n)]
             try:
                 ray.get([w.ready.remote() for w in self.workers], timeout=180)
