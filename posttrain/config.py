@@ -723,6 +723,11 @@ class PipelineConfig(_Strict):
             data.pop("tracking")
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
+    def sft_in_process(self) -> bool:
+        """sft's one torch rank trains in its stage's own Ray worker; more ranks (or megatron's) are Ray Train
+        workers, and the stage's task only waits on them."""
+        return self.sft.workers == 1 and self.runtime.train_engine == "torch"
+
     def eval_lengths(self) -> list[int]:
         """Every ramp stage's length and the tiny preset's own context length: long_context is scored at each.
         A checkpoint's (base.init_from) own length can be far longer than the ladder it is given here."""

@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -121,20 +122,38 @@ def _worker(config: dict) -> None:
     """One Ray Train worker: resume from the latest reported checkpoint if any, train, report checkpoints."""
     import ray.train
     import ray.train.torch
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    megatron = config["cfg"].runtime.train_engine == "megatron"
+    state = None
+    if (ckpt := ray.train.get_checkpoint()) is not None:
+        with ckpt.as_directory() as d:
+            state = _load_state(Path(d), rank, megatron)
+
+    def report(metrics: dict, d: str) -> None:  # Ray Train gathers every worker's files into the one checkpoint
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 or megatron
+                         else None)
+    _train_rank(config, rank, ctx.get_world_size(), state, report, ray.train.torch.prepare_model)
+
+
+def _load_state(d: Path, rank: int, megatron: bool) -> dict:
+    state = torch.load(d / STATE, weights_only=False)
+    if megatron:  # each rank's own shards and optimizer moments
+        state["engine"] = torch.load(d / f"engine-rank{rank}.pt", weights_only=False)
+    return state
+
+
+def _train_rank(config: dict, rank: int, world: int, state: dict | None, report: Callable[[dict, str], None],
+                prepare: Callable) -> None:
+    """One rank's training loop from `state` (None: from the start); each checkpoint is written to a folder
+    and given to `report` with its metrics; `prepare` readies the model for the ranks (DDP, its device)."""
     cfg: PipelineConfig = config["cfg"]
     s = cfg.sft
     torch.set_num_threads(config["threads"])
     seed_all(cfg.seed)
     model, tok = with_mtp(cfg, *load_checkpoint(config["init"]))
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     megatron = cfg.runtime.train_engine == "megatron"
-    state = None
-    if (ckpt := ray.train.get_checkpoint()) is not None:
-        with ckpt.as_directory() as d:
-            state = torch.load(Path(d) / STATE, weights_only=False)
-            if megatron:  # each rank's own shards and optimizer moments
-                state["engine"] = torch.load(Path(d) / f"engine-rank{rank}.pt", weights_only=False)
+    if state is not None:
         model.load_state_dict(state["model"])
         print(f"[sft] resuming at step {state['step']} of {s.steps}", flush=True)
     to_batch, to_val = collator(tok, model, s.seq_len, s.packing), collator(tok, model, s.seq_len)
@@ -148,7 +167,7 @@ def _worker(config: dict) -> None:
         shard, shards = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         evaluate = model.lm_loss
     else:
-        model = ray.train.torch.prepare_model(model)  # DDP when there is more than one worker
+        model = prepare(model)  # DDP when there is more than one worker
         shard, shards = rank, world
 
         def evaluate(b: dict) -> torch.Tensor:
@@ -168,10 +187,9 @@ def _worker(config: dict) -> None:
         with tempfile.TemporaryDirectory() as d:
             if rank == 0:
                 torch.save(st, Path(d) / STATE)
-            if megatron:  # Ray Train gathers every worker's files into the one checkpoint
+            if megatron:
                 torch.save(st["engine"], Path(d) / f"engine-rank{rank}.pt")
-            ray.train.report({"step": st["step"], "loss": st["hist"]["loss"][-1]},
-                             checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 or megatron else None)
+            report({"step": st["step"], "loss": st["hist"]["loss"][-1]}, d)
         if os.environ.get("POSTTRAIN_SFT_KILL_AT_STEP") == str(st["step"]):  # fault injection for the resume test
             time.sleep(3)  # die mid-way through the next step, once the controller has registered this checkpoint
             os.kill(os.getpid(), signal.SIGKILL)
@@ -217,9 +235,8 @@ def replay_examples(cfg: PipelineConfig, base: str) -> tuple[list, int]:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
-    """Build the SFT mixture, train it with Ray Train (resuming from `scratch` after a crash), save."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    """Build the SFT mixture, train it (one rank in this process, several as Ray Train workers; resuming from
+    `scratch` after a crash), save."""
     seed_all(cfg.seed)
     s = cfg.sft
     model, tok = with_mtp(cfg, *load_checkpoint(inputs["ramp"]))
@@ -239,10 +256,57 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     replayed, unfinished = replay_examples(cfg, inputs.get("base", ""))
     examples = replay.mix(examples, replayed, s.replay_share)
     val = build_examples(cfg, tok, val_tasks, cfg.seed + 1)
+    config = {"cfg": cfg, "init": inputs["ramp"], "examples": examples, "val": val,
+              "threads": max(1, cfg.runtime.torch_threads // s.workers)}
+    if cfg.sft_in_process():
+        state = _in_process(config, Path(scratch or tempfile.mkdtemp(prefix="sft-")))
+    else:
+        state = _over_workers(cfg, config, scratch)
+    model.load_state_dict(state["model"])
+    save_checkpoint(model, tok, out)
+    hist = state["hist"]
+    (out / "history.json").write_text(json.dumps(hist))
+    moe.plot_load(hist, out / moe.PLOT, "sft")
+    n_tok = sum(sum(m) for _, m in examples)
+    return {"metrics": {"examples": len(examples), "long_context_examples": len(long_tasks),
+                        "replay_prompts": len(replayed), "replay_unfinished": unfinished,
+                        "assistant_tokens": n_tok, **summarize(hist), **summarize(hist, "mtp_loss"),
+                        **summarize(hist, "mtp_acc1"), **moe_metrics(hist),
+                        **summarize(hist, "val_loss", 1)}, "history": hist}
+
+
+def _in_process(config: dict, scratch: Path) -> dict:
+    """One torch rank in this process: the stage's Ray worker already holds the imports, where a Ray Train worker
+    group would start two more processes (~20 s of a smoke run's sft). Checkpoints go to `scratch` (and to the
+    store when it is remote) as Ray Train's would; the last one is the trained state."""
+    from posttrain.device import device
+    from posttrain.store import checkpointed
+    def latest() -> Path | None:
+        return max(scratch.glob("sft-step*"), default=None)
+
+    def report(metrics: dict, d: str) -> None:  # a whole folder appears in one rename: a kill never leaves half
+        tmp, final = scratch / ".sft-step.tmp", scratch / f"sft-step{metrics['step']:08d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(d, tmp)
+        tmp.rename(final)
+        for old in scratch.glob("sft-step*"):
+            if old != final:
+                shutil.rmtree(old)
+        checkpointed(scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    _train_rank(config, 0, 1, _load_state(latest(), 0, False) if latest() else None, report,
+                lambda m: m.to(device()))
+    return _load_state(latest(), 0, False)
+
+
+def _over_workers(cfg: PipelineConfig, config: dict, scratch: str) -> dict:
+    """Ray Train's workers as the data-parallel (or megatron) ranks; resumes from its last reported checkpoint."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    s = cfg.sft
     storage, filesystem = train_storage(scratch or tempfile.mkdtemp(prefix="sft-"))
     trainer = TorchTrainer(
-        _worker, train_loop_config={"cfg": cfg, "init": inputs["ramp"], "examples": examples, "val": val,
-                                    "threads": max(1, cfg.runtime.torch_threads // s.workers)},
+        _worker, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=s.workers,
                                      use_gpu=stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) > 0),
         run_config=RunConfig(name="sft", storage_path=storage, storage_filesystem=filesystem,
@@ -259,15 +323,4 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
         del trainer
         gc.collect()
     with result.checkpoint.as_directory() as d:
-        state = torch.load(Path(d) / STATE, weights_only=False)
-    model.load_state_dict(state["model"])
-    save_checkpoint(model, tok, out)
-    hist = state["hist"]
-    (out / "history.json").write_text(json.dumps(hist))
-    moe.plot_load(hist, out / moe.PLOT, "sft")
-    n_tok = sum(sum(m) for _, m in examples)
-    return {"metrics": {"examples": len(examples), "long_context_examples": len(long_tasks),
-                        "replay_prompts": len(replayed), "replay_unfinished": unfinished,
-                        "assistant_tokens": n_tok, **summarize(hist), **summarize(hist, "mtp_loss"),
-                        **summarize(hist, "mtp_acc1"), **moe_metrics(hist),
-                        **summarize(hist, "val_loss", 1)}, "history": hist}
+        return torch.load(Path(d) / STATE, weights_only=False)

@@ -83,9 +83,11 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
               ("seed", "world.seed", "model", "ramp", "mtp", "moe", "eval.n_per_suite", "eval.max_new_tokens",
                "eval.batch_size", *TRAIN_ENGINE),
               "tasks.ramp:ramp", resumable=True),
-        # sft's own Ray task only waits on its Ray Train workers; base: the model whose answers it replays
+        # sft trains in its own task (one torch rank) or waits on its Ray Train workers; base: the model whose
+        # answers it replays
         Stage("sft", "posttrain.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE),
-              "tasks.sft:sft", num_cpus=0.1, resumable=True, gpu=False),
+              "tasks.sft:sft", num_cpus=1.0 if cfg.sft_in_process() else 0.1, resumable=True,
+              gpu=cfg.sft_in_process()),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
         *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe", *ENGINES),
                 "tasks.rl:rl", (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],

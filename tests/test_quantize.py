@@ -9,7 +9,7 @@ from posttrain.config import ModelConfig, QuantizeConfig
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import IntLinear, load_compressed
 from posttrain.models.preset import build_model, save_checkpoint
-from posttrain.quant.stage import calibrate, export, linear_bytes, load_check, targets
+from posttrain.quant.stage import calibrate, export, linear_bytes, load_checks, targets
 
 
 def test_int_linear_matches_the_dequantized_matmul_on_int8_activations():
@@ -100,7 +100,7 @@ def test_transformers_decompresses_the_export_to_the_same_model(exported):
 
 def test_export_reloads_and_generates_in_a_fresh_process(exported):
     _, _, fp, qdir, _ = exported
-    q, f = load_check(qdir, "hello world"), load_check(fp, "hello world")
+    q, f = load_checks([qdir, fp], "hello world")
     assert q["generated_tokens"] > 0 and q["peak_rss_bytes"] > 0
     assert q["model_bytes"] < 0.5 * f["model_bytes"]
 

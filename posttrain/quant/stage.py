@@ -154,14 +154,24 @@ def linear_bytes(path: Path, names: list[str]) -> int:
         return sum(f.get_tensor(k).nbytes for k in f.keys() if k.rsplit(".", 1)[0] in names)
 
 
-def load_check(path: str | Path, prompt: str) -> dict:
-    """Load `path` in a fresh Python process, generate, and report its memory (posttrain/loadcheck.py; imported
-    here so that its code is part of this stage's cache key)."""
-    res = subprocess.run([sys.executable, "-m", loadcheck.__name__, str(path), prompt], capture_output=True,
-                         text=True, timeout=600)
-    if res.returncode:
-        raise RuntimeError(f"loading {path} in a fresh process failed:\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+def load_checks(paths: list[str | Path], prompt: str) -> list[dict]:
+    """Load each of `paths` in a fresh Python process, generate, and report its memory (posttrain/loadcheck.py;
+    imported here so that its code is part of this stage's cache key). The processes run at once: each measures
+    only itself, and most of their time is their imports."""
+    procs = [subprocess.Popen([sys.executable, "-m", loadcheck.__name__, str(p), prompt], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for p in paths]
+    out = []
+    for path, proc in zip(paths, procs):
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"loading {path} in a fresh process took over 600 s") from None
+        if proc.returncode:
+            raise RuntimeError(f"loading {path} in a fresh process failed:\n{stderr[-2000:]}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
@@ -173,7 +183,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     ints = calibrate(model, rows, cfg.quantize)
     export(model, tok, ints, cfg.quantize, out)
     prompt = load_tasks(inputs["curate"], "test", environments.names(cfg.world.environments)[0])[0].prompt
-    fresh, fresh_fp = load_check(out, prompt), load_check(inputs["opd"], prompt)
+    fresh, fresh_fp = load_checks([out, inputs["opd"]], prompt)
     q_bytes = linear_bytes(out, list(ints))
     metrics = {
         "format": (f"compressed-tensors mixed-precision: routed experts pack-quantized int4 (group "
