@@ -191,7 +191,7 @@ def _train_rank(config: dict, rank: int, world: int, state: dict | None, report:
                 torch.save(st["engine"], Path(d) / f"engine-rank{rank}.pt")
             report({"step": st["step"], "loss": st["hist"]["loss"][-1]}, d)
         if os.environ.get("POSTTRAIN_SFT_KILL_AT_STEP") == str(st["step"]):  # fault injection for the resume test
-            time.sleep(3)  # die mid-way through the next step, once the controller has registered this checkpoint
+            time.sleep(3)  # die mid-way through the next step (Ray Train: once it registered the checkpoint)
             os.kill(os.getpid(), signal.SIGKILL)
 
     train(model, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,

@@ -204,7 +204,7 @@ def _published(home: Path, stage: str) -> set[str]:
 
 
 def test_sft_resumes_exactly_after_sigkill(first):
-    """SIGKILL the Ray Train worker right after its step-2 checkpoint: nothing is published; the rerun
+    """SIGKILL the training process (one rank: the stage's own worker) right after its step-2 checkpoint: nothing is published; the rerun
     continues from there and its loss curve is the uninterrupted run's, step for step."""
     home, report = first
     args = ("rerun", "sft", "--from", report["run_id"], "--set", "sft.checkpoint_every=1")
