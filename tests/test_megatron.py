@@ -202,15 +202,18 @@ def _steps(engine, samples: list, lm: bool) -> list[float]:
     return losses
 
 
-def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: bool) -> None:
-    """One rank of `world` running `_steps` (data-parallel ranks each take their share of the samples)."""
+def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: bool, dense_max: int) -> None:
+    """One rank of `world` running `_steps` (data-parallel ranks each take their share of the samples); rows longer
+    than `dense_max` attend per document."""
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
 
+    from posttrain.engines import megatron_train
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
+    megatron_train.DENSE_MASK_MAX = dense_max
     engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par))
     dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     losses = []
@@ -225,17 +228,42 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("par,lm", [({"tp": 2}, False), ({}, False), ({"cp": 2}, True)], ids=["tp2", "dp2", "cp2"])
-def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm):
+@pytest.mark.parametrize("par,lm,dense_max", [({"tp": 2}, False, 2048), ({}, False, 2048), ({"cp": 2}, True, 2048),
+                                              ({"cp": 2}, True, 0)], ids=["tp2", "dp2", "cp2", "cp2-per-document"])
+def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm, dense_max):
+    """Against one rank with its whole [T, T] masks; `cp2-per-document`: the long rows' path, attention per document
+    with no mask, over the two context-parallel ranks' query chunks."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, _free_port(), par, ckpts["llama"], out, lm), nprocs=2)
+    mp.spawn(_rank, args=(2, _free_port(), par, ckpts["llama"], out, lm, dense_max), nprocs=2)
     got = torch.load(out)
     one = MegatronTrainEngine(ckpts["llama"], lr=1e-3)
     want = [x.item() for x in _steps(one, _samples(one.vocab_size), lm)]
     assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
     w = one.weights()
     assert max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
+
+
+def test_attention_per_document_equals_the_whole_mask(ckpts, monkeypatch):
+    """Long rows attend document by document (no [T, T] mask): the same losses and gradients as the mask on padded
+    rows and on packed documents, one rank."""
+    from posttrain.engines import megatron_train
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    got = []
+    for dense_max in (2048, 0):
+        monkeypatch.setattr(megatron_train, "DENSE_MASK_MAX", dense_max)
+        engine = MegatronTrainEngine(ckpts["llama"], lr=1e-3)
+        engine.train()
+        losses = []
+        for batch in _lm_batches(engine.vocab_size):
+            loss = engine.lm_loss(batch)
+            engine.backward(loss)
+            losses.append(loss.item())
+        grads = {n: p.grad.clone() for n, p in engine.gpt.named_parameters() if p.grad is not None}
+        got.append((losses, grads))
+    (want, g0), (have, g1) = got
+    assert max(abs(a - b) for a, b in zip(want, have)) < 1e-5
+    assert max((g0[n] - g1[n]).abs().max().item() for n in g0) < 1e-5
 
 
 def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path):

@@ -184,7 +184,8 @@ def sdpa_attention():
     [b, heads, s, s] scores and softmax (which also builds its causal mask on CUDA): one fused kernel where torch
     has one, grouped-query heads without repeating the keys. No mask given: causal. With context parallelism
     (`engines.context_parallel`) the keys and values of the whole sequence are gathered and the mask (always given
-    then) is this rank's queries' rows."""
+    then) is this rank's queries' rows. An integer `attention_mask` holds document ids [b, T] instead of a mask:
+    attention then runs per document (`context_parallel.document_attention`), with no [T, T] mask."""
     import copy
 
     import torch.nn.functional as F
@@ -207,9 +208,13 @@ def sdpa_attention():
             if context_parallel.size() > 1:
                 key, value = context_parallel.GatherKV.apply(key), context_parallel.GatherKV.apply(value)
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
-                is_causal=attention_mask is None, scale=self.softmax_scale,
-                enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition)
+            gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+            if attention_mask is not None and not attention_mask.dtype.is_floating_point and \
+                    attention_mask.dtype != torch.bool:  # document ids [b, T] instead of a mask: long packed rows
+                out = context_parallel.document_attention(q, k, v, attention_mask, self.softmax_scale, gqa)
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+                    is_causal=attention_mask is None, scale=self.softmax_scale, enable_gqa=gqa)
             return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
     return SdpaAttention

@@ -28,6 +28,10 @@ import torch.nn.functional as F
 from posttrain.engines import context_parallel, vocab_parallel
 from posttrain.engines.megatron_setup import Parallel, bridge, check_layout, init_parallel, quiet, recompute_layers
 
+# Rows longer than this attend per document (`context_parallel.document_attention`) instead of through one [T, T]
+# mask: at 2k tokens a mask is 4 MB a row, at 128k 16 GB, and on CUDA a mask keeps SDPA off its flash kernel.
+DENSE_MASK_MAX = 2048
+
 
 class MegatronTrainEngine:
     """A checkpoint as a Megatron GPTModel on this rank: `policy` (AdamW at `lr`), `critic` (a zero-initialised value
@@ -115,11 +119,16 @@ class MegatronTrainEngine:
             ids, position_ids = F.pad(ids, (0, pad), value=self.pad_id), F.pad(position_ids, (0, pad))
             if attention_mask is not None:
                 attention_mask = F.pad(attention_mask, (0, pad))
-        mask = None if causal else self._document_mask(position_ids, attention_mask)
+        if T + pad > DENSE_MASK_MAX and (cp > 1 or not causal):  # document ids: attention per document
+            mask = self._segments(position_ids, attention_mask)
+            mask[:, T:] = -1
+        else:
+            mask = None if causal else self._document_mask(position_ids, attention_mask)
         where = torch.arange(T + pad, device=ids.device)
         if cp > 1:  # this rank's chunks of every row; attention sees the whole sequence's keys (context_parallel)
             where = context_parallel.positions(T + pad, cp, ps.get_context_parallel_rank(), ids.device)
-            mask = context_parallel.local_mask(mask, T + pad, b, ids.device)
+            if mask is None or mask.dtype == torch.bool:
+                mask = context_parallel.local_mask(mask, T + pad, b, ids.device)
             ids, position_ids = ids[:, where], position_ids[:, where]
         self.gpt.post_process = False  # GPTModel then returns the final-normed hidden states [s, b, h]
         try:
@@ -133,6 +142,12 @@ class MegatronTrainEngine:
         if cp > 1:
             h = context_parallel.GatherOutput.apply(h)
         return h.transpose(0, 1)[:, :T]
+
+    @staticmethod
+    def _segments(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """[b, T] document ids (each restart at position 0 begins one), -1 on padding."""
+        doc = (position_ids == 0).cumsum(-1)
+        return doc if attention_mask is None else doc.masked_fill(attention_mask == 0, -1)
 
     @staticmethod
     def _document_mask(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
