@@ -211,6 +211,7 @@ class RampStage(_Strict):
     rope_theta: Positive         # RoPE base for this stage (raised with the length: "ABF")
     rope_scaling: dict[str, str | float] = Field(default_factory=dict)  # e.g. {rope_type: yarn, factor: 4.0}
     long_share: Share = 0.3      # share of rows holding long-context documents
+    cp: AtLeast1 | None = None   # this rung's context-parallel ranks (runtime.train_engine megatron); None: megatron.cp
 
 
 class DSAConfig(_Strict):
@@ -629,6 +630,10 @@ class PipelineConfig(_Strict):
                               f"(got {self.ramp.dsa.own_indexer})")
         if self.runtime.train_engine == "megatron":
             errors += self._megatron_errors()
+        else:
+            errors += [f"ramp.stages.{i}.cp: context parallelism runs in the megatron engine; set "
+                       f"runtime.train_engine megatron or drop it (got {st.cp})"
+                       for i, st in enumerate(self.ramp.stages) if st.cp not in (None, 1)]
         partial = {d: r for d in ["", *self.rl.per_domain] if (r := self.rl.for_domain(d)).partial_rollouts
                    and (not d or {"partial_rollouts", "max_staleness"} & set(self.rl.per_domain[d]))}
         if self.runtime.weight_sync == "broadcast" and self.runtime.rollout_engine != "sglang":
@@ -693,9 +698,9 @@ class PipelineConfig(_Strict):
                               f"rope_theta) only; drop it or use runtime.train_engine torch (got {st.rope_scaling})")
         if g.pp > 1:
             errors.append("megatron.pp: not wired into the engine yet (supported: 1)")
-        if g.cp > 1 and g.sequence_parallel:
+        if g.sequence_parallel and max(g.cp, *(st.cp or 1 for st in self.ramp.stages)) > 1:
             errors.append("megatron.cp: with megatron.sequence_parallel needs Transformer Engine's attention, which "
-                          "the engine does not drive yet; set one of them off")
+                          "the engine does not drive yet; set one of them off (here or in ramp.stages)")
         if g.ep > 1:
             errors.append("megatron.ep: the engine maps dense models only (supported: 1)")
         if g.sequence_parallel and g.tp == 1:
@@ -722,6 +727,11 @@ class PipelineConfig(_Strict):
             data.pop("runtime")  # where it runs and where it is tracked do not change what it computes
             data.pop("tracking")
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+    def ramp_ranks(self, stage: RampStage) -> int:
+        """The ranks a ramp rung trains over: tp x pp x its cp (or megatron.cp) with megatron, else one."""
+        g = self.megatron
+        return g.tp * g.pp * (stage.cp or g.cp) if self.runtime.train_engine == "megatron" else 1
 
     def sft_in_process(self) -> bool:
         """sft's one torch rank trains in its stage's own Ray worker; more ranks (or megatron's) are Ray Train

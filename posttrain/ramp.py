@@ -198,7 +198,7 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
         kw = dict(steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
                   weight_decay=r.weight_decay, desc=name)
         if megatron:  # the config refuses what only the torch path has (DSA, MTP, RoPE scaling)
-            hist, model = train_rung(cfg, model, tok, next_batch, kw)
+            hist, model = train_rung(cfg, model, tok, next_batch, kw, st)
         else:
             hist = train(model, next_batch, **kw, loss_fn=mtp.with_loss(loss_fn, cfg.mtp.loss_weight, curves),
                          moe=cfg.moe)

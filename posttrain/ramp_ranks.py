@@ -1,6 +1,7 @@
 """A ramp rung through the megatron train engine (runtime.train_engine megatron), on one rank in this process or over
-the tp x cp ranks `megatron` asks for: Ray Train workers as in sft, every rank running the same loop on the same
-packed rows (the ranks hold one replica, so they see one batch), the rung's weights gathered and saved by rank 0.
+tp x cp ranks (`megatron.tp`, the rung's `cp` or else `megatron.cp`): Ray Train workers as in sft, every rank
+running the same loop on the same packed rows (the ranks hold one replica, so they see one batch), the rung's
+weights gathered and saved by rank 0.
 Context parallelism is what the long rungs need: each rank holds 1/cp of every sequence's activations."""
 from __future__ import annotations
 
@@ -14,16 +15,16 @@ from pathlib import Path
 
 import torch
 
-from posttrain.config import PipelineConfig
+from posttrain.config import PipelineConfig, RampStage
 from posttrain.models.preset import load_checkpoint, save_checkpoint
 from posttrain.train import train
 
 
-def _engine(cfg: PipelineConfig, path: str, lr: float):
+def _engine(cfg: PipelineConfig, path: str, lr: float, cp: int):
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
     g = cfg.megatron
-    return MegatronTrainEngine(path, lr=lr, parallel=Parallel(g.tp, g.pp, g.cp, g.ep, g.sequence_parallel),
+    return MegatronTrainEngine(path, lr=lr, parallel=Parallel(g.tp, g.pp, cp, g.ep, g.sequence_parallel),
                                weight_decay=cfg.ramp.weight_decay, seed=cfg.seed,
                                recompute=g.recompute or cfg.ramp.activation_checkpointing)
 
@@ -37,7 +38,7 @@ def _worker(c: dict) -> None:
     with tempfile.TemporaryDirectory() as init, tempfile.TemporaryDirectory() as out:
         for name, data in ray.get(c["init"]).items():
             (Path(init) / name).write_bytes(data)
-        engine = _engine(c["cfg"], init, c["kw"]["lr"])
+        engine = _engine(c["cfg"], init, c["kw"]["lr"], c["cp"])
         hist = train(engine, c["next_batch"], **c["kw"])
         model = engine.hf_model()  # a collective over the tensor-parallel ranks
         first = ray.train.get_context().get_world_rank() == 0
@@ -48,20 +49,21 @@ def _worker(c: dict) -> None:
                          checkpoint=ray.train.Checkpoint.from_directory(out) if first else None)
 
 
-def train_rung(cfg: PipelineConfig, model, tok, next_batch: Callable[[int], dict], kw: dict) -> tuple[dict, object]:
-    """(the rung's history, the model holding its trained weights) after `train(engine, next_batch, **kw)`."""
-    g = cfg.megatron
-    ranks = g.tp * g.pp * g.cp
+def train_rung(cfg: PipelineConfig, model, tok, next_batch: Callable[[int], dict], kw: dict,
+               stage: RampStage) -> tuple[dict, object]:
+    """(the rung's history, the model holding its trained weights) after `train(engine, next_batch, **kw)` over
+    megatron's tp x pp and the rung's context-parallel ranks (`PipelineConfig.ramp_ranks`)."""
+    cp, ranks = stage.cp or cfg.megatron.cp, cfg.ramp_ranks(stage)
     with tempfile.TemporaryDirectory(prefix="posttrain-ramp-megatron-") as d, \
             tempfile.TemporaryDirectory(prefix="posttrain-ramp-train-") as storage:
         save_checkpoint(model, tok, d)  # the rung's RoPE and weights, as the engine loads them
         if ranks == 1:
-            engine = _engine(cfg, d, kw["lr"])
+            engine = _engine(cfg, d, kw["lr"], cp)
             return train(engine, next_batch, **kw), engine.hf_model()
         import ray
         files = ray.put({f.name: f.read_bytes() for f in Path(d).iterdir() if f.is_file()})
         result = _over_ranks(cfg, ranks, storage, {
-            "cfg": cfg, "init": files, "tok": tok, "kw": kw, "next_batch": next_batch,
+            "cfg": cfg, "init": files, "tok": tok, "kw": kw, "next_batch": next_batch, "cp": cp,
             "threads": max(1, cfg.runtime.torch_threads // ranks)})
         with result.checkpoint.as_directory() as out:
             trained, _ = load_checkpoint(out)

@@ -166,6 +166,10 @@ def test_attention_implementation_is_chosen_by_config():
 def test_ladder_config():
     real = load_config("real")
     assert [s.seq_len for s in real.ramp.stages] == [4096, 32768, 131072, 200000]
+    # the long rungs split each sequence over context-parallel ranks of the megatron engine
+    assert real.runtime.train_engine == "megatron" and [real.ramp_ranks(s) for s in real.ramp.stages] == [1, 1, 4, 4]
+    with pytest.raises(ConfigError, match=r"ramp.stages.2.cp: context parallelism runs in the megatron engine"):
+        load_config("real", ["runtime.train_engine=torch"])
     assert all(a.rope_theta < b.rope_theta for a, b in zip(real.ramp.stages, real.ramp.stages[1:]))
     assert all(a.long_share <= b.long_share for a, b in zip(real.ramp.stages, real.ramp.stages[1:]))
     tiny = load_config("tiny")  # its first stage has the most long rows: retrieval must form there

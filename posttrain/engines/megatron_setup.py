@@ -86,9 +86,9 @@ def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
     # can, and installs with CUDA only
     if par.sequence_parallel and not _has_te():
         raise ValueError(f"{where}.sequence_parallel: needs Transformer Engine (not installed here)")
-    if par.cp > 1 and _has_te():
-        raise ValueError(f"{where}.cp: with Transformer Engine installed the engine builds its attention, whose "
-                         f"context parallelism this engine does not drive yet (supported: 1)")
+    if par.cp > 1 and par.sequence_parallel:
+        raise ValueError(f"{where}.cp: with sequence_parallel needs Transformer Engine's attention, which this engine "
+                         f"does not drive yet; set one of them off")
     if par.pp > 1:
         raise ValueError(f"{where}.pp: pipeline stages are not wired into this engine yet (supported: 1)")
 
@@ -96,6 +96,12 @@ def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
 def _has_te() -> bool:
     import importlib.util
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+def local_spec(par: Parallel) -> bool:
+    """Whether the engine builds Megatron's local layers with `sdpa_attention`: where Transformer Engine is missing,
+    and with context parallelism anywhere (TE's ring attention is not driven here; ours runs on CUDA as on CPU)."""
+    return not _has_te() or par.cp > 1
 
 
 def init_parallel(par: Parallel, seed: int = 0) -> None:
@@ -146,7 +152,7 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompu
         _MLP_MAPPING = {**base._MLP_MAPPING, "pre_mlp_layernorm.weight": [layer + "post_attention_layernorm.weight"]}
 
         def _get_transformer_layer_spec(self, vp_stage=None):
-            if _has_te():  # Transformer Engine's fused layers, mbridge's own mapping
+            if not local_spec(par):  # Transformer Engine's fused layers, mbridge's own mapping
                 return super()._get_transformer_layer_spec(vp_stage)
             self.has_vp_stage = False
             spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)

@@ -26,10 +26,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.engines import context_parallel, vocab_parallel
-from posttrain.engines.megatron_setup import Parallel, bridge, check_layout, init_parallel, quiet, recompute_layers
+from posttrain.engines.megatron_setup import (Parallel, bridge, check_layout, init_parallel, local_spec, quiet,
+                                              recompute_layers)
 
-# Rows longer than this attend per document (`context_parallel.document_attention`) instead of through one [T, T]
-# mask: at 2k tokens a mask is 4 MB a row, at 128k 16 GB, and on CUDA a mask keeps SDPA off its flash kernel.
+# Rows longer than this attend per document (`context_parallel.document_attention`, Megatron's local layers) instead of
+# through one [T, T] mask: at 2k tokens a mask is 4 MB a row, at 128k 16 GB, and on CUDA a mask keeps SDPA off its
+# flash kernel. Transformer Engine's layers (cp 1 where it is installed) still take the mask.
 DENSE_MASK_MAX = 2048
 
 
@@ -119,7 +121,7 @@ class MegatronTrainEngine:
             ids, position_ids = F.pad(ids, (0, pad), value=self.pad_id), F.pad(position_ids, (0, pad))
             if attention_mask is not None:
                 attention_mask = F.pad(attention_mask, (0, pad))
-        if T + pad > DENSE_MASK_MAX and (cp > 1 or not causal):  # document ids: attention per document
+        if T + pad > DENSE_MASK_MAX and (cp > 1 or not causal) and local_spec(self.parallel):  # per document
             mask = self._segments(position_ids, attention_mask)
             mask[:, T:] = -1
         else:
