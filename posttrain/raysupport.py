@@ -110,9 +110,10 @@ def release_memory() -> None:
             pass
 
 
-# A worker serves stage after stage (max_calls=0): torch, transformers and our modules stay imported, which saves
-# ~10 s of imports a stage (a smoke run: 11 stages). `release_memory` returns each stage's heap.
-_remote_call = ray.remote(max_calls=0)(_call)
+# A CPU stage's worker serves the next stage: torch, transformers and our modules stay imported (~10 s a stage; a
+# smoke run has 11), and `release_memory` returns its heap. A GPU stage's exits after it, as Ray's default for GPU
+# tasks: CUDA keeps the device it first saw, and the next stage may be given another.
+_remote_call, _remote_call_gpu = ray.remote(max_calls=0)(_call), ray.remote(max_calls=1)(_call)
 
 
 def submit(fn_path: str, num_cpus: float, threads: int, *args, env_vars: dict[str, str] | None = None,
@@ -122,7 +123,8 @@ def submit(fn_path: str, num_cpus: float, threads: int, *args, env_vars: dict[st
     `stage_env` (this call's own) is set in the worker for the call and reaches the actors started with
     `actor_options`. Two calls with different `env_vars` cannot share a worker."""
     options = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
-    return _remote_call.options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0, **options).remote(
+    return (_remote_call_gpu if num_gpus else _remote_call).options(
+        num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0, **options).remote(
         fn_path, threads, stage_env or {}, *args, **kwargs)
 
 

@@ -57,11 +57,12 @@ def test_megatron_sft_resumes_exactly_after_sigkill_from_each_ranks_state(run):
 
 
 def test_the_ramp_over_two_context_parallel_ranks_gives_one_ranks_curve(run):
-    """Each ramp rung over two Ray Train ranks at cp=2 (each holding half of every sequence) follows the one-rank
-    rungs' losses."""
+    """The second ramp rung over two Ray Train ranks at its own cp=2 (each holding half of every sequence), the first
+    at one rank in the stage's process: both follow the one-rank rungs' losses."""
     home, report = run
-    posttrain(home, "rerun", "ramp", "--from", report["run_id"], *MEGATRON, "--set", "megatron.cp=2",
-              "--set", "sft.workers=2")
+    posttrain(home, "rerun", "ramp", "--from", report["run_id"], *MEGATRON, "--set",
+              "ramp.stages=[{seq_len: 96, tokens: 384, warmup: 1, rope_theta: 20000.0}, "
+              "{seq_len: 128, tokens: 512, warmup: 1, rope_theta: 40000.0, cp: 2}]")
     cp2 = json.loads((home / "latest" / "report.json").read_text())
     assert cp2["stages"]["ramp"]["artifact"] != report["stages"]["ramp"]["artifact"]
     c = MlflowClient(tracking_uri=f"sqlite:///{home}/mlflow.db")
