@@ -72,9 +72,11 @@ _STAGE_ENV: dict[str, str] = {}  # the running stage's own variables (see `submi
 
 
 def _call(fn_path: str, threads: int, stage_env: dict[str, str], *args, **kwargs):
+    import gc
     import importlib
 
     import torch
+    gc.collect()  # a failed stage before this one in the worker may have left actor handles in cycles: they go now
     torch.set_num_threads(threads)
     saved = {k: os.environ.get(k) for k in stage_env}
     os.environ.update(stage_env)

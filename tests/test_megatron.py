@@ -315,3 +315,56 @@ def test_a_ramp_stage_through_megatron_follows_the_torch_ramp(ckpts, tok):
     assert max(abs(a - b) for a, b in zip(loss, ref)) < 1e-4
     assert model.config.rope_parameters["rope_theta"] == 40000.0 and model.config.max_position_embeddings == 256
     assert abs(child["metrics"]["short_val_loss"] - want["metrics"]["short_val_loss"]) < 1e-3
+
+
+def _rl_samples(vocab: int) -> list:
+    """Two GRPO groups of two, different rewards within each group (so the update has advantages)."""
+    from posttrain.rl.workers import Sample
+    g = torch.Generator().manual_seed(3)
+
+    def ids(n):
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+    out = []
+    for group in range(2):
+        prompt = ids(5)
+        for reward, n in ((1.0, 4), (0.0, 6)):
+            out.append(Sample("t", group, prompt, ids(n), [1] * n, [-1.5] * n, reward, 0))
+    return out
+
+
+def test_the_rl_trainer_over_two_tensor_parallel_ranks_updates_as_one_rank(ckpts, tmp_path):
+    """RL and OPD with megatron.tp > 1: the loop's trainer over two Ray actors (tp 2) gives one rank's step
+    statistics and weights, two steps running, and what it saves resumes there (a one-rank file is refused)."""
+    import ray
+
+    from posttrain.config import RLConfig
+    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.rl.loop import build_engines
+    r = RLConfig(group_size=2, lr=1e-3)
+    build = dict(r=r, sft=str(ckpts["llama"]), with_critic=False, rl=False)
+    one = build_engines(**build, engine=("megatron", {"parallel": Parallel()}))
+    batch = _rl_samples(one.policy.vocab_size)
+    with torch.no_grad():  # the behaviour is the policy itself: importance ratios of 1, nothing masked
+        logp = one.policy.logprobs(batch, r.temperature)[0]
+    for i, s in enumerate(batch):
+        s.logprobs = logp[i, :len(s.ids)].tolist()
+    want = [one.update(r, batch, [], None) for _ in range(2)]
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, configure_logging=False)
+    try:
+        two = build_engines(**build, engine=("megatron", {"parallel": Parallel(tp=2)}))
+        got = [two.update(r, batch, [], None) for _ in range(2)]
+        for a, b in zip(want, got):
+            assert a["grad_norm"] > 0 and abs(a["loss"] - b["loss"]) < 1e-5
+            assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4
+        w, v = one.policy.weights(), two.policy.weights()
+        assert max((w[k] - v[k]).abs().max().item() for k in w) < 1e-5
+        two.save(tmp_path / "rl_state.pt", "state")
+        after = two.update(r, batch, [], None)
+        assert two.load(tmp_path / "rl_state.pt") == "state"
+        assert abs(two.update(r, batch, [], None)["loss"] - after["loss"]) < 1e-6  # the same step again
+        one.save(tmp_path / "one.pt", "state")
+        with pytest.raises(ValueError, match="one.pt: a checkpoint of 1 trainer rank"):
+            two.load(tmp_path / "one.pt")
+        two.close()
+    finally:
+        ray.shutdown()

@@ -121,8 +121,7 @@ def init_parallel(par: Parallel, seed: int = 0) -> None:
     world = dist.get_world_size()
     if world % par.model_ranks:
         raise ValueError(f"megatron.tp: tp x pp x cp = {par.model_ranks} must divide the world of {world} ranks "
-                         f"this stage runs (sft: sft.workers Ray Train workers; rl, opd and the cross-stage chains "
-                         f"train on one rank for now)")
+                         f"this stage runs (sft: sft.workers Ray Train workers)")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                 ps.get_context_parallel_world_size())

@@ -124,16 +124,37 @@ class Engines:
 
     def load(self, path: Path) -> State:
         ck = torch.load(path, weights_only=False)  # our own scratch file, written by save
+        if "ranks" in ck:
+            raise ValueError(f"{path}: a checkpoint of {len(ck['ranks'])} trainer ranks, not one")
         if self.critic is not None:
             self.critic.load_state_dict(ck["critic"])
         self.policy.load_state_dict(ck["policy"])  # last: its RNG state is the one that continues
         return ck["state"]
 
+    def update(self, r: RLConfig, batch: list[Sample], dbatch: list[Sample], distill: Distill | None) -> dict:
+        return update(r, self, batch, dbatch, distill)
+
+    def close(self) -> None:
+        pass
+
 
 def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None,
+                  engine: tuple[str, dict] = ("torch", {})):
+    """The loop's trained models: `Engines` in this process, or over several megatron ranks (tp x pp x cp > 1) the
+    same calls on Ray actors (posttrain.rl.ranks). `rl`: the loop trains on rollouts (not distillation only), so
+    the KL alarm has tokens to watch; `moe`: how a policy with routers balances them; `engine`: the train engine's
+    name and options (posttrain.engines)."""
+    parallel = engine[1].get("parallel")
+    if parallel is not None and parallel.model_ranks > 1:
+        from posttrain.rl.ranks import RankedEngines
+        return RankedEngines(parallel.model_ranks, dict(r=r, sft=sft, with_critic=with_critic, rl=rl, moe=moe,
+                                                        engine=engine), threads=torch.get_num_threads())
+    return local_engines(r, sft, with_critic, rl, moe, engine)
+
+
+def local_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None,
                   engine: tuple[str, dict] = ("torch", {})) -> Engines:
-    """`rl`: the loop trains on rollouts (not distillation only), so the KL alarm has tokens to watch; `moe`: how a
-    policy with routers balances them; `engine`: the train engine's name and options (posttrain.engines)."""
+    """`build_engines` on this process's rank."""
     watch_kl = rl and r.alarms.enabled and r.alarms.reference_kl
     name, opts = engine
     return Engines(train_engine(name, sft, lr=r.lr, moe=moe, routing_replay=r.routing_replay, **opts),
@@ -339,7 +360,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             t_wait = time.perf_counter()
             batch, dbatch, gen_s, gen_tok = feed.collect(step)
             t_train = time.perf_counter()
-            stats = update(r, eng, batch, dbatch, distill)
+            stats = eng.update(r, batch, dbatch, distill)
             t_push = time.perf_counter()
             if step + 1 < r.steps:  # no rollout uses the last step's weights
                 workers.push(eng.policy.weights(), step + 1)
@@ -363,12 +384,14 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
                 if kill_at == done:  # fault injection for the resume test
                     os.kill(os.getpid(), signal.SIGKILL)
         st = feed.snapshot(r.steps, hist, st.attempts, time.perf_counter() - t0, drain=False, alarms=st.alarms)
+        model = hf_model(eng.policy)
     finally:
         feed.close()
         workers.close()
         if teachers:
             teachers.close()
-    return hf_model(eng.policy), tok, st
+        eng.close()
+    return model, tok, st
 
 
 def hf_model(engine: TrainEngine) -> torch.nn.Module:

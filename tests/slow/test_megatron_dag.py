@@ -1,6 +1,7 @@
 """The smoke DAG with `runtime.train_engine: megatron`: the ramp, sft, the RL specialist and OPD train through
 megatron-core; sft's Ray Train workers are its ranks (tensor parallel over two of them gives one rank's curve) and
-resume exactly after a SIGKILL from their own per-rank state; the ramp's rungs run over context-parallel ranks."""
+resume exactly after a SIGKILL from their own per-rank state; the ramp's rungs run over context-parallel ranks;
+RL and OPD train over tensor-parallel ranks as Ray actors."""
 import json
 from pathlib import Path
 
@@ -71,3 +72,20 @@ def test_the_ramp_over_two_context_parallel_ranks_gives_one_ranks_curve(run):
         for r in (cp2, report))
     assert all(len(v) == 2 for v in want.values())  # the smoke ladder: two rungs of two steps
     assert max(abs(a - b) for k in want for a, b in zip(got[k], want[k])) < 1e-5
+
+
+def test_rl_and_opd_over_two_tensor_parallel_ranks_start_as_one_rank(run):
+    """RL and OPD at tp=2: the loop's trainer runs on two Ray actors. They start from the same weights as one rank,
+    so the first step's rollouts (rewards) and loss are one rank's; every step runs and the stage publishes."""
+    home, report = run
+    for stage, key in (("rl-reasoning", "loss"), ("opd", "distill_loss")):
+        posttrain(home, "rerun", stage, "--from", report["run_id"], *MEGATRON, "--set", "megatron.tp=2",
+                  "--set", "sft.workers=2")
+        tp2 = json.loads((home / "latest" / "report.json").read_text())
+        assert tp2["stages"][stage]["artifact"] != report["stages"][stage]["artifact"]
+        got, want = (json.loads((Path(r["stages"][stage]["artifact"]) / "history.json").read_text())
+                     for r in (tp2, report))
+        assert len(got[key]) == len(want[key]) == 2
+        assert abs(got[key][0] - want[key][0]) < 1e-5, stage
+        if "reward" in want:
+            assert got["reward"][0] == want["reward"][0]
