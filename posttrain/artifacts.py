@@ -20,6 +20,7 @@ from typing import Iterator
 from posttrain.config import ROOT
 
 MANIFEST = "manifest.json"
+SOURCE = "source.json"  # in a base artifact made from base.init_from: the checkpoint it copied
 
 
 class DigestMismatch(RuntimeError):

@@ -8,15 +8,13 @@ from pathlib import Path
 import torch
 
 from posttrain.models import moe
-from posttrain.artifacts import dir_digest
+from posttrain.artifacts import SOURCE, dir_digest
 from posttrain.chat import ChatFormatError, chat_format, doc_end_id, train_tokenizer
 from posttrain.config import PipelineConfig
 from posttrain.data import load_pretrain_texts
 from posttrain.models.preset import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
 from posttrain.pypi_checkpoints import source_of
 from posttrain.train import eval_loss, moe_metrics, pack_stream, row_sampler, summarize, train
-
-SOURCE = "source.json"  # in a base artifact made from base.init_from: the checkpoint it copied
 
 
 def check_checkpoint(cfg: PipelineConfig):

@@ -8,10 +8,9 @@ from typing import Callable
 from mlflow.exceptions import MlflowException
 
 from posttrain import store, tracking
-from posttrain.artifacts import DigestMismatch, find_by_digest, sha256_file, verify
-from posttrain.base import SOURCE
+from posttrain.artifacts import SOURCE, DigestMismatch, find_by_digest, sha256_file, verify
 from posttrain.config import ConfigError
-from posttrain.pipeline import home_dir
+from posttrain.store import home_dir
 
 
 def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
