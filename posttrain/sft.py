@@ -30,6 +30,7 @@ from posttrain.store import train_storage
 from posttrain.train import flat_examples, masked_lm_loss, moe_metrics, pad_examples, summarize, train
 
 STATE = "state.pt"
+ENGINE = "engine"  # megatron: the ranks' distributed checkpoint (MegatronTrainEngine.save_sharded)
 
 
 def conversation(task: Task, thinking: bool, shortcut: bool = False) -> list[dict]:
@@ -125,21 +126,24 @@ def _worker(config: dict) -> None:
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
     megatron = config["cfg"].runtime.train_engine == "megatron"
-    state = None
+    state, resume = None, tempfile.mkdtemp(prefix="posttrain-sft-resume-")  # megatron reads it once training starts
     if (ckpt := ray.train.get_checkpoint()) is not None:
-        with ckpt.as_directory() as d:
-            state = _load_state(Path(d), rank, megatron)
+        ckpt.to_directory(resume)
+        state = _load_state(Path(resume), megatron)
 
     def report(metrics: dict, d: str) -> None:  # Ray Train gathers every worker's files into the one checkpoint
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 or megatron
                          else None)
-    _train_rank(config, rank, ctx.get_world_size(), state, report, ray.train.torch.prepare_model)
+    try:
+        _train_rank(config, rank, ctx.get_world_size(), state, report, ray.train.torch.prepare_model)
+    finally:
+        shutil.rmtree(resume, ignore_errors=True)
 
 
-def _load_state(d: Path, rank: int, megatron: bool) -> dict:
+def _load_state(d: Path, megatron: bool) -> dict:
     state = torch.load(d / STATE, weights_only=False)
-    if megatron:  # each rank's own shards and optimizer moments
-        state["engine"] = torch.load(d / f"engine-rank{rank}.pt", weights_only=False)
+    if megatron:  # the ranks' shards and optimizer moments: a Megatron distributed checkpoint
+        state["engine"] = {"dist_checkpoint": str(d / ENGINE)}
     return state
 
 
@@ -187,8 +191,8 @@ def _train_rank(config: dict, rank: int, world: int, state: dict | None, report:
         with tempfile.TemporaryDirectory() as d:
             if rank == 0:
                 torch.save(st, Path(d) / STATE)
-            if megatron:
-                torch.save(st["engine"], Path(d) / f"engine-rank{rank}.pt")
+            if megatron:  # every rank writes its own shards
+                model.save_sharded(Path(d) / ENGINE)
             report({"step": st["step"], "loss": st["hist"]["loss"][-1]}, d)
         if os.environ.get("POSTTRAIN_SFT_KILL_AT_STEP") == str(st["step"]):  # fault injection for the resume test
             time.sleep(3)  # die mid-way through the next step (Ray Train: once it registered the checkpoint)
@@ -294,9 +298,9 @@ def _in_process(config: dict, scratch: Path) -> dict:
                 shutil.rmtree(old)
         checkpointed(scratch)
     scratch.mkdir(parents=True, exist_ok=True)
-    _train_rank(config, 0, 1, _load_state(latest(), 0, False) if latest() else None, report,
+    _train_rank(config, 0, 1, _load_state(latest(), False) if latest() else None, report,
                 lambda m: m.to(device()))
-    return _load_state(latest(), 0, False)
+    return _load_state(latest(), False)
 
 
 def _over_workers(cfg: PipelineConfig, config: dict, scratch: str) -> dict:

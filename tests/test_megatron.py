@@ -368,3 +368,37 @@ def test_the_rl_trainer_over_two_tensor_parallel_ranks_updates_as_one_rank(ckpts
         two.close()
     finally:
         ray.shutdown()
+
+
+def _sharded_rank(rank: int, world: int, port: int, path: str, folder: str, out: str) -> None:
+    """tp 2: two LM steps, a distributed checkpoint, then two more steps whose losses are saved."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(tp=2))
+    _steps(engine, [], lm=True)
+    engine.save_sharded(folder)
+    losses = [x.item() for x in _steps(engine, [], lm=True)]
+    if rank == 0:
+        torch.save(losses, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_distributed_checkpoint_saved_at_tp2_resumes_on_one_rank(ckpts, tmp_path):
+    """Megatron's dist_checkpointing: weights and AdamW moments sharded over two tp ranks load into one rank (the
+    split resharded on load), which then trains on as the two ranks did; a fresh engine alone does not."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
+    mp.spawn(_sharded_rank, args=(2, _free_port(), str(ckpts["llama"]), str(folder), out), nprocs=2)
+    assert (folder / "metadata.json").exists() and list(folder.glob("*.distcp"))
+    want = torch.load(out)
+    one = MegatronTrainEngine(ckpts["llama"], lr=1e-3)
+    fresh = [x.item() for x in _steps(one, [], lm=True)]
+    one = MegatronTrainEngine(ckpts["llama"], lr=1e-3)
+    one.load_sharded(folder)
+    got = [x.item() for x in _steps(one, [], lm=True)]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(fresh, want)) > 1e-3  # the checkpoint carried the training

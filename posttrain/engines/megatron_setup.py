@@ -39,11 +39,12 @@ class Parallel:
 
 
 def cpu_patches() -> None:
-    """The CUDA device answer on a machine without CUDA, and megatron-core imported without its warnings that
+    """The CUDA device answer (and a no-op synchronize) on a machine without CUDA, and megatron-core imported without its warnings that
     Apex and Transformer Engine are absent (one per module, repeated by every Ray worker): the local spec needs
     neither."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing's writer syncs before it reads tensors
     with quiet():
         import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
         if not torch.cuda.is_available():  # its CP slice of the RoPE table moves an index to CUDA

@@ -338,7 +338,50 @@ class MegatronTrainEngine:
                 "sched": self.sched.state_dict() if self.sched else None, "rng": torch.get_rng_state(),
                 "python_rng": random.getstate()}
 
+    def save_sharded(self, folder: str | Path) -> None:
+        """A Megatron distributed checkpoint (dist_checkpointing, torch_dist) of the policy in `folder`: weights and
+        AdamW moments as sharded tensors, so it loads at another tp / cp split; the schedule, step count and RNG in
+        its common part. Every rank calls it (a collective); each writes its own shards."""
+        from megatron.core import dist_checkpointing
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(self._sharded(), str(folder))
+
+    def load_sharded(self, folder: str | Path) -> None:
+        """`save_sharded`'s checkpoint into this engine, whatever split it was saved at (every rank calls it)."""
+        from megatron.core import dist_checkpointing
+        got = dist_checkpointing.load(self._sharded(), str(folder))
+        self.gpt.load_state_dict(got["model"])
+        opt = got["optimizer"]
+        for st in opt["state"].values():
+            st["step"] = torch.tensor(float(got["common"]["opt_step"]))
+        self.opt.load_state_dict(opt)
+        if self.sched is not None:
+            self.sched.load_state_dict(got["common"]["sched"])
+        torch.set_rng_state(got["common"]["rng"])
+        random.setstate(got["common"]["python_rng"])
+
+    def _sharded(self) -> dict:
+        """The policy's sharded state dict (optimizer moments sharded as their parameters), its template on load."""
+        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                                 optim_state_to_sharding_state)
+        if self.role != "policy" or self.opt is None:
+            raise ValueError(f"megatron: a distributed checkpoint holds a trained policy (this engine: {self.role})")
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        for p in params:  # a template needs every moment, also before the first step
+            if not self.opt.state[p]:
+                self.opt.state[p] = {"step": torch.zeros((), device=p.device), "exp_avg": torch.zeros_like(p),
+                                     "exp_avg_sq": torch.zeros_like(p)}
+        model = self.gpt.sharded_state_dict()
+        opt = self.opt.state_dict()
+        step = float(next(iter(opt["state"].values()))["step"]) if opt["state"] else 0.0
+        optim_state_to_sharding_state(opt, get_param_id_to_sharded_param_map(model, params), exclude_keys=("step",))
+        return {"model": model, "optimizer": opt,
+                "common": {"opt_step": step, "sched": self.sched.state_dict() if self.sched else None,
+                           "rng": torch.get_rng_state(), "python_rng": random.getstate()}}
+
     def load_state_dict(self, state: dict) -> None:
+        if "dist_checkpoint" in state:  # sft's checkpoints: a folder of save_sharded
+            return self.load_sharded(state["dist_checkpoint"])
         self.model.load_state_dict(state["model"])
         if self.opt is not None:
             self.opt.load_state_dict(state["opt"])
