@@ -84,7 +84,8 @@ class RankedEngines:
         if not ray.is_initialized():
             raise RuntimeError(f"megatron: {ranks} ranks (tp x pp x cp) for the RL trainer need Ray (the pipeline's "
                                f"stages run on it)")
-        gpu = torch.cuda.is_available() or ray.cluster_resources().get("GPU", 0) > 0
+        from posttrain.device import device
+        gpu = device().type == "cuda"  # where the stage computes (runtime.device): its ranks compute there too
         actor = ray.remote(_Rank).options(num_cpus=0 if not gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0)
         self.actors = [actor.remote() for _ in range(ranks)]
         addr, port = ray.get(self.actors[0].address.remote())
