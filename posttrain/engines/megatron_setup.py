@@ -39,9 +39,9 @@ class Parallel:
 
 
 def cpu_patches() -> None:
-    """The CUDA device answer (and a no-op synchronize) on a machine without CUDA, and megatron-core imported without its warnings that
-    Apex and Transformer Engine are absent (one per module, repeated by every Ray worker): the local spec needs
-    neither."""
+    """The CUDA device answer (and a no-op synchronize) on a machine without CUDA, and megatron-core imported without
+    its warnings that Apex and Transformer Engine are absent (one per module, repeated by every Ray worker): the local
+    spec needs neither."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing's writer syncs before it reads tensors
@@ -215,8 +215,7 @@ def sdpa_attention():
                 key, value = context_parallel.GatherKV.apply(key), context_parallel.GatherKV.apply(value)
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
             gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-            if attention_mask is not None and not attention_mask.dtype.is_floating_point and \
-                    attention_mask.dtype != torch.bool:  # document ids [b, T] instead of a mask: long packed rows
+            if attention_mask is not None and attention_mask.dtype == torch.long:  # document ids [b, T]: long rows
                 out = context_parallel.document_attention(q, k, v, attention_mask, self.softmax_scale, gqa)
             else:
                 out = F.scaled_dot_product_attention(
