@@ -135,7 +135,7 @@ class Engines:
         return update(r, self, batch, dbatch, distill)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: these engines live in this process (RankedEngines stops its rank actors)."""
 
 
 def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None,

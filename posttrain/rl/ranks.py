@@ -68,8 +68,8 @@ class _Policy:
         self._hf.load_state_dict(self.weights())
         return self._hf
 
-    def train(self) -> None:  # the ranks switch their own modes in `update`
-        pass
+    def train(self) -> None:
+        """A no-op: the ranks switch their own modes in each `update`."""
 
     eval = train
 
