@@ -161,16 +161,20 @@ def load_checks(paths: list[str | Path], prompt: str) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, "-m", loadcheck.__name__, str(p), prompt], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for p in paths]
     out = []
-    for path, proc in zip(paths, procs):
-        try:
-            stdout, stderr = proc.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"loading {path} in a fresh process took over 600 s") from None
-        if proc.returncode:
-            raise RuntimeError(f"loading {path} in a fresh process failed:\n{stderr[-2000:]}")
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    try:
+        for path, proc in zip(paths, procs):
+            try:
+                stdout, stderr = proc.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"loading {path} in a fresh process took over 600 s") from None
+            if proc.returncode:
+                raise RuntimeError(f"loading {path} in a fresh process failed:\n{stderr[-2000:]}")
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:  # a failed check leaves none of the others running
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return out
 
 
