@@ -1,6 +1,7 @@
 """One lean local Ray instance for the whole run, and a helper to run stage work as a Ray task."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -71,22 +72,14 @@ def route_worker_logs(path: Path) -> None:
 _STAGE_ENV: dict[str, str] = {}  # the running stage's own variables (see `submit`)
 
 
-def _call(fn_path: str, threads: int, stage_env: dict[str, str], *args, **kwargs):
-    import gc
-    import importlib
-
-    import torch
-    gc.collect()  # a failed stage before this one in the worker may have left actor handles in cycles: they go now
-    torch.set_num_threads(threads)
+@contextlib.contextmanager
+def _stage_variables(stage_env: dict[str, str]):
+    """`stage_env` set in this (reused) worker for one call, and the worker's own values back after it."""
     saved = {k: os.environ.get(k) for k in stage_env}
     os.environ.update(stage_env)
     _STAGE_ENV.update(stage_env)
     try:
-        if kwargs.get("scratch"):  # where the work runs: a resumable stage lost with its machine resumes here
-            from posttrain.store import restore_scratch
-            restore_scratch(kwargs["scratch"])
-        mod, name = fn_path.split(":")
-        out = getattr(importlib.import_module(mod), name)(*args, **kwargs)
+        yield
     finally:
         _STAGE_ENV.clear()
         for k, v in saved.items():
@@ -94,6 +87,23 @@ def _call(fn_path: str, threads: int, stage_env: dict[str, str], *args, **kwargs
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _call(fn_path: str, threads: int, stage_env: dict[str, str], *args, **kwargs):
+    import gc
+    import importlib
+
+    import torch
+    gc.collect()  # a failed stage before this one in the worker may have left actor handles in cycles: they go now
+    torch.set_num_threads(threads)
+    try:
+        with _stage_variables(stage_env):
+            if kwargs.get("scratch"):  # where the work runs: a resumable stage lost with its machine resumes here
+                from posttrain.store import restore_scratch
+                restore_scratch(kwargs["scratch"])
+            mod, name = fn_path.split(":")
+            out = getattr(importlib.import_module(mod), name)(*args, **kwargs)
+    finally:
         release_memory()
     # which Ray node did the work (on a cluster: a worker node, never the head with num-cpus 0)
     return {**out, "ray_node": ray.get_runtime_context().get_node_id()} if isinstance(out, dict) else out
@@ -136,13 +146,18 @@ def actor_options(**options) -> dict:
     return {**options, "runtime_env": {"env_vars": dict(_STAGE_ENV)}} if _STAGE_ENV else options
 
 
+def _map_call(fn, stage_env: dict[str, str], *args):
+    with _stage_variables(stage_env):
+        return fn(*args)
+
+
 def map_tasks(fn, calls: list[tuple], desc: str, num_cpus: float = 1.0) -> list:
     """fn(*args) for each args tuple: as parallel Ray tasks when Ray is up (a stage's work), else in-process."""
     from tqdm import tqdm
     if not ray.is_initialized():
         return [fn(*args) for args in tqdm(calls, desc=desc, mininterval=5, leave=False)]
-    remote = ray.remote(fn).options(num_cpus=num_cpus, max_retries=0)
-    refs = [remote.remote(*args) for args in calls]
+    remote = ray.remote(_map_call).options(num_cpus=num_cpus, max_retries=0)
+    refs = [remote.remote(fn, dict(_STAGE_ENV), *args) for args in calls]  # the stage's variables go with its shards
     pending = list(refs)
     try:
         with tqdm(total=len(refs), desc=desc, mininterval=5, leave=False) as bar:

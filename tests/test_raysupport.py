@@ -17,6 +17,11 @@ def _env_of_stage_and_actor(name: str) -> tuple[str | None, str | None]:
     return os.environ.get(name), ray.get(probe.get.remote())
 
 
+def _env_of_stage_shards(name: str) -> list[str | None]:
+    """What the parallel shards of a stage (`map_tasks`) see of `name`: evaluate's servers log where it says."""
+    return raysupport.map_tasks(os.environ.get, [(name,), (name,)], "probe", num_cpus=0)
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     here = os.path.dirname(os.path.abspath(__file__))  # the workers import this module's probe
@@ -36,3 +41,10 @@ def test_a_stages_variables_reach_its_actors_and_not_the_next_stage(local_ray):
     assert first == ("a", "a")
     assert second == (None, None)
     assert run == ("r", "r")  # the run's variables reach every stage and its actors
+
+
+def test_a_stages_variables_reach_its_parallel_shards(local_ray):
+    fn = f"{__name__}:_env_of_stage_shards"
+    assert ray.get(raysupport.submit(fn, 1, 1, "POSTTRAIN_TEST_STAGE",
+                                     stage_env={"POSTTRAIN_TEST_STAGE": "a"})) == ["a", "a"]
+    assert ray.get(raysupport.submit(fn, 1, 1, "POSTTRAIN_TEST_STAGE")) == [None, None]
