@@ -679,6 +679,8 @@ class PipelineConfig(_Strict):
             if m.arch == "glm5":
                 errors.append("runtime.train_engine: megatron maps dense Llama / Qwen models for now; model.arch "
                               "glm5 trains with runtime.train_engine torch")
+            if m.num_layers % g.pp:
+                errors.append(f"megatron.pp: must divide model.num_layers {m.num_layers} (got {g.pp})")
             kv = m.num_kv_heads or m.num_heads
             if m.num_heads % g.tp or kv % g.tp:
                 errors.append(f"megatron.tp: must divide model.num_heads {m.num_heads} and the key-value heads {kv} "
@@ -696,8 +698,6 @@ class PipelineConfig(_Strict):
             if st.rope_scaling:
                 errors.append(f"ramp.stages.{i}.rope_scaling: the megatron engine runs default RoPE (a stage's "
                               f"rope_theta) only; drop it or use runtime.train_engine torch (got {st.rope_scaling})")
-        if g.pp > 1:
-            errors.append("megatron.pp: not wired into the engine yet (supported: 1)")
         if g.sequence_parallel and max(g.cp, *(st.cp or 1 for st in self.ramp.stages)) > 1:
             errors.append("megatron.cp: with megatron.sequence_parallel needs Transformer Engine's attention, which "
                           "the engine does not drive yet; set one of them off (here or in ramp.stages)")

@@ -1,5 +1,5 @@
 """A ramp rung through the megatron train engine (runtime.train_engine megatron), on one rank in this process or over
-tp x cp ranks (`megatron.tp`, the rung's `cp` or else `megatron.cp`): Ray Train workers as in sft, every rank
+tp x pp x cp ranks (`megatron.tp`, `megatron.pp`, the rung's `cp` or else `megatron.cp`): Ray Train workers as in sft, every rank
 running the same loop on the same packed rows (the ranks hold one replica, so they see one batch), the rung's
 weights gathered and saved by rank 0.
 Context parallelism is what the long rungs need: each rank holds 1/cp of every sequence's activations."""

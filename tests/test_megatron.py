@@ -229,10 +229,12 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
 
 
 @pytest.mark.parametrize("par,lm,dense_max", [({"tp": 2}, False, 2048), ({}, False, 2048), ({"cp": 2}, True, 2048),
-                                              ({"cp": 2}, True, 0)], ids=["tp2", "dp2", "cp2", "cp2-per-document"])
+                                              ({"cp": 2}, True, 0), ({"pp": 2}, False, 2048), ({"pp": 2}, True, 2048)],
+                         ids=["tp2", "dp2", "cp2", "cp2-per-document", "pp2", "pp2-lm"])
 def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm, dense_max):
     """Against one rank with its whole [T, T] masks; `cp2-per-document`: the long rows' path, attention per document
-    with no mask, over the two context-parallel ranks' query chunks."""
+    with no mask, over the two context-parallel ranks' query chunks; `pp2`: a layer on each pipeline stage, the tied
+    embeddings on both ends (every stage returns the last stage's answer)."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_rank, args=(2, _free_port(), par, ckpts["llama"], out, lm, dense_max), nprocs=2)
@@ -281,7 +283,7 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
         load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "mtp.depth=1", "megatron.pp=2",
                               "megatron.distributed_optimizer=true"])
     for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks", "mtp.depth: must be 0",
-                 "megatron.pp: not wired", "megatron.distributed_optimizer"):
+                 "megatron.pp: must divide model.num_layers 1", "megatron.distributed_optimizer"):
         assert rule in str(e.value)
     with pytest.raises(ConfigError, match="runtime.train_engine: megatron maps dense Llama / Qwen models"):
         load_config("tiny-glm5", ["runtime.train_engine=megatron"])
@@ -332,8 +334,9 @@ def _rl_samples(vocab: int) -> list:
     return out
 
 
-def test_the_rl_trainer_over_two_tensor_parallel_ranks_updates_as_one_rank(ckpts, tmp_path):
-    """RL and OPD with megatron.tp > 1: the loop's trainer over two Ray actors (tp 2) gives one rank's step
+@pytest.mark.parametrize("par", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_the_rl_trainer_over_two_model_parallel_ranks_updates_as_one_rank(ckpts, tmp_path, par):
+    """RL and OPD with megatron.tp or pp > 1: the loop's trainer over two Ray actors gives one rank's step
     statistics and weights, two steps running, and what it saves resumes there (a one-rank file is refused)."""
     import ray
 
@@ -351,7 +354,7 @@ def test_the_rl_trainer_over_two_tensor_parallel_ranks_updates_as_one_rank(ckpts
     want = [one.update(r, batch, [], None) for _ in range(2)]
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, configure_logging=False)
     try:
-        two = build_engines(**build, engine=("megatron", {"parallel": Parallel(tp=2)}))
+        two = build_engines(**build, engine=("megatron", {"parallel": Parallel(**par)}))
         got = [two.update(r, batch, [], None) for _ in range(2)]
         for a, b in zip(want, got):
             assert a["grad_norm"] > 0 and abs(a["loss"] - b["loss"]) < 1e-5
@@ -370,14 +373,14 @@ def test_the_rl_trainer_over_two_tensor_parallel_ranks_updates_as_one_rank(ckpts
         ray.shutdown()
 
 
-def _sharded_rank(rank: int, world: int, port: int, path: str, folder: str, out: str) -> None:
-    """tp 2: two LM steps, a distributed checkpoint, then two more steps whose losses are saved."""
+def _sharded_rank(rank: int, world: int, port: int, path: str, folder: str, out: str, par: dict) -> None:
+    """Two LM steps over two ranks, a distributed checkpoint, then two more steps whose losses are saved."""
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
-    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(tp=2))
+    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par))
     _steps(engine, [], lm=True)
     engine.save_sharded(folder)
     losses = [x.item() for x in _steps(engine, [], lm=True)]
@@ -387,12 +390,14 @@ def _sharded_rank(rank: int, world: int, port: int, path: str, folder: str, out:
     dist.destroy_process_group()
 
 
-def test_a_distributed_checkpoint_saved_at_tp2_resumes_on_one_rank(ckpts, tmp_path):
-    """Megatron's dist_checkpointing: weights and AdamW moments sharded over two tp ranks load into one rank (the
-    split resharded on load), which then trains on as the two ranks did; a fresh engine alone does not."""
+@pytest.mark.parametrize("par", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_a_distributed_checkpoint_saved_over_two_ranks_resumes_on_one_rank(ckpts, tmp_path, par):
+    """Megatron's dist_checkpointing: weights and AdamW moments sharded over two tp ranks, or split in two pipeline
+    stages, load into one rank (resharded on load), which then trains on as the two ranks did; a fresh engine alone
+    does not."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
-    mp.spawn(_sharded_rank, args=(2, _free_port(), str(ckpts["llama"]), str(folder), out), nprocs=2)
+    mp.spawn(_sharded_rank, args=(2, _free_port(), str(ckpts["llama"]), str(folder), out, par), nprocs=2)
     assert (folder / "metadata.json").exists() and list(folder.glob("*.distcp"))
     want = torch.load(out)
     one = MegatronTrainEngine(ckpts["llama"], lr=1e-3)

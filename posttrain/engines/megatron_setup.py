@@ -52,8 +52,29 @@ def cpu_patches() -> None:
 
             from posttrain.engines.context_parallel import rope_slice
             rotary_pos_embedding.get_pos_emb_on_this_cp_rank = rope_slice
+            # with pipeline stages and tied embeddings the last stage's copy of the embeddings is moved to CUDA
+            # before the all-reduce that initialises it
+            from megatron.core.models.common.language_module.language_module import LanguageModule
+            LanguageModule.setup_embeddings_and_output_layer = _on_cpu(
+                LanguageModule.setup_embeddings_and_output_layer)
         import megatron.core.optimizer  # noqa: F401
         import mbridge  # noqa: F401
+
+
+def _on_cpu(fn):
+    """`fn` with `Tensor.cuda` answering the tensor itself, for a machine without CUDA (once: patched again, as
+    every engine calls `cpu_patches`, it stays one wrapper)."""
+    if getattr(fn, "_on_cpu", False):
+        return fn
+
+    def run(*args, **kwargs):
+        cuda, torch.Tensor.cuda = torch.Tensor.cuda, lambda t, *a, **k: t
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+    run._on_cpu = True
+    return run
 
 
 @contextlib.contextmanager
@@ -90,8 +111,6 @@ def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
     if par.cp > 1 and par.sequence_parallel:
         raise ValueError(f"{where}.cp: with sequence_parallel needs Transformer Engine's attention, which this engine "
                          f"does not drive yet; set one of them off")
-    if par.pp > 1:
-        raise ValueError(f"{where}.pp: pipeline stages are not wired into this engine yet (supported: 1)")
 
 
 def _has_te() -> bool:
@@ -147,7 +166,12 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompu
     base = _MODEL_REGISTRY[hf_config.model_type]
     layer = "model.layers.{layer_number}."
 
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+
     class Local(base):
+        # with pipeline stages the last one holds its own copy of tied embeddings as its output layer
+        _DIRECT_MAPPING = {**base._DIRECT_MAPPING, **({"output_layer.weight": "model.embed_tokens.weight"}
+                                                      if tied else {})}
         _OTHER_MAPPING = {**base._OTHER_MAPPING, "input_layernorm.weight": [layer + "input_layernorm.weight"]}
         _MLP_MAPPING = {**base._MLP_MAPPING, "pre_mlp_layernorm.weight": [layer + "post_attention_layernorm.weight"]}
 

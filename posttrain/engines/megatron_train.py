@@ -1,6 +1,7 @@
 """The Megatron-core train engine: the policy, the PPO critic or the KL reference as a megatron-core GPTModel split
-over ranks (tensor parallel, optionally sequence parallel; data parallel over the remaining ranks), loaded from and
-exported to Hugging Face tensors through mbridge (`engines.megatron_setup`).
+over ranks (tensor parallel, optionally sequence parallel; context parallel; pipeline stages,
+`engines.pipeline_stages`; data parallel over the remaining ranks), loaded from and exported to Hugging Face tensors
+through mbridge (`engines.megatron_setup`).
 
 Each rank holds one `MegatronTrainEngine` and runs every call in step with the others (SPMD): torch.distributed over
 gloo on CPU, NCCL on CUDA. One process without a launcher is a world of one rank.
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.engines import context_parallel, vocab_parallel
+from posttrain.engines.pipeline_stages import Pipeline, StageDone, staged
 from posttrain.engines.megatron_setup import (Parallel, bridge, check_layout, init_parallel, local_spec, quiet,
                                               recompute_layers)
 
@@ -54,9 +56,11 @@ class MegatronTrainEngine:
         self.device = default_device()
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.pad_id = pad_id(self.tokenizer)
+        self.pipe = Pipeline()
         with quiet():
             self.bridge = bridge(hf_config, parallel, recompute=recompute)
-            self.gpt = self.bridge._model_provider([])(pre_process=True, post_process=True).to(self.device)
+            self.gpt = self.bridge._model_provider([])(pre_process=self.pipe.first,
+                                                       post_process=self.pipe.last).to(self.device)
             self.bridge.load_weights([self.gpt], str(checkpoint))
         if recompute and not torch.cuda.is_available():
             recompute_layers(self.gpt)
@@ -132,11 +136,19 @@ class MegatronTrainEngine:
             if mask is None or mask.dtype == torch.bool:
                 mask = context_parallel.local_mask(mask, T + pad, b, ids.device)
             ids, position_ids = ids[:, where], position_ids[:, where]
+        trains = torch.is_grad_enabled() and self.opt is not None
+        if not self.pipe.first:  # the previous pipeline stage's hidden states [s, b, h] (s: this rank's share)
+            s = ids.shape[1] // (self.parallel.tp if self.parallel.sequence_parallel else 1)
+            self.gpt.set_input_tensor(self.pipe.receive((s, b, self.gpt.config.hidden_size), self._dtype, self.device,
+                                                        trains))
         self.gpt.post_process = False  # GPTModel then returns the final-normed hidden states [s, b, h]
         try:
             h = self.gpt(ids, position_ids, mask)
         finally:
-            self.gpt.post_process = True
+            self.gpt.post_process = self.pipe.last
+        if not self.pipe.last:
+            self.pipe.send(h, trains)
+            raise StageDone
         if self.parallel.sequence_parallel:
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True)
         if local:
@@ -164,6 +176,10 @@ class MegatronTrainEngine:
         allowed |= torch.eye(n, dtype=torch.bool, device=doc.device)  # a padding query sees itself: no NaN
         return ~allowed[:, None]
 
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(self.gpt.parameters()).dtype
+
     def _head_weight(self) -> torch.Tensor:
         return self.gpt.shared_embedding_or_output_weight() if self.tied else self.gpt.output_layer.weight
 
@@ -183,6 +199,7 @@ class MegatronTrainEngine:
         real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, self.device)
         return self._hidden(ids)[row, pos], ids[row, pos + 1], real
 
+    @staged
     def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """`posttrain.train.masked_lm_loss` on an LM batch (input_ids, loss_mask, optional position_ids and
         attention_mask): the next-token NLL's mean weighted by the target's loss mask, vocab-parallel. With
@@ -191,8 +208,8 @@ class MegatronTrainEngine:
         batch = {k: v.to(self.device) for k, v in batch.items() if v is not None}
         ids, weight = batch["input_ids"], batch["loss_mask"]
         total = weight[:, 1:].float().sum()
-        if not bool(total):
-            return self._head_weight().sum() * 0.0  # no scored token: a zero loss every rank can still backward
+        if not bool(total):  # no scored token: a zero loss every rank can still backward
+            return next(self.gpt.parameters()).sum() * 0.0
         h, where = self._hidden(ids, batch.get("position_ids"), batch.get("attention_mask"), local=True)
         scored = where < ids.shape[1] - 1  # positions with a next token (not the last, not padding)
         h, nxt = h[:, scored], where[scored] + 1
@@ -210,6 +227,7 @@ class MegatronTrainEngine:
             loss = loss + (whole - loss.detach())
         return loss
 
+    @staged
     def forward(self, samples) -> torch.Tensor:
         """An LM batch (a dict): its `lm_loss`. Samples: values [samples, longest] for a critic; for a policy the
         full logits [samples, longest, vocab] (gathered over tensor-parallel ranks: for inspection, the losses go
@@ -228,17 +246,20 @@ class MegatronTrainEngine:
         out[real] = logits[:, :self.vocab_size]
         return out
 
+    @staged
     def logprobs(self, samples: list, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         h, target, real = self._completion_hidden(samples)
         logp, ent = vocab_parallel.token_scores(*self._logits(h), self.vocab_size, temperature, target=target)
         return (logp.new_zeros(real.shape).masked_scatter(real, logp),
                 ent.new_zeros(real.shape).masked_scatter(real, ent))
 
+    @staged
     def logprob_loss(self, samples: list, temperature: float, loss_of
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp, ent = self.logprobs(samples, temperature)
         return loss_of(logp, ent), logp.detach(), ent.detach()
 
+    @staged
     def reverse_kl_loss(self, samples: list, teacher: list[torch.Tensor], temperature: float,
                         token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The full-vocabulary KL(policy || teacher) at the generated positions, vocab-parallel."""
@@ -252,10 +273,17 @@ class MegatronTrainEngine:
 
     # --- training ----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self.pipe.backward(loss)
 
     def _sync_grads(self) -> None:
         from megatron.core import parallel_state as ps
+        if self.tied and self.pipe.size > 1 and ps.is_rank_in_embedding_group():
+            # the first stage's embeddings and the last stage's copy of them as its output layer: one weight, whose
+            # gradient is the sum of both uses
+            w = self.gpt.shared_embedding_or_output_weight()
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            dist.all_reduce(w.grad, group=ps.get_embedding_group())
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.parallel.sequence_parallel:  # norms saw their rank's slice of the sequence: sum the slices
             for p in params:
@@ -274,18 +302,21 @@ class MegatronTrainEngine:
     def _grad_norm(self) -> torch.Tensor:
         from megatron.core import parallel_state as ps
         sharded = torch.zeros((), device=self.device)
-        shared = torch.zeros((), device=self.device)
+        replicated = torch.zeros((), device=self.device)
         for p in self.model.parameters():
-            if p.grad is None:
+            if p.grad is None or getattr(p, "shared", False):  # the last stage's copy of tied embeddings: once
                 continue
             sq = p.grad.float().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
-                shared += sq
+                replicated += sq
         if self.parallel.tp > 1:
             dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-        return (sharded + shared).sqrt()
+        total = sharded + replicated
+        if self.pipe.size > 1:  # each stage holds its own layers
+            dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+        return total.sqrt()
 
     def step(self, max_grad_norm: float = 1.0) -> float:
         self._sync_grads()
@@ -298,6 +329,7 @@ class MegatronTrainEngine:
         if self.sched:
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        self.pipe.forget()
         return norm.item()
 
     def with_schedule(self, schedule: Callable[[int], float], lr: float) -> "MegatronTrainEngine":
@@ -308,6 +340,7 @@ class MegatronTrainEngine:
         return self
 
     def zero_grad(self) -> None:
+        self.pipe.forget()
         if self.opt is not None:
             self.opt.zero_grad(set_to_none=True)
 

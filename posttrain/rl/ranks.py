@@ -1,4 +1,4 @@
-"""The RL loop's trained models over several megatron ranks (tp x cp > 1): one Ray actor per rank, each holding its
+"""The RL loop's trained models over several megatron ranks (tp x pp x cp > 1): one Ray actor per rank, each holding its
 shards of the policy (and critic and reference), every rank running each update on the same batch (SPMD), rank 0
 answering. The loop itself (rollouts, rewards, buffers, checkpoints) stays in the stage's process and drives the
 ranks through the same four calls it makes on one rank's `Engines`: update, weights, save, load.
