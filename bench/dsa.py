@@ -10,7 +10,11 @@ alone, the other three sharing one indexer); long_context accuracy at the top le
 stages before the adoption are shared (the DSA ramps resume from its scratch checkpoints), so each variant differs
 only where DSA is on.
 
-    python -m bench.dsa [attention|evidence] [--seeds 0 1]     (make bench B=dsa: both)
+`evidence_glm5`: the same on GLM-5's architecture (the tiny-glm5 profile's world, base and model; one ramp rung of
+256 tokens, as bench/moe): dense against DSA adopted through the model's own indexers (`models.glm5.install_dsa`:
+the dense warm-up trains them, then sparse training at top-k 64 with their KL).
+
+    python -m bench.dsa [attention|evidence|evidence_glm5] [--seeds 0 1]     (make bench B=dsa: all three)
 
 BENCH_SMALL=1 (bench/__init__.py): `attention` at 256 and 512 tokens with top_k 64, one timed repeat, each point in
 this process; `evidence` on the smoke profile (ramp stages of 96 and 128 tokens; DSA's top_k 100, adopted at 128,
@@ -42,6 +46,8 @@ VARIANTS = {"dense": [], "dsa": _DSA,
             "dsa_indexshare": [*_DSA, "ramp.dsa.index_share=4",
                                "ramp.dsa.own_indexer=[0]"]}
 REPEATS = size(3, 1)
+GLM5_SETS = ["ramp.stages=[{seq_len: 256, tokens: 409600, lr: 2.0e-3, rope_theta: 20000.0, long_share: 0.5}]"]
+GLM5_VARIANTS = {"dense": ["ramp.attention=sdpa"], "dsa": ["ramp.attention=dsa", "ramp.dsa.top_k=64"]}
 
 
 def _one(kind: str, seq_len: int) -> dict:
@@ -351,15 +357,68 @@ def evidence(seeds: list[int]) -> dict:
     return fig
 
 
+def evidence_glm5(seeds: list[int]) -> dict:
+    """Dense against DSA through GLM-5's own indexers, per seed from the same curated data and base model."""
+    from posttrain import base, ramp
+    from posttrain.config import load_config
+    from posttrain.curate.stage import make_raw
+    from posttrain.curate.stage import run as curate
+    work = WORK / "glm5"
+    cfg = load_config("tiny-glm5", GLM5_SETS)
+    raw, cur = work / "raw", work / "curate"
+    if not (cur / "done").exists():
+        shutil.rmtree(work, ignore_errors=True)
+        make_raw(cfg, {}, raw)
+        curate(cfg, {"raw": str(raw)}, cur)
+        (cur / "done").touch()
+    top = cfg.ramp.stages[-1].seq_len
+    runs: dict[str, dict[int, dict]] = {v: {} for v in GLM5_VARIANTS}
+    for seed in seeds:
+        b = work / f"base-{seed}"
+        if not (b / "done").exists():
+            base.run(load_config("tiny-glm5", [f"seed={seed}"]), {"curate": str(cur)}, b)
+            (b / "done").touch()
+        for name, sets in GLM5_VARIANTS.items():
+            out = work / f"ramp-{seed}-{name}"
+            if (out / "result.json").exists():
+                runs[name][seed] = json.loads((out / "result.json").read_text())
+                continue
+            shutil.rmtree(out, ignore_errors=True)
+            t = time.time()
+            res = ramp.run(load_config("tiny-glm5", [f"seed={seed}", *GLM5_SETS, *sets]),
+                           {"base": str(b), "curate": str(cur)}, out)
+            m = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
+            m["seconds"] = round(time.time() - t, 1)
+            (out / "result.json").write_text(json.dumps(m, indent=1))
+            runs[name][seed] = m
+            print(f"glm5 seed {seed} {name}: long_context@{top} {m[f'ramp@{top}.long_context@{top}']} "
+                  f"({m['seconds']} s)", flush=True)
+    fig = {"profile": "tiny-glm5", "sets": GLM5_SETS, "variants": GLM5_VARIANTS, "seq_len": top, "seeds": seeds}
+    for name in GLM5_VARIANTS:
+        for key in (f"long_context@{top}", "short_val_loss", "loss_last"):
+            xs = [runs[name][s][f"ramp@{top}.{key}"] for s in seeds]
+            fig[f"{key}_{name}"] = round(mean(xs), 4)
+            fig[f"{key}_{name}_std"] = round(stdev(xs), 4) if len(xs) > 1 else None
+            fig[f"{key}_{name}_per_seed"] = xs
+        fig[f"seconds_{name}"] = [runs[name][s]["seconds"] for s in seeds]
+    for key in ("dsa_warmup.indexer_kl_first", "dsa_warmup.indexer_kl_last",
+                "indexer_kl_first", "indexer_kl_last", "topk_recall_first", "topk_recall_last"):
+        fig[f"dsa.{key}"] = [round(runs["dsa"][s][f"ramp@{top}.{key}"], 4) for s in seeds]
+    return fig
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.dsa")
-    ap.add_argument("part", nargs="?", choices=["attention", "attention_gpu", "evidence", "all"], default="all")
+    ap.add_argument("part", nargs="?", choices=["attention", "attention_gpu", "evidence", "evidence_glm5", "all"],
+                    default="all")
     ap.add_argument("--seeds", type=int, nargs="+", default=size([0, 1], [0]))
     args = ap.parse_args(argv if argv is not None else [])
     path = OUT / "dsa.json"
     fig = json.loads(path.read_text()) if path.exists() else {}
     if args.part in ("evidence", "all"):
         fig.update(evidence(args.seeds))
+    if args.part == "evidence_glm5" or (args.part == "all" and not small()):  # no smoke-sized GLM-5 ramp to learn
+        fig["glm5"] = evidence_glm5(args.seeds)
     if args.part in ("attention", "all"):
         fig["attention"] = attention()
         fig["attn_time_ratio_at_top_len"] = fig["attention"]["attn_time_ratio_at_top_len"]

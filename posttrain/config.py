@@ -617,15 +617,20 @@ class PipelineConfig(_Strict):
             elif m.arch == "glm5" and m.moe_intermediate_size % g:  # an expert's down projection's inputs
                 errors.append(f"quantize.group_size: must divide model.moe_intermediate_size "
                               f"(got {g} for {m.moe_intermediate_size})")
-            if m.arch == "glm5" and self.ramp.attention not in ("sdpa", "eager"):
-                errors.append(f"ramp.attention: must be sdpa or eager with model.arch glm5 (got "
+            if m.arch == "glm5" and self.ramp.attention not in ("sdpa", "eager", "dsa"):
+                errors.append(f"ramp.attention: must be sdpa, eager or dsa with model.arch glm5 (got "
                               f"{self.ramp.attention!r}): GLM-5 brings its own DSA indexer, which reads the full "
                               f"mask only those build")
+            mine = {"index_share", "heads", "own_indexer"} & self.ramp.dsa.model_fields_set
+            if m.arch == "glm5" and self.ramp.attention == "dsa" and mine:
+                errors.append(f"ramp.dsa.{sorted(mine)[0]}: GLM-5's own indexers are laid out by model.indexer_types "
+                              f"(full / shared per layer), not by ramp.dsa's {', '.join(sorted(mine))}; drop them")
             if m.arch != "glm5" and (self.rl.routing_replay or any(d.get("routing_replay")
                                                                   for d in self.rl.per_domain.values())):
                 errors.append(f"rl.routing_replay: needs a mixture-of-experts policy (model.arch glm5, or a "
                               f"base.init_from checkpoint with routers); model.arch {m.arch} is dense")
-            if self.ramp.attention == "dsa" and any(i >= m.num_layers for i in self.ramp.dsa.own_indexer):
+            if self.ramp.attention == "dsa" and m.arch != "glm5" and \
+                    any(i >= m.num_layers for i in self.ramp.dsa.own_indexer):
                 errors.append(f"ramp.dsa.own_indexer: layers must be < model.num_layers {m.num_layers} "
                               f"(got {self.ramp.dsa.own_indexer})")
         if self.runtime.train_engine == "megatron":

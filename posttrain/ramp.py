@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from environments import long_context
 from environments.base import Task
-from posttrain.models import attention, dsa, mtp
+from posttrain.models import attention, dsa, glm5, mtp
 from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig, RampStage
@@ -172,11 +172,17 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
     """One rung of the ladder: RoPE + attention set, packed mixture trained, then measured."""
     r = cfg.ramp
     model = with_rope(model, st)
-    adopt = r.attention == "dsa" and dsa.state(model) is None and st.seq_len >= r.dsa_start()
-    if adopt:
+    own = glm5.is_glm5(model)  # GLM-5 brings its indexers: DSA's adoption trains those
+    # a GLM-5 checkpoint whose indexers already select (an earlier rung before a crash, a real GLM-5) trains on
+    # sparse from the first rung, without the dense warm-up
+    adopted = r.attention == "dsa" and dsa.state(model) is None and glm5.dsa_adopted(model)
+    adopt = r.attention == "dsa" and dsa.state(model) is None and (adopted or st.seq_len >= r.dsa_start())
+    if adopt and own:
+        glm5.install_dsa(model, r.dsa.top_k, r.dsa.kl_queries)
+    elif adopt:
         dsa.install(model, r.dsa.top_k, r.dsa.index_share, r.dsa.heads, r.dsa.kl_queries, r.dsa.own_indexer)
-    elif dsa.state(model) is None:  # dense stages before DSA's adoption run packed sdpa
-        model = attention.use(model, "packed_sdpa" if r.attention == "dsa" else r.attention)
+    elif dsa.state(model) is None:  # dense stages before DSA's adoption run packed sdpa (GLM-5's indexer: sdpa)
+        model = attention.use(model, ("sdpa" if own else "packed_sdpa") if r.attention == "dsa" else r.attention)
     if cfg.mtp.depth and mtp.get(model) is None:
         mtp.install(model, cfg.mtp.depth)
     megatron = cfg.runtime.train_engine == "megatron"
@@ -191,7 +197,7 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
     with peak_memory() as peak:
         if dsa.state(model):
             dsa.state(model).collect = True
-        if adopt and r.dsa.warmup_steps:
+        if adopt and r.dsa.warmup_steps and not adopted:
             warm = _indexer_warmup(cfg, model, lambda i: next_batch(10_000_000 + i), name)
             extra = {f"dsa_warmup.{key}": v for c in warm for key, v in summarize(warm, c).items()}
         loss_fn = _with_indexer_loss(r.dsa.kl_weight, curves) if dsa.state(model) else masked_lm_loss
@@ -224,7 +230,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     r = cfg.ramp
     model, tok = load_checkpoint(inputs["base"])
     n_layers, native = model.config.num_hidden_layers, model.config.max_position_embeddings
-    if r.attention == "dsa" and any(i >= n_layers for i in r.dsa.own_indexer):  # a checkpoint's depth: known only now
+    if r.attention == "dsa" and not glm5.is_glm5(model) and any(i >= n_layers for i in r.dsa.own_indexer):  # known now
         raise ValueError(f"ramp.dsa.own_indexer: layers must be < the {n_layers} layers of {inputs['base']} "
                          f"(got {r.dsa.own_indexer})")
     eos, bos = doc_end_id(tok), bos_ids(tok)

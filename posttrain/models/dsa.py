@@ -64,6 +64,7 @@ class DSAState:
         self.collect = False       # compute the indexer loss and recall where gradients are on (the ramp sets it)
         self.selection: dict[int, torch.Tensor | None] = {}
         self.index_inputs: dict[int, tuple | None] = {}  # the group indexer's (qi, w, ki) while it trains
+        self.scores: dict[int, torch.Tensor] = {}  # GLM-5's own indexers (models.glm5): their scores while they train
         self.losses: list[torch.Tensor] = []
         self.recalls: list[torch.Tensor] = []
 
@@ -71,6 +72,7 @@ class DSAState:
         """(sum of the indexer losses with their graph, their mean, mean top-k recall) since the last pop."""
         losses, recalls = self.losses, self.recalls
         self.losses, self.recalls = [], []
+        self.scores.clear()
         if not losses:
             return None, None, None
         total = torch.stack(losses).sum()
@@ -85,7 +87,7 @@ def _stash(module, args, kwargs):
                       kwargs["position_embeddings"])
 
 
-def _allowed(mask: torch.Tensor | None, b: int, lq: int, lk: int, device) -> torch.Tensor:
+def allowed_keys(mask: torch.Tensor | None, b: int, lq: int, lk: int, device) -> torch.Tensor:
     """[B, Lq, Lk] bool from the mask transformers built for sdpa (None: plain causal)."""
     if mask is None:
         return causal(lq, lk, device).expand(b, -1, -1)
@@ -93,8 +95,9 @@ def _allowed(mask: torch.Tensor | None, b: int, lq: int, lk: int, device) -> tor
     return mask if mask.dtype == torch.bool else mask == 0
 
 
-def _indexer_loss(st: DSAState, query, key, scaling, qi, w, ki, allowed, idx) -> None:
-    """KL(attention || indexer) and the top-k recall of the dense attention mass, on a strided subset of queries."""
+def indexer_loss(st: DSAState, query, key, scaling, scores_at, allowed, idx) -> None:
+    """KL(attention || indexer) and the top-k recall of the dense attention mass, on a strided subset of queries;
+    `scores_at(rows)`: the indexer's scores [B, n, Lk] of those queries."""
     lq = query.shape[2]
     rows = torch.linspace(0, lq - 1, min(lq, st.kl_queries), device=query.device).long()
     ok = allowed[:, rows]                                                   # [B, n, Lk]
@@ -108,11 +111,15 @@ def _indexer_loss(st: DSAState, query, key, scaling, qi, w, ki, allowed, idx) ->
         on = (target > 0) & ok
         live = ok.any(-1)
         recall = (dense * chosen).sum(-1)[live].mean()
-    scores = indexer_scores(qi[:, rows], w[:, rows], ki)
+    scores = scores_at(rows)
     logq = torch.log_softmax(scores.masked_fill(~(ok if st.mode == "warmup" else chosen), float("-inf")), -1)
     kl = torch.where(on, target * (target.clamp(min=1e-30).log() - logq), 0.0).sum(-1)
     st.losses.append(kl[live].mean())
     st.recalls.append(recall)
+
+
+def _scores_of(qi, w, ki):
+    return lambda rows: indexer_scores(qi[:, rows], w[:, rows], ki)
 
 
 def dsa_attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
@@ -127,7 +134,7 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
     b, _, lq, _ = query.shape
     lk = key.shape[2]
     group = module.dsa_group
-    allowed = _allowed(attention_mask, b, lq, lk, query.device)
+    allowed = allowed_keys(attention_mask, b, lq, lk, query.device)
     if hasattr(module, "indexer"):
         ki = key.detach().float().mean(1)
         qi, w = module.indexer(hidden.detach(), cos, sin)
@@ -136,11 +143,11 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
         training = st.collect and torch.is_grad_enabled()
         st.index_inputs[group] = (qi, w, ki) if training else None
         if training:
-            _indexer_loss(st, query, key, scaling, qi, w, ki, allowed, idx)
+            indexer_loss(st, query, key, scaling, _scores_of(qi, w, ki), allowed, idx)
     elif st.collect and torch.is_grad_enabled() and st.index_inputs.get(group) is not None:
         # IndexShare: the layers that reuse the selection train the shared indexer too (KL to their own attention),
         # so it selects what the whole group attends to, not its first layer alone
-        _indexer_loss(st, query, key, scaling, *st.index_inputs[group], allowed, st.selection[group])
+        indexer_loss(st, query, key, scaling, _scores_of(*st.index_inputs[group]), allowed, st.selection[group])
     idx = st.selection[group]
     if st.mode == "warmup" or idx is None:  # every allowed key is selected: plain dense attention
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -6,15 +6,27 @@ the length of the row: the indexer's scores are sums of ReLUs, so exact ties (of
 30-token forward then attends to other keys than the first 30 positions of a 40-token one (0.03-0.05 in logits on
 the toy preset), as do cached decoding and packing. For RL that is a mismatch between the rollout and the trainer
 that no importance weight explains. `patch_indexer` selects with a stable sort instead: ties go to the earliest key,
-whatever the length, padding or cache."""
+whatever the length, padding or cache.
+
+DSA's adoption in the ramp (`install_dsa`) drives these same indexers: GLM-5's recipe, a dense warm-up where only
+the indexers learn the dense attention distribution (KL), then sparse training at top-k with that KL on the selected
+keys, is `posttrain.models.dsa`'s, with the model's own indexers in place of the ones that module adds to a dense
+decoder. The checkpoint it leaves is a plain GlmMoeDsaForCausalLM whose `index_topk` is the ramp's top-k."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+DENSE_TOPK = 1 << 30  # an index_topk no row reaches: every key selected, DSA not adopted yet
+
 
 def is_glm5(model) -> bool:
     return getattr(getattr(model, "config", None), "model_type", "") in ("glm_moe_dsa", "deepseek_v32")
+
+
+def dsa_adopted(model) -> bool:
+    """A GLM-5 model whose indexers already select (a ramp adopted DSA, or a real GLM-5 checkpoint)."""
+    return is_glm5(model) and getattr(model.config, "index_topk", DENSE_TOPK) < DENSE_TOPK
 
 
 def config_errors(config) -> list[str]:
@@ -37,9 +49,12 @@ def config_errors(config) -> list[str]:
 
 
 def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
-                     past_key_values=None):
-    # transformers 5.23's GlmMoeDsaIndexer.forward (Apache-2.0) with the selection made stable
+                     past_key_values=None, train: bool = False):
+    # transformers 5.23's GlmMoeDsaIndexer.forward (Apache-2.0) with the selection made stable; `train`: the scores
+    # keep their graph (from detached inputs: the indexer learns only from its own loss) for `install_dsa`'s KL
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+    if train:
+        hidden_states, q_resid = hidden_states.detach(), q_resid.detach()
     b, s, _ = hidden_states.shape
     cos, sin = position_embeddings
     q = self.wq_b(q_resid).view(b, s, self.n_heads, self.head_dim)
@@ -58,8 +73,12 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
         index_scores = index_scores.masked_fill(~attention_mask, float("-inf"))
     else:
         index_scores = index_scores + attention_mask
-    topk = min(self.index_topk, index_scores.shape[-1])
-    return index_scores.sort(dim=-1, descending=True, stable=True).indices[..., :topk].to(torch.int32)
+    st = getattr(self, "dsa_state", None)
+    if train:
+        st.scores[self.layer_idx] = index_scores
+    # the dense warm-up selects every key: attention stays dense while the indexer learns it
+    topk = index_scores.shape[-1] if st is not None and st.mode == "warmup" else min(self.index_topk, index_scores.shape[-1])
+    return index_scores.detach().sort(dim=-1, descending=True, stable=True).indices[..., :topk].to(torch.int32)
 
 
 def patch_indexer() -> None:
@@ -69,4 +88,57 @@ def patch_indexer() -> None:
         m.GlmMoeDsaIndexer.forward = _stable
 
 
-_stable = torch.no_grad()(_indexer_forward)
+def _stable(self, *args, **kwargs):
+    st = getattr(self, "dsa_state", None)
+    train = st is not None and st.collect and torch.is_grad_enabled()
+    with torch.set_grad_enabled(train):
+        return _indexer_forward(self, *args, train=train, **kwargs)
+
+
+def dsa_attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                  indices=None, **kwargs):
+    """GLM-5's sparse attention (transformers' sdpa path: the causal mask narrowed to the indexer's top-k keys), plus
+    the indexer loss while the ramp trains it: transformers hands an attention implementation other than eager and
+    sdpa the causal mask and the selected `indices` apart, both of which the KL needs."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kernels.dsa import selected_mask
+    from posttrain.models.dsa import allowed_keys, indexer_loss
+    st = module.dsa_state
+    b, _, lq, _ = query.shape
+    lk = key.shape[2]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    allowed = allowed_keys(attention_mask, b, lq, lk, query.device)
+    scores = st.scores.get(module.dsa_group)
+    if st.collect and torch.is_grad_enabled() and scores is not None:  # shared layers train their group's indexer too
+        indexer_loss(st, query, key, scaling, lambda rows: scores[:, rows], allowed, indices)
+    chosen = allowed & selected_mask(indices, lk)
+    chosen |= ~chosen.any(-1, keepdim=True)  # rows that select nothing (padding) attend anywhere, as sdpa's fix
+    return sdpa_attention_forward(module, query, key, value, chosen[:, None], dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def install_dsa(model, top_k: int, kl_queries: int = 64):
+    """DSA's adoption on a GLM-5 model's own indexers (`indexer_types` decides which layers have one; a shared layer
+    reuses the full layer's before it): each keeps `top_k` keys from now on, and the model attends through
+    `dsa_attention`, which collects the indexers' KL on the model's `DSAState` (`posttrain.models.dsa.state`) while
+    its `collect` is set."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from posttrain.models.dsa import DSAState
+    if top_k < 1:
+        raise ValueError(f"dsa: top_k must be >= 1 (got {top_k})")
+    patch_indexer()
+    AttentionInterface.register("glm5_dsa", dsa_attention)
+    AttentionMaskInterface.register("glm5_dsa", sdpa_mask)
+    state, group = DSAState(top_k, kl_queries), 0
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if attn.indexer is not None:
+            group = i
+            attn.indexer.index_topk, attn.indexer.dsa_state = top_k, state
+        attn.dsa_state, attn.dsa_group = state, group
+    model.config.index_topk = top_k  # saved: the checkpoint attends sparsely wherever it is loaded
+    model.set_attn_implementation("glm5_dsa")
+    return model

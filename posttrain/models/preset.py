@@ -24,7 +24,7 @@ def seed_all(seed: int) -> None:
 
 
 # DSA's indexer keeps min(index_topk, T) keys: a built glm5 model attends densely until the ramp adopts DSA
-DENSE_TOPK = 1 << 30
+DENSE_TOPK = glm5.DENSE_TOPK
 
 
 def build_model(cfg: ModelConfig, tok) -> torch.nn.Module:

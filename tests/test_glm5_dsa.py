@@ -1,0 +1,94 @@
+"""DSA's adoption on GLM-5's own indexers (posttrain.models.glm5.install_dsa): the sparse attention is transformers'
+own at the same top-k and reloads so, the dense warm-up trains only those indexers towards the dense attention, and
+a ramp rung adopts it."""
+import pytest
+import torch
+
+from posttrain import ramp
+from posttrain.config import ConfigError, ModelConfig, load_config
+from posttrain.models import dsa, glm5
+from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
+from posttrain.packing import collate, pack
+from tests.test_glm5_model import GLM5
+
+IDS = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def model(tok):
+    torch.manual_seed(0)
+    m = build_model(ModelConfig(**GLM5), tok)
+    with torch.no_grad():  # peaked attention, as a trained model's: the indexers have something to learn
+        for layer in m.model.layers:
+            layer.self_attn.q_b_proj.weight.mul_(30)
+            layer.self_attn.kv_b_proj.weight.mul_(30)
+    return m.eval()
+
+
+def _logits(m):
+    with torch.no_grad():
+        return m(IDS, use_cache=False).logits
+
+
+def test_the_adopted_attention_is_transformers_own_at_the_same_top_k_and_reloads_so(model, tok, tmp_path):
+    dense = _logits(model)
+    for layer in model.model.layers:  # transformers' DSA (sdpa path) at top-8 of up to 40 keys
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.index_topk = 8
+    theirs = _logits(model)
+    assert not torch.allclose(theirs, dense, atol=1e-2)
+    glm5.install_dsa(model, top_k=8)
+    assert model.config._attn_implementation == "glm5_dsa" and dsa.state(model).top_k == 8
+    torch.testing.assert_close(_logits(model), theirs, atol=1e-5, rtol=1e-5)
+    save_checkpoint(model, tok, tmp_path / "ckpt")
+    again, _ = load_checkpoint(tmp_path / "ckpt")
+    assert again.config.index_topk == 8 and glm5.dsa_adopted(again)
+    torch.testing.assert_close(_logits(again.eval()), theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_the_warmup_trains_only_glm5s_own_indexers_towards_the_dense_attention(model):
+    cfg = load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 8, warmup_steps: 30, warmup_lr: 0.05}"])
+    glm5.install_dsa(model, top_k=8)
+    rows = pack([(IDS[i % 2, :30 + i].tolist(), [1] * (30 + i)) for i in range(8)], 64)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." not in n}
+    indexers = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." in n}
+    held_out = collate(rows[:2], 0)
+
+    def measure() -> tuple[float, float]:  # the indexers' KL and top-k recall on one fixed batch
+        st = dsa.state(model)
+        st.collect = True
+        model.model(held_out["input_ids"], position_ids=held_out["position_ids"], use_cache=False)
+        st.collect = False
+        _, kl, recall = st.pop()
+        return kl, recall
+
+    kl0, recall0 = measure()
+    curves = ramp._indexer_warmup(cfg, model.train(), lambda i: collate(rows[i % len(rows):][:2], 0), "test")
+    kl1, recall1 = measure()
+    assert len(curves["indexer_kl"]) == 30 and kl0 > 0.1
+    assert kl1 < 0.95 * kl0 and recall1 > recall0, (kl0, kl1, recall0, recall1)
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    assert all(not torch.equal(p, indexers[n]) for n, p in model.named_parameters() if n in indexers)
+    assert dsa.state(model).mode == "sparse"
+
+
+def test_a_ramp_rung_adopts_dsa_on_glm5s_indexers(model, tok):
+    sets = [f"model.{k}={v}" for k, v in GLM5.items() if not isinstance(v, list)] + [
+        "model.indexer_types=[full, full, shared, full]", "quantize.group_size=16", "ramp.attention=dsa", "ramp.batch_size=2",
+        "ramp.dsa={top_k: 8, warmup_steps: 3, kl_queries: 16}",
+        "ramp.stages=[{seq_len: 64, tokens: 512, lr: 1.0e-3, warmup: 1, rope_theta: 20000.0, long_share: 0.5}]"]
+    cfg = load_config("smoke", sets)
+    docs = [IDS[i % 2, :20 + i].tolist() for i in range(12)]
+    short_val = collate(pack([(d, [1] * len(d)) for d in docs[:4]], 64), 0)
+    model, child = ramp.train_stage(cfg, 0, cfg.ramp.stages[0], model, tok, docs, {}, short_val)
+    assert glm5.dsa_adopted(model) and model.config.index_topk == 8
+    m = child["metrics"]
+    assert m["steps"] == 4 and "dsa_warmup.indexer_kl_last" in m and "indexer_kl_last" in m
+    assert 0 < m["topk_recall_last"] <= 1
+
+
+def test_dsa_settings_glm5_lays_out_itself_are_refused():
+    load_config("tiny-glm5", ["ramp.attention=dsa", "ramp.dsa.top_k=64"])
+    with pytest.raises(ConfigError, match=r"ramp.dsa.own_indexer: GLM-5's own indexers are laid out by "
+                                          r"model.indexer_types"):
+        load_config("tiny-glm5", ["ramp.attention=dsa", "ramp.dsa={top_k: 64, own_indexer: [0, 1]}"])
