@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.engines import context_parallel, vocab_parallel
-from posttrain.engines.pipeline_stages import Pipeline, StageDone, staged
 from posttrain.engines.megatron_setup import (Parallel, bridge, check_layout, init_parallel, local_spec, quiet,
                                               recompute_layers)
+from posttrain.engines.pipeline_stages import Pipeline, StageDone, staged
 
 # Rows longer than this attend per document (`context_parallel.document_attention`, Megatron's local layers) instead of
 # through one [T, T] mask: at 2k tokens a mask is 4 MB a row, at 128k 16 GB, and on CUDA a mask keeps SDPA off its

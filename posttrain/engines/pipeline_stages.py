@@ -13,6 +13,7 @@ callers' SPMD loops (the same code on every rank) stay in step. `backward` then 
 each stage receives the gradient of what it sent and sends the gradient of what it received."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -107,9 +108,12 @@ def staged(method):
             out = method(self, *args, **kwargs)
         except StageDone:
             out = None
-        except Exception as e:
+        except Exception as e:  # every stage takes part in the answer's broadcast, so that none is left waiting
             if pipe.last:
                 pipe.fail(e, self.device)
+            else:  # failed before its hidden states went on (an input every stage refuses): the last stage's word
+                with contextlib.suppress(RuntimeError):
+                    pipe.share(None, self.device)
             raise
         finally:
             pipe.depth -= 1
