@@ -77,7 +77,8 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
     if train:
         st.scores[self.layer_idx] = index_scores
     # the dense warm-up selects every key: attention stays dense while the indexer learns it
-    topk = index_scores.shape[-1] if st is not None and st.mode == "warmup" else min(self.index_topk, index_scores.shape[-1])
+    every = st is not None and st.mode == "warmup"
+    topk = index_scores.shape[-1] if every else min(self.index_topk, index_scores.shape[-1])
     return index_scores.detach().sort(dim=-1, descending=True, stable=True).indices[..., :topk].to(torch.int32)
 
 
