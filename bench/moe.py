@@ -10,8 +10,9 @@ Then, from that run's sft checkpoint, the same GRPO specialist twice, without an
 (`rl.routing_replay`), asynchronous (`rl.max_staleness` 1: each batch was sampled by the weights before the last
 update, the mismatch replay exists for): per step, the mean |log pi_train - log pi_rollout| over generated tokens
 at the start of the step, the clip and importance-sampling mask fractions, the reward, and under replay the share of
-replayed routes the trainer's router would have chosen otherwise. Both arms again with the rollouts in bf16 against
-the fp32 trainer (`rl.rollout_dtype`): the other mismatch GLM-5's replay is for.
+replayed routes the trainer's router would have chosen otherwise. Both arms again with the rollouts in bf16, and in
+W4A8 (the quantize stage's scheme rounded to nearest at every update), against the fp32 trainer
+(`rl.rollout_dtype`): the other mismatch GLM-5's replay is for.
 
     python -m bench.moe [--seeds 0 1 2]     (make bench B=moe)
 
@@ -42,6 +43,8 @@ SETS = size(["ramp.stages=[{seq_len: 256, tokens: 409600, lr: 2.0e-3, rope_theta
              "rl.domains=[reasoning]"])
 SEEDS = size([0, 1, 2], [0])
 RL_STEPS = size(20, 2)
+# the rollouts' other precisions against the fp32 trainer (rl.rollout_dtype): bf16, and W4A8 as GLM-5 deploys
+LOW_PRECISION = (("_bf16", "bfloat16"), ("_w4a8", "w4a8"))
 
 
 def pipeline(seed: int) -> tuple[Path, dict]:
@@ -122,7 +125,7 @@ def measure(seeds: list[int]) -> dict:
                           "w4a8_drop": drop, "w4a8_drop_max": max(drop.values()),
                           "w4a8_bytes_ratio": report["quantization"]["bytes_ratio_vs_bf16"],
                           **{f"{arm}{suffix}": rl_arm(home, report, seed, arm == "replay", dtype)
-                             for suffix, dtype in (("", "float32"), ("_bf16", "bfloat16"))
+                             for suffix, dtype in (("", "float32"), *LOW_PRECISION)
                              for arm in ("no_replay", "replay")}}
         print(f"bench/moe seed {seed}: {json.dumps({k: v for k, v in per_seed[seed].items() if 'replay' not in k})}",
               flush=True)
@@ -146,9 +149,9 @@ def measure(seeds: list[int]) -> dict:
                      "reward_replay": lambda x: x["replay"]["reward"],
                      "reward_no_replay": lambda x: x["no_replay"]["reward"],
                      "routes_differ_replay": lambda x: x["replay"]["routes_differ"],
-                     **{f"{k}_{arm}_bf16": (lambda x, k=k, arm=arm: x[f"{arm}_bf16"][k])
+                     **{f"{k}_{arm}{suffix}": (lambda x, k=k, arm=arm, suffix=suffix: x[f"{arm}{suffix}"][k])
                         for k in ("logratio_abs", "clip_frac", "masked_fraction", "reward")
-                        for arm in ("replay", "no_replay")}}.items():
+                        for arm in ("replay", "no_replay") for suffix, _ in LOW_PRECISION}}.items():
         fig[key], fig[f"{key}_std"] = agg(get)
     fig["per_seed"] = per_seed
     return fig

@@ -397,8 +397,9 @@ class RLConfig(_Strict):
     # Needs runtime.rollout_engine sglang and max_staleness >= 1 (at 0 nothing generates across an update)
     partial_rollouts: bool = False
     # what the rollout workers generate in: the trainer stays fp32 and the importance-sampling ratio (and its mask)
-    # absorbs the difference, as GLM-5 rolls out in lower precision than it trains
-    rollout_dtype: Literal["float32", "bfloat16"] = "float32"
+    # absorbs the difference, as GLM-5 rolls out in lower precision than it trains; w4a8: the quantize stage's integer
+    # scheme, rounded to nearest at every weight update (posttrain.quant.rollout; the torch rollout engine)
+    rollout_dtype: Literal["float32", "bfloat16", "w4a8"] = "float32"
     rollout_workers: AtLeast1 = 1
     worker_cpus: NonNegative = 0.25      # Ray CPUs each rollout worker reserves
     # torch threads of each rollout worker: a synchronous loop (max_staleness 0) alone on a machine can give the
@@ -644,6 +645,11 @@ class PipelineConfig(_Strict):
         if self.runtime.weight_sync == "broadcast" and self.runtime.rollout_engine != "sglang":
             errors.append(f"runtime.weight_sync: broadcast needs runtime.rollout_engine sglang (the torch engine's "
                           f"weights load in its worker's process; got {self.runtime.rollout_engine!r})")
+        w4a8 = [f"rl.per_domain.{d}" if d else "rl" for d in ["", *self.rl.per_domain]
+                if self.rl.for_domain(d).rollout_dtype == "w4a8"]
+        if w4a8 and self.runtime.rollout_engine != "torch":
+            errors.append(f"{w4a8[0]}.rollout_dtype: w4a8 runs on the torch rollout engine's integer kernels (got "
+                          f"runtime.rollout_engine {self.runtime.rollout_engine!r})")
         if partial and self.runtime.rollout_engine != "sglang":
             errors.append(f"rl.partial_rollouts: needs runtime.rollout_engine sglang (the torch engine cannot take "
                           f"weights mid-generation; got {self.runtime.rollout_engine!r})")

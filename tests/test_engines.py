@@ -6,7 +6,7 @@ import torch
 
 import environments
 from posttrain.chat import chat_format, render_ids
-from posttrain.config import ModelConfig
+from posttrain.config import ConfigError, ModelConfig, load_config
 from posttrain.engines import check, rollout_engine, train_engine
 from posttrain.models.preset import build_model, save_checkpoint
 from posttrain.rl.workers import RolloutWorker
@@ -67,6 +67,24 @@ def test_a_bf16_rollout_engine_samples_near_the_fp32_ones_distribution_and_takes
     bf16.update_weights(train_engine("torch", ckpts[1]).weights(), version=1)
     want = torch.tensor([g.logprobs for g in rollout_engine("torch", ckpts[1]).generate(prompts, **kw)])
     assert (torch.tensor([g.logprobs for g in bf16.generate(prompts, **kw)]) - want).abs().max() < 0.1
+
+
+def test_a_w4a8_rollout_engine_generates_from_integer_layers_and_quantizes_each_pushed_policy(ckpts, tok):
+    """rl.rollout_dtype w4a8: the engine generates from the quantize stage's integer scheme (rounded to nearest), near
+    fp32's log-probabilities but not equal, and fp32 weights pushed by the trainer are quantized again: after the
+    push it generates exactly as a W4A8 engine started from those weights."""
+    from posttrain.quant.int_linear import IntLinear
+    prompts, kw = _prompts(tok), dict(max_new_tokens=8, temperature=0.0, stop_ids=set())
+    fp32, w4a8 = rollout_engine("torch", ckpts[0]), rollout_engine("torch", ckpts[0], "w4a8")
+    assert sum(isinstance(m, IntLinear) for m in w4a8.model.modules()) == 7 * w4a8.model.config.num_hidden_layers
+    a, b = (torch.tensor([g.logprobs for g in e.generate(prompts, **kw)]) for e in (fp32, w4a8))
+    assert 0 < (a - b).abs().max() < 0.1
+    w4a8.update_weights(train_engine("torch", ckpts[1]).weights(), version=1)
+    fresh = rollout_engine("torch", ckpts[1], "w4a8")
+    got, want = ([g.logprobs for g in e.generate(prompts, **kw)] for e in (w4a8, fresh))
+    assert got == want and w4a8.version == 1
+    with pytest.raises(ConfigError, match="rl.rollout_dtype: w4a8 runs on the torch rollout engine"):
+        load_config("smoke", ["rl.rollout_dtype=w4a8", "runtime.rollout_engine=sglang"])
 
 
 def test_a_paused_engine_generates_nothing_until_resumed(ckpts, tok):

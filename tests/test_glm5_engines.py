@@ -88,6 +88,13 @@ def test_a_saved_glm5_checkpoint_generates_through_the_rollout_engine(tok, tmp_p
         assert (g.stop_reason == "stop" and g.ids[-1] == tok.eos_token_id) or (g.stop_reason == "length"
                                                                                and len(g.ids) == 6)
         assert len(g.logprobs) == len(g.ids) and all(lp <= 0 for lp in g.logprobs)
+    # rl.rollout_dtype w4a8: its routed experts in int4 (one grouped module a layer), recording routes for replay
+    from posttrain.quant.int_experts import IntExperts
+    w4a8 = rollout_engine("torch", tmp_path, "w4a8")
+    assert sum(isinstance(m, IntExperts) for m in w4a8.model.modules()) == 3
+    w4a8.record_routes()
+    (g,) = w4a8.generate([[5, 6, 7]], max_new_tokens=4, temperature=0.0, stop_ids=set())
+    assert len(g.ids) == 4 and g.routes is not None
 
 
 def test_packed_training_rows_keep_their_documents_apart():

@@ -101,10 +101,10 @@ class TorchRolloutEngine:
     """A causal LM in this process. `model` is shared, not copied: an engine over the trainer's own policy
     (validation) sees its updates at once; workers and teachers hold their own copy."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, max_cells: int = 4096):
-        from posttrain.models.attention import fast_decoding
-        fast_decoding(model)
-        self.model, self.tokenizer = model.eval(), tokenizer
+    def __init__(self, model: torch.nn.Module, tokenizer, max_cells: int = 4096, w4a8: bool = False):
+        # w4a8: generate from a W4A8 copy of `model` (posttrain.quant.rollout), made again at each weight update
+        self.master = model if w4a8 else None
+        self.model, self.tokenizer = self._serving(model), tokenizer
         self.pad_id, self.max_cells = chat_format(tokenizer).pad_id, max_cells
         self.version = 0
         # decode with the model's MTP layer as the draft when it has one (posttrain.models.mtp); `stats` counts
@@ -114,12 +114,25 @@ class TorchRolloutEngine:
         self._open = threading.Event()
         self._open.set()
 
+    def _serving(self, model: torch.nn.Module) -> torch.nn.Module:
+        from posttrain.models.attention import fast_decoding
+        if self.master is not None:
+            from posttrain.quant.rollout import w4a8_copy
+            model = w4a8_copy(model)
+        fast_decoding(model)
+        return model.eval()
+
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: str = "float32") -> "TorchRolloutEngine":
-        """`dtype`: what the weights, activations and KV cache are held in (the sampling distribution is fp32)."""
+        """`dtype`: what the weights, activations and KV cache are held in (the sampling distribution is fp32);
+        `w4a8`: the quantize stage's integer scheme, rounded to nearest (posttrain.quant.rollout)."""
         from posttrain.device import device
-        from posttrain.quant.int_linear import load_any  # plain or W4A8 compressed-tensors
+        from posttrain.quant.int_linear import is_compressed, load_any  # plain or W4A8 compressed-tensors
+        if dtype == "w4a8" and is_compressed(path):
+            raise ValueError(f"rollout dtype w4a8: {path} is a W4A8 export already; give its unquantized checkpoint")
         model, tok = load_any(path)
+        if dtype == "w4a8":
+            return cls(model.to(device()), tok, w4a8=True)
         return cls(model.to(device(), getattr(torch, dtype)), tok)
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
@@ -170,7 +183,13 @@ class TorchRolloutEngine:
             source = load_checkpoint(source)[0].state_dict()
         self.pause()
         try:
-            self.model.load_state_dict(source)
+            if self.master is None:
+                self.model.load_state_dict(source)
+            else:  # quantized again from the new weights
+                self.master.load_state_dict(source)
+                self.model = self._serving(self.master)
+                if self.routes is not None:
+                    self.record_routes()
             self.version = version
         finally:
             self.resume()
