@@ -280,8 +280,8 @@ def _plot(fig: dict, path: Path) -> None:
     plt.close(f)
 
 
-def tiny_inputs(seed: int) -> tuple[Path, Path]:
-    """The tiny profile's curated data and its base model for `seed`, made once under WORK (bench/mtp too). Small
+def tiny_inputs(seed: int, profile: str = "tiny", work: Path = WORK) -> tuple[Path, Path]:
+    """`profile`'s curated data and its base model for `seed`, made once under `work` (bench/mtp too). Small
     mode: the smoke run's (bench/__init__.py), its base model trained again for another seed."""
     from posttrain import base
     from posttrain.config import load_config
@@ -297,16 +297,16 @@ def tiny_inputs(seed: int) -> tuple[Path, Path]:
             base.run(load_config(PROFILE, [f"seed={seed}"]), {"curate": str(cur)}, b)
             (b / "done").touch()
         return cur, b
-    cfg = load_config("tiny")
-    raw, cur = WORK / "raw", WORK / "curate"
+    cfg = load_config(profile)
+    raw, cur = work / "raw", work / "curate"
     if not (cur / "done").exists():
-        shutil.rmtree(WORK, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
         make_raw(cfg, {}, raw)
         curate(cfg, {"raw": str(raw)}, cur)
         (cur / "done").touch()
-    b = WORK / f"base-{seed}"
+    b = work / f"base-{seed}"
     if not (b / "done").exists():
-        base.run(load_config("tiny", [f"seed={seed}"]), {"curate": str(cur)}, b)
+        base.run(load_config(profile, [f"seed={seed}"]), {"curate": str(cur)}, b)
         (b / "done").touch()
     return cur, b
 
@@ -360,25 +360,15 @@ def evidence(seeds: list[int]) -> dict:
 
 def evidence_glm5(seeds: list[int]) -> dict:
     """Dense against DSA through GLM-5's own indexers, per seed from the same curated data and base model."""
-    from posttrain import base, ramp
+    if small():  # the small size's inputs are the smoke run's dense model
+        raise SystemExit("bench.dsa evidence_glm5: no small size (it needs the tiny-glm5 world and base model)")
+    from posttrain import ramp
     from posttrain.config import load_config
-    from posttrain.curate.stage import make_raw
-    from posttrain.curate.stage import run as curate
-    work = WORK / "glm5"
-    cfg = load_config("tiny-glm5", GLM5_SETS)
-    raw, cur = work / "raw", work / "curate"
-    if not (cur / "done").exists():
-        shutil.rmtree(work, ignore_errors=True)
-        make_raw(cfg, {}, raw)
-        curate(cfg, {"raw": str(raw)}, cur)
-        (cur / "done").touch()
-    top = cfg.ramp.stages[-1].seq_len
+    work = OUT / "dsa-glm5-work"
+    top = load_config("tiny-glm5", GLM5_SETS).ramp.stages[-1].seq_len
     runs: dict[str, dict[int, dict]] = {v: {} for v in GLM5_VARIANTS}
     for seed in seeds:
-        b = work / f"base-{seed}"
-        if not (b / "done").exists():
-            base.run(load_config("tiny-glm5", [f"seed={seed}"]), {"curate": str(cur)}, b)
-            (b / "done").touch()
+        cur, b = tiny_inputs(seed, "tiny-glm5", work)
         for name, sets in GLM5_VARIANTS.items():
             out = work / f"ramp-{seed}-{name}"
             if (out / "result.json").exists():

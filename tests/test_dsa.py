@@ -103,15 +103,14 @@ def test_packed_documents_stay_apart_under_dsa(model):
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
-def test_warmup_trains_only_the_indexers_towards_the_dense_attention(model, tok):
-    cfg = load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, warmup_steps: 20, warmup_lr: 0.02}"])
-    dsa.install(model, top_k=16)
-    rows = pack([(IDS[i % 2, :40 + i].tolist(), [1] * (40 + i)) for i in range(8)], 128)
+def warm_up(cfg, model, rows: list) -> tuple[dict, tuple[float, float], tuple[float, float]]:
+    """The ramp's indexer warm-up on `rows` (its curves), with the indexers' (KL, recall) on a held-out batch before
+    and after; checks that the indexers moved and nothing else did (tests/test_glm5_dsa.py too)."""
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." not in n}
     indexers = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." in n}
     held_out = collate(rows[:2], 0)
 
-    def measure() -> tuple[float, float]:  # the indexer's KL and recall on one fixed batch
+    def measure() -> tuple[float, float]:
         st = dsa.state(model)
         st.collect = True
         model.model(held_out["input_ids"], position_ids=held_out["position_ids"], use_cache=False)
@@ -119,14 +118,22 @@ def test_warmup_trains_only_the_indexers_towards_the_dense_attention(model, tok)
         _, kl, recall = st.pop()
         return kl, recall
 
-    kl0, recall0 = measure()
+    before = measure()
     curves = ramp._indexer_warmup(cfg, model.train(), lambda i: collate(rows[i % len(rows):][:2], 0), "test")
-    kl1, recall1 = measure()
-    assert len(curves["indexer_kl"]) == 20
-    assert kl1 < 0.5 * kl0 and recall1 > recall0, (kl0, kl1, recall0, recall1)
+    after = measure()
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     assert all(not torch.equal(p, indexers[n]) for n, p in model.named_parameters() if n in indexers)
     assert all(p.requires_grad for p in model.parameters()) and dsa.state(model).mode == "sparse"
+    return curves, before, after
+
+
+def test_warmup_trains_only_the_indexers_towards_the_dense_attention(model, tok):
+    cfg = load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, warmup_steps: 20, warmup_lr: 0.02}"])
+    dsa.install(model, top_k=16)
+    rows = pack([(IDS[i % 2, :40 + i].tolist(), [1] * (40 + i)) for i in range(8)], 128)
+    curves, (kl0, recall0), (kl1, recall1) = warm_up(cfg, model, rows)
+    assert len(curves["indexer_kl"]) == 20
+    assert kl1 < 0.5 * kl0 and recall1 > recall0, (kl0, kl1, recall0, recall1)
 
 
 def test_dsa_settings_that_would_do_nothing_are_refused():

