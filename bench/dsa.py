@@ -311,8 +311,18 @@ def tiny_inputs(seed: int, profile: str = "tiny", work: Path = WORK) -> tuple[Pa
     return cur, b
 
 
-def evidence(seeds: list[int]) -> dict:
+def _ramp_result(cfg, cur: Path, base: Path, out: Path, scratch: Path | None = None) -> dict:
+    """The ramp on `base`'s model: its numeric metrics and seconds, also written to `out`/result.json."""
     from posttrain import ramp
+    t = time.time()
+    res = ramp.run(cfg, {"base": str(base), "curate": str(cur)}, out, scratch=str(scratch or ""))
+    m = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
+    m["seconds"] = round(time.time() - t, 1)
+    (out / "result.json").write_text(json.dumps(m, indent=1))
+    return m
+
+
+def evidence(seeds: list[int]) -> dict:
     from posttrain.config import load_config
     top = load_config(PROFILE).ramp.stages[-1].seq_len
     runs: dict[str, dict[int, dict]] = {v: {} for v in VARIANTS}
@@ -330,12 +340,7 @@ def evidence(seeds: list[int]) -> dict:
                     if st.seq_len < vcfg.ramp.dsa_start():
                         shutil.copytree(WORK / f"scratch-{seed}-dense" / "stages" / str(st.seq_len),
                                         scratch / "stages" / str(st.seq_len), dirs_exist_ok=True)
-            t = time.time()
-            res = ramp.run(vcfg, {"base": str(b), "curate": str(cur)}, out, scratch=str(scratch))
-            m = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
-            m["seconds"] = round(time.time() - t, 1)
-            (out / "result.json").write_text(json.dumps(m, indent=1))
-            runs[name][seed] = m
+            m = runs[name][seed] = _ramp_result(vcfg, cur, b, out, scratch)
             print(f"seed {seed} {name}: long_context@{top} {m[f'ramp@{top}.long_context@{top}']} "
                   f"({m['seconds']} s)", flush=True)
 
@@ -362,7 +367,6 @@ def evidence_glm5(seeds: list[int]) -> dict:
     """Dense against DSA through GLM-5's own indexers, per seed from the same curated data and base model."""
     if small():  # the small size's inputs are the smoke run's dense model
         raise SystemExit("bench.dsa evidence_glm5: no small size (it needs the tiny-glm5 world and base model)")
-    from posttrain import ramp
     from posttrain.config import load_config
     work = OUT / "dsa-glm5-work"
     top = load_config("tiny-glm5", GLM5_SETS).ramp.stages[-1].seq_len
@@ -375,13 +379,8 @@ def evidence_glm5(seeds: list[int]) -> dict:
                 runs[name][seed] = json.loads((out / "result.json").read_text())
                 continue
             shutil.rmtree(out, ignore_errors=True)
-            t = time.time()
-            res = ramp.run(load_config("tiny-glm5", [f"seed={seed}", *GLM5_SETS, *sets]),
-                           {"base": str(b), "curate": str(cur)}, out)
-            m = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
-            m["seconds"] = round(time.time() - t, 1)
-            (out / "result.json").write_text(json.dumps(m, indent=1))
-            runs[name][seed] = m
+            m = runs[name][seed] = _ramp_result(load_config("tiny-glm5", [f"seed={seed}", *GLM5_SETS, *sets]),
+                                                cur, b, out)
             print(f"glm5 seed {seed} {name}: long_context@{top} {m[f'ramp@{top}.long_context@{top}']} "
                   f"({m['seconds']} s)", flush=True)
     fig = {"profile": "tiny-glm5", "sets": GLM5_SETS, "variants": GLM5_VARIANTS, "seq_len": top, "seeds": seeds}
