@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-SUPPORTED = ("llama", "qwen2", "qwen3")  # HF model_type -> mbridge's bridge of that name
+SUPPORTED = ("llama", "qwen2", "qwen3", "glm_moe_dsa")  # HF model_type -> mbridge's bridge (glm5: megatron_glm5)
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,10 @@ def cpu_patches() -> None:
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing's writer syncs before it reads tensors
+        # the MoE all-to-all dispatcher copies its token counts to the host on a side stream: on CPU they are there
+        torch.cuda.Stream = _HostStream
+        torch.cuda.current_stream = lambda *a, **k: _HOST_STREAM
+        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     with quiet():
         import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
         if not torch.cuda.is_available():  # its CP slice of the RoPE table moves an index to CUDA
@@ -57,8 +61,29 @@ def cpu_patches() -> None:
             from megatron.core.models.common.language_module.language_module import LanguageModule
             LanguageModule.setup_embeddings_and_output_layer = _on_cpu(
                 LanguageModule.setup_embeddings_and_output_layer)
+        if not _has_te():  # its TE wrappers import without TE (as placeholders), so latent attention believes it has it
+            from megatron.core.transformer import multi_latent_attention
+            multi_latent_attention.HAVE_TE = False
+            from megatron.core.transformer.moe import moe_utils  # the router's GEMM: TE's when its name exists
+            moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
         import megatron.core.optimizer  # noqa: F401
         import mbridge  # noqa: F401
+
+
+class _HostStream:
+    """A CUDA stream's waits and events on a machine without CUDA, where there is nothing to wait for."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
 
 
 def _on_cpu(fn):
@@ -93,14 +118,18 @@ def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
     if kind not in SUPPORTED:
         raise ValueError(f"runtime.train_engine megatron: no Megatron mapping for model_type {kind!r} "
                          f"(supported: {', '.join(SUPPORTED)}); use runtime.train_engine torch for it")
+    from posttrain.engines import megatron_glm5
+    glm5 = kind in megatron_glm5.MODEL_TYPES
+    if glm5:
+        megatron_glm5.check(hf_config, par, where)
     heads, kv = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None) or \
         hf_config.num_attention_heads
-    if heads % par.tp or kv % par.tp:
+    if not glm5 and (heads % par.tp or kv % par.tp):
         raise ValueError(f"{where}.tp: must divide the attention heads ({heads}) and key-value heads ({kv}) "
                          f"(got {par.tp}; supported: {sorted(d for d in range(1, kv + 1) if kv % d == 0)})")
     if par.pp > hf_config.num_hidden_layers or hf_config.num_hidden_layers % par.pp:
         raise ValueError(f"{where}.pp: must divide the layers ({hf_config.num_hidden_layers}) (got {par.pp})")
-    if par.ep != 1:
+    if par.ep != 1 and not glm5:
         raise ValueError(f"{where}.ep: must be 1 for the dense model_type {kind!r} (got {par.ep})")
     if par.sequence_parallel and par.tp == 1:
         raise ValueError(f"{where}.sequence_parallel: needs tp > 1 (got tp {par.tp})")
@@ -161,12 +190,34 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompu
     `recompute` on CUDA: Megatron's full-layer recomputation (its RNG tracker has no CPU form; `recompute_layers`
     does the same on CPU)."""
     from mbridge.core.bridge import _MODEL_REGISTRY
+    from mbridge.core.parallel_states import ParallelStates
+
+    from posttrain.engines import megatron_glm5
+    if getattr(hf_config, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
+        hf_config.rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default") != "default":
+        raise ValueError(f"megatron: rope_type {hf_config.rope_parameters['rope_type']!r} has no Megatron mapping "
+                         f"here (default RoPE only); use runtime.train_engine torch")
+    if hf_config.model_type in megatron_glm5.MODEL_TYPES:  # GLM-5 is DeepSeek-V3's attention and MoE
+        cls = megatron_glm5.bridge_class(_MODEL_REGISTRY["deepseek_v3"], local_spec(par), sdpa_attention)
+    else:
+        cls = _dense_bridge_class(_MODEL_REGISTRY[hf_config.model_type], par,
+                                  bool(getattr(hf_config, "tie_word_embeddings", False)))
+    b = cls(hf_config, dtype=dtype, parallel_states=ParallelStates.get_parallel_state(),
+            make_vocab_size_divisible_by=par.tp)
+    b.set_extra_args(use_cpu_initialization=not torch.cuda.is_available(), masked_softmax_fusion=False,
+                     bias_activation_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                     apply_rope_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True,
+                     sequence_parallel=par.sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
+                     **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                        if recompute and torch.cuda.is_available() else {}))
+    return b
+
+
+def _dense_bridge_class(base, par: Parallel, tied: bool):
+    """mbridge's bridge of a dense family on Megatron's local layers (the module docstring says what is patched)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    base = _MODEL_REGISTRY[hf_config.model_type]
     layer = "model.layers.{layer_number}."
-
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
     class Local(base):
         # with pipeline stages the last one holds its own copy of tied embeddings as its output layer
@@ -182,22 +233,7 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompu
             spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.config.qk_layernorm)
             spec.submodules.self_attention.submodules.core_attention = sdpa_attention()
             return spec
-
-    if getattr(hf_config, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
-        hf_config.rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    if (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default") != "default":
-        raise ValueError(f"megatron: rope_type {hf_config.rope_parameters['rope_type']!r} has no Megatron mapping "
-                         f"here (default RoPE only); use runtime.train_engine torch")
-    from mbridge.core.parallel_states import ParallelStates
-    b = Local(hf_config, dtype=dtype, parallel_states=ParallelStates.get_parallel_state(),
-              make_vocab_size_divisible_by=par.tp)
-    b.set_extra_args(use_cpu_initialization=not torch.cuda.is_available(), masked_softmax_fusion=False,
-                     bias_activation_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-                     apply_rope_fusion=False, persist_layer_norm=False, attention_softmax_in_fp32=True,
-                     sequence_parallel=par.sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
-                     **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-                        if recompute and torch.cuda.is_available() else {}))
-    return b
+    return Local
 
 
 def recompute_layers(gpt) -> None:
@@ -224,7 +260,9 @@ def sdpa_attention():
     from posttrain.engines import context_parallel
 
     class SdpaAttention(DotProductAttention):
-        def __init__(self, config, *args, **kwargs):
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+            # latent attention (MLA) names its query/key and value head sizes; Megatron's local attention takes
+            # neither, and SDPA reads them from the tensors
             one = copy.copy(config)  # Megatron's local attention refuses context parallelism: this one runs it
             one.context_parallel_size = 1
             super().__init__(one, *args, **kwargs)
@@ -245,5 +283,5 @@ def sdpa_attention():
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
                     is_causal=attention_mask is None, scale=self.softmax_scale, enable_gqa=gqa)
-            return out.permute(2, 0, 1, 3).reshape(s, b, self.hidden_size_per_partition)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
     return SdpaAttention

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from posttrain.engines import context_parallel, vocab_parallel
+from posttrain.engines import context_parallel, megatron_glm5, vocab_parallel
 from posttrain.engines.megatron_setup import (Parallel, bridge, check_layout, init_parallel, local_spec, quiet,
                                               recompute_layers)
 from posttrain.engines.pipeline_stages import Pipeline, StageDone, staged
@@ -42,7 +42,8 @@ class MegatronTrainEngine:
     head on the backbone's last hidden state) or `reference` (forward only)."""
 
     def __init__(self, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
-                 parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0, recompute: bool = False):
+                 parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0, recompute: bool = False,
+                 moe=None):
         from transformers import AutoConfig, AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -62,6 +63,12 @@ class MegatronTrainEngine:
             self.gpt = self.bridge._model_provider([])(pre_process=self.pipe.first,
                                                        post_process=self.pipe.last).to(self.device)
             self.bridge.load_weights([self.gpt], str(checkpoint))
+        self.hf_config = hf_config
+        self.glm5 = hf_config.model_type in megatron_glm5.MODEL_TYPES
+        self._passthrough = {}
+        if self.glm5:
+            megatron_glm5.set_latent_norm_eps(self.gpt)
+            self._passthrough = megatron_glm5.passthrough(checkpoint)
         if recompute and not torch.cuda.is_available():
             recompute_layers(self.gpt)
         self.vocab_size = hf_config.vocab_size
@@ -79,7 +86,11 @@ class MegatronTrainEngine:
             self.opt = make_optimizer(self.model, lr, weight_decay)
         else:
             self.model.requires_grad_(False)
-        self.routers, self.moe_stats, self._hf = None, {}, None  # a dense model: no expert load to balance
+        # `routers` is the torch engine's hook object (aux loss, replay): Megatron's MoE layers route themselves here
+        self.routers, self.moe_stats, self._hf = None, {}, None
+        from posttrain.config import MoEConfig
+        self.moe = moe or MoEConfig()
+        self._balance = self.glm5 and moe is not None and self.opt is not None
         self.eval()
 
     @classmethod
@@ -87,9 +98,12 @@ class MegatronTrainEngine:
                         routing_replay: bool = False, parallel: Parallel = Parallel(),
                         recompute: bool = False) -> "MegatronTrainEngine":
         if routing_replay:
-            raise ValueError("rl.routing_replay: the megatron train engine maps dense models only (no routers); "
+            raise ValueError("rl.routing_replay: the megatron train engine does not replay the rollout's routes; "
                              "use runtime.train_engine torch")
-        return cls(path, role, lr=lr, parallel=parallel, recompute=recompute)
+        if moe is not None and moe.aux_loss_weight:
+            raise ValueError("moe.aux_loss_weight: the megatron train engine balances experts through their bias only "
+                             "(moe.bias_update_rate); set it to 0 or use runtime.train_engine torch")
+        return cls(path, role, lr=lr, parallel=parallel, recompute=recompute, moe=moe)
 
     # --- the forward in the completion layout -----------------------------------------------------------------
     def _rows(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,17 +118,23 @@ class MegatronTrainEngine:
         return ids, row, pos
 
     def _hidden(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, local: bool = False
+                attention_mask: torch.Tensor | None = None, local: bool = False, padding: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The decoder's last hidden state (after the final norm) [b, T, h], the full sequence on every rank.
         Without `position_ids` each row is one sequence; with them each restart at 0 begins a new document that
         attends only to itself (packed rows: Megatron's block-diagonal mask, since its packed-sequence kernels need
         Transformer Engine); `attention_mask` (1 = token, 0 = padding) keeps padding out.
         `local`: (this context-parallel rank's hidden states [b, s, h], their sequence positions [s]) instead; with
-        one context-parallel rank that is the whole sequence."""
+        one context-parallel rank that is the whole sequence. `padding` [b, T] (True: padding) keeps padding out of
+        the experts' load (`attention_mask`'s zeros when not given)."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         b, T = ids.shape
+        if self.glm5:
+            megatron_glm5.check_rows(self.hf_config, int(position_ids.max()) + 1 if position_ids is not None else T,
+                                     self.checkpoint)
+            if padding is None and attention_mask is not None:
+                padding = attention_mask == 0
         cp = context_parallel.size()
         causal = position_ids is None and attention_mask is None  # one sequence a row: no mask to build
         if position_ids is None:
@@ -125,6 +145,8 @@ class MegatronTrainEngine:
             ids, position_ids = F.pad(ids, (0, pad), value=self.pad_id), F.pad(position_ids, (0, pad))
             if attention_mask is not None:
                 attention_mask = F.pad(attention_mask, (0, pad))
+            if padding is not None:
+                padding = F.pad(padding, (0, pad), value=True)
         if T + pad > DENSE_MASK_MAX and (cp > 1 or not causal) and local_spec(self.parallel):  # per document
             mask = self._segments(position_ids, attention_mask)
             mask[:, T:] = -1
@@ -136,6 +158,7 @@ class MegatronTrainEngine:
             if mask is None or mask.dtype == torch.bool:
                 mask = context_parallel.local_mask(mask, T + pad, b, ids.device)
             ids, position_ids = ids[:, where], position_ids[:, where]
+            padding = None if padding is None else padding[:, where]
         trains = torch.is_grad_enabled() and self.opt is not None
         if not self.pipe.first:  # the previous pipeline stage's hidden states [s, b, h] (s: this rank's share)
             s = ids.shape[1] // (self.parallel.tp if self.parallel.sequence_parallel else 1)
@@ -143,7 +166,7 @@ class MegatronTrainEngine:
                                                         trains))
         self.gpt.post_process = False  # GPTModel then returns the final-normed hidden states [s, b, h]
         try:
-            h = self.gpt(ids, position_ids, mask)
+            h = self.gpt(ids, position_ids, mask, **({"padding_mask": padding} if self.glm5 else {}))
         finally:
             self.gpt.post_process = self.pipe.last
         if not self.pipe.last:
@@ -197,7 +220,9 @@ class MegatronTrainEngine:
         from posttrain.models.prefix import pad_rows
         ids, row, pos = self._rows(samples)
         real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, self.device)
-        return self._hidden(ids)[row, pos], ids[row, pos + 1], real
+        lengths = torch.tensor([len(s.prompt_ids) + len(s.ids) for s in samples], device=self.device)
+        padding = torch.arange(ids.shape[1], device=self.device)[None] >= lengths[:, None]
+        return self._hidden(ids, padding=padding)[row, pos], ids[row, pos + 1], real
 
     @staged
     def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -290,12 +315,19 @@ class MegatronTrainEngine:
                 if getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
         # the replicas' gradients are averaged; a replica's context-parallel ranks each hold the gradient of their
-        # slice of the sequence, which add up
-        if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in params]) / ps.get_data_parallel_world_size()
-            dist.all_reduce(flat, group=ps.get_data_parallel_group(with_context_parallel=True))
+        # slice of the sequence, which add up. An expert split over expert-parallel ranks already holds the gradient
+        # of every token the all-to-all sent it, from each of those ranks: it sums over its own replicas only
+        dp = ps.get_data_parallel_world_size()
+        for shared, group in ((True, ps.get_data_parallel_group(with_context_parallel=True)),
+                              (False, ps.get_expert_data_parallel_group() if self.glm5 else None)):
+            mine = [p for p in params if getattr(p, "allreduce", True) == shared]
+            if not mine or dp == 1 and context_parallel.size() == 1:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) for p in mine]) / dp
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(flat, group=group)
             at = 0
-            for p in params:
+            for p in mine:
                 p.grad.copy_(flat[at:at + p.numel()].view_as(p))
                 at += p.numel()
 
@@ -303,17 +335,22 @@ class MegatronTrainEngine:
         from megatron.core import parallel_state as ps
         sharded = torch.zeros((), device=self.device)
         replicated = torch.zeros((), device=self.device)
+        experts = torch.zeros((), device=self.device)
         for p in self.model.parameters():
             if p.grad is None or getattr(p, "shared", False):  # the last stage's copy of tied embeddings: once
                 continue
             sq = p.grad.float().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
+            if not getattr(p, "allreduce", True):  # an expert split over expert-parallel ranks
+                experts += sq
+            elif getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
                 replicated += sq
         if self.parallel.tp > 1:
             dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-        total = sharded + replicated
+        if self.parallel.ep * self.parallel.tp > 1 and self.glm5:
+            dist.all_reduce(experts, group=ps.get_expert_tensor_and_model_parallel_group())
+        total = sharded + replicated + experts
         if self.pipe.size > 1:  # each stage holds its own layers
             dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
         return total.sqrt()
@@ -330,7 +367,44 @@ class MegatronTrainEngine:
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.pipe.forget()
+        if self._balance:
+            self.moe_stats = self._balance_experts()
         return norm.item()
+
+    def _balance_experts(self) -> dict[str, float]:
+        """The torch engine's aux-loss-free balancing (`models.moe.RouterHooks.after_step`) on Megatron's routers:
+        the step's expert load per MoE layer over every replica's tokens, its figures under the same names, and
+        each router's bias moved `moe.bias_update_rate` toward uniform load."""
+        from megatron.core import parallel_state as ps
+
+        from posttrain.models.moe import load_stats
+        dense = min(self.hf_config.first_k_dense_replace, self.hf_config.num_hidden_layers)
+        stats = {}
+        for layer in self.gpt.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is None:
+                continue
+            load = router.local_tokens_per_expert.detach().float().clone()
+            router.local_tokens_per_expert.zero_()
+            if dist.get_world_size(group := ps.get_data_parallel_group(with_context_parallel=True)) > 1:
+                dist.all_reduce(load, group=group)
+            if self.parallel.sequence_parallel:  # each tensor-parallel rank routed its slice of the sequence
+                dist.all_reduce(load, group=ps.get_tensor_model_parallel_group())
+            if not float(load.sum()):
+                continue
+            stats[layer.layer_number - 1 - dense] = load_stats(load)
+            with torch.no_grad():
+                router.expert_bias += self.moe.bias_update_rate * torch.sign(load.mean() - load)
+        if self.pipe.size > 1:  # each stage routed its own layers
+            every = [None] * self.pipe.size
+            dist.all_gather_object(every, stats, group=ps.get_pipeline_model_parallel_group())
+            stats = {k: v for part in every for k, v in part.items()}
+        if not stats:
+            return {}
+        per = [stats[i] for i in sorted(stats)]
+        out = {f"moe_{k}_{i}": v for i, s in sorted(stats.items()) for k, v in s.items()}
+        return out | {"moe_cv": sum(s["cv"] for s in per) / len(per), "moe_max_mean": max(s["max_mean"] for s in per),
+                      "moe_dead": sum(s["dead"] for s in per)}
 
     def with_schedule(self, schedule: Callable[[int], float], lr: float) -> "MegatronTrainEngine":
         """`lr` times `schedule(step)` from now on (posttrain.train's warmup + cosine)."""
@@ -352,6 +426,8 @@ class MegatronTrainEngine:
         """The policy's weights under their Hugging Face names (gathered over tensor-parallel ranks; every rank
         returns them), on CPU for the rollout engines."""
         out = {name: t.detach().cpu().clone() for name, t in self.bridge.export_weights([self.gpt])}
+        if self.glm5:  # one tensor per layer's experts, as transformers holds them; the DSA indexers passed through
+            out = megatron_glm5.to_transformers(out, self._passthrough)
         if self.tied and "lm_head.weight" not in out:  # transformers lists the tied head in its state dict
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         return out

@@ -1,0 +1,187 @@
+"""GLM-5's architecture (transformers' GlmMoeDsaForCausalLM) in megatron-core's own modules: multi-head latent
+attention (`MLASelfAttention`), routed experts with a shared one and sigmoid routing with an expert bias (`MoELayer`
+with `moe_router_score_function="sigmoid"`, `moe_router_enable_expert_bias`), the first layers dense
+(`moe_layer_freq`), expert parallelism over Megatron's expert groups.
+
+The weight mapping is mbridge's DeepSeek-V3 bridge (GLM-5's attention and MoE are DeepSeek-V3's), which builds
+Transformer Engine's layers only. What is patched here, because this engine builds Megatron's *local* spec:
+the layer spec; the norm names of that spec (latent attention's query / key-value norms are modules of their own,
+not fused into the next linear); the routed experts' names (`local_experts.{i}` of a SequentialMLP, numbered per
+expert-parallel rank, instead of TE's grouped `weight{i}`); the model provider (mbridge's DeepSeek one hard-codes
+TE's MTP spec and leaves the vocabulary unpadded); plain safetensors reading (its FP8 dequantising reader is bf16
+only); and the latent norms' epsilon (transformers builds them at 1e-6 whatever `rms_norm_eps` says).
+
+What megatron-core lacks: DeepSeek sparse attention's indexer. Its weights are not in the Megatron model; they pass
+through from the checkpoint unchanged into every export. That is exact as long as the indexer selects every key of a
+row, which is what `check_rows` enforces: a row longer than the checkpoint's `index_topk` is refused (a checkpoint
+the ramp has not adopted DSA in selects every key at any length). Nor is the MTP draft layer mapped (config refuses
+`mtp.depth` with this engine).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+MODEL_TYPES = ("glm_moe_dsa",)
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc\d)\.weight$")
+_HF_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+LATENT_NORM_EPS = 1e-6  # transformers' GlmMoeDsaRMSNorm default, which its q_a / kv_a layernorms keep
+
+
+def check(hf_config, par, where: str = "megatron") -> None:
+    """Refuse, before any work, what the mapping cannot split or would compute differently from transformers."""
+    experts = hf_config.n_routed_experts
+    if experts % par.ep:
+        raise ValueError(f"{where}.ep: must divide the checkpoint's n_routed_experts ({experts}) (got {par.ep}; "
+                         f"supported: {[d for d in range(1, experts + 1) if experts % d == 0]})")
+    groups, topk_group = getattr(hf_config, "n_group", 1) or 1, getattr(hf_config, "topk_group", 1) or 1
+    if groups > 1 and hf_config.num_experts_per_tok // topk_group != 2:
+        # transformers scores a group by its top two experts, Megatron by its top k / topk_group
+        raise ValueError(f"{where}: n_group {groups} with num_experts_per_tok {hf_config.num_experts_per_tok} and "
+                         f"topk_group {topk_group}: Megatron's group score would differ from transformers' (it "
+                         f"needs num_experts_per_tok / topk_group == 2); use runtime.train_engine torch")
+    heads = hf_config.num_attention_heads
+    if heads % par.tp:
+        raise ValueError(f"{where}.tp: must divide the attention heads ({heads}) (got {par.tp}; supported: "
+                         f"{[d for d in range(1, heads + 1) if heads % d == 0]})")
+
+
+def check_rows(hf_config, length: int, checkpoint: str) -> None:
+    """A row the dense latent attention would compute differently from GLM-5's sparse one: longer than the keys
+    its DSA indexer keeps."""
+    topk = getattr(hf_config, "index_topk", None)
+    if topk is not None and length > topk:
+        raise ValueError(f"megatron: a {length}-token row is longer than {checkpoint}/config.json's index_topk "
+                         f"({topk}): megatron-core has no DSA indexer, so past {topk} keys its attention would be "
+                         f"dense where the checkpoint's is sparse; use runtime.train_engine torch for this model")
+
+
+def bridge_class(base, local_spec: bool, sdpa_attention):
+    """mbridge's DeepSeek-V3 bridge, patched for GLM-5 on Megatron's local layers (the module docstring says what
+    and why)."""
+    from mbridge.core.bridge import Bridge
+    from mbridge.core.llm_bridge import LLMBridge
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    layer = "model.layers.{layer_number}."
+    patch_router()
+
+    class Glm5(base):
+        _ATTENTION_MAPPING = {**base._ATTENTION_MAPPING,
+                              "self_attention.q_layernorm.weight": [layer + "self_attn.q_a_layernorm.weight"],
+                              "self_attention.kv_layernorm.weight": [layer + "self_attn.kv_a_layernorm.weight"]}
+        _model_provider = LLMBridge._model_provider
+
+        def _build_config(self):
+            hf = self.hf_config
+            dense = min(hf.first_k_dense_replace, hf.num_hidden_layers)
+            groups = getattr(hf, "n_group", 1) or 1
+            return self._build_base_config(
+                layernorm_epsilon=hf.rms_norm_eps, ffn_hidden_size=hf.intermediate_size, qk_layernorm=True,
+                moe_ffn_hidden_size=hf.moe_intermediate_size, num_moe_experts=hf.n_routed_experts,
+                moe_router_topk=hf.num_experts_per_tok, moe_layer_freq=[0] * dense + [1] * (hf.num_hidden_layers - dense),
+                moe_shared_expert_intermediate_size=hf.moe_intermediate_size * hf.n_shared_experts,
+                moe_router_score_function="sigmoid", moe_router_pre_softmax=True, moe_router_dtype="fp32",
+                moe_router_topk_scaling_factor=hf.routed_scaling_factor,
+                moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=hf.topk_group if groups > 1 else None,
+                # the bias is a buffer the engine moves itself (`MegatronTrainEngine._balance`), as the torch engine
+                moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim,
+                qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim, rotary_base=hf.rope_theta,
+                rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+        def _get_transformer_layer_spec(self, vp_stage=None):
+            self.has_vp_stage = False
+            if not local_spec:  # Transformer Engine's fused layers, mbridge's own mapping
+                return get_gpt_decoder_block_spec(self.config, use_transformer_engine=True)
+            spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm")
+            for s in spec.layer_specs:
+                s.submodules.self_attention.submodules.core_attention = sdpa_attention()
+            return spec
+
+        def _get_safetensor_io(self, weights_path):
+            return Bridge._get_safetensor_io(self, weights_path)
+
+        def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True):
+            out = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
+            if consider_ep and self.mpu.ep_size > 1:  # this rank's experts are a slice of the layer's
+                first = self.config.num_moe_experts // self.mpu.ep_size * self.mpu.ep_rank
+                out = {k: (f"{m[1]}local_experts.{first + int(m[2])}.{m[3]}.weight"
+                           if (m := _LOCAL_EXPERT.match(v)) else v) for k, v in out.items()}
+            return out
+
+        def _weight_name_mapping_mlp(self, name):
+            if m := _LOCAL_EXPERT.match(name):
+                name = f"{m[1]}{m[3]}.weight{m[2]}"
+            return super()._weight_name_mapping_mlp(name)
+
+        def export_weights(self, models):
+            """Every expert on every rank: each expert-parallel rank's exports, gathered."""
+            ep = self.mpu.ep_size
+            per = self.config.num_moe_experts // ep
+            for name, t in super().export_weights(models):
+                if ep == 1 or not (m := _HF_EXPERT.match(name)):
+                    yield name, t
+                    continue
+                parts = [torch.empty_like(t) for _ in range(ep)]
+                dist.all_gather(parts, t.contiguous(), group=self.mpu.ep_group)
+                for r, p in enumerate(parts):
+                    yield f"{m[1]}{r * per + int(m[2])}.{m[3]}.weight", p
+
+    return Glm5
+
+
+def _count_load(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+    """Megatron's `TopKRouter._apply_expert_bias` (the expert load a step's balancing reads), with the padding mask
+    as a column: megatron-core 0.16's broadcasts the [tokens] mask against the [tokens, experts] routing map, which
+    fails, and is torch-compiled, a compile per batch shape."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def patch_router() -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+    TopKRouter._apply_expert_bias = _count_load
+
+
+def set_latent_norm_eps(gpt) -> None:
+    for layer in gpt.decoder.layers:
+        for norm in (layer.self_attention.q_layernorm, layer.self_attention.kv_layernorm):
+            if hasattr(norm, "eps"):
+                norm.eps = LATENT_NORM_EPS
+
+
+def passthrough(checkpoint: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors no Megatron module holds (the DSA indexers), for every export."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out |= {k: st.get_tensor(k) for k in st.keys() if ".self_attn.indexer." in k}
+    return out
+
+
+def to_transformers(weights: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors (the checkpoint's on-disk names) as transformers 5 holds them in memory: one
+    `gate_up_proj` [E, 2I, H] and one `down_proj` [E, H, I] per layer; `extra` added."""
+    out, experts = dict(extra), {}
+    for name, t in weights.items():
+        if m := _HF_EXPERT.match(name):
+            experts.setdefault(m[1], {})[(int(m[2]), m[3])] = t
+        else:
+            out[name] = t
+    for prefix, parts in experts.items():
+        n = 1 + max(i for i, _ in parts)
+        out[prefix + "gate_up_proj"] = torch.stack([torch.cat([parts[i, "gate_proj"], parts[i, "up_proj"]])
+                                                    for i in range(n)])
+        out[prefix + "down_proj"] = torch.stack([parts[i, "down_proj"] for i in range(n)])
+    return out
