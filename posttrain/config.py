@@ -536,7 +536,7 @@ class MegatronConfig(_Strict):
     tp: AtLeast1 = 1                 # tensor parallel: must divide the attention and key-value heads
     pp: AtLeast1 = 1                 # pipeline stages
     cp: AtLeast1 = 1                 # context parallel (the long ramp stages)
-    ep: AtLeast1 = 1                 # expert parallel (MoE models)
+    ep: AtLeast1 = 1                 # expert parallel (MoE models): must divide the routed experts
     sequence_parallel: bool = False  # norms and dropout on a tp-th of the sequence each (needs tp > 1)
     distributed_optimizer: bool = False  # optimizer state sharded over data-parallel ranks
     recompute: bool = False          # activations recomputed in the backward (full layers)
@@ -685,26 +685,39 @@ class PipelineConfig(_Strict):
         """runtime.train_engine megatron: what its engine refuses, said at load (a checkpoint's shapes are checked
         when the engine opens it)."""
         m, g, errors = self.model, self.megatron, []
-        ranks = g.tp * g.pp * g.cp
+        ranks = g.tp * g.pp * g.cp * g.ep
         if not self.base.init_from:
-            if m.arch == "glm5":
-                errors.append("runtime.train_engine: megatron maps dense Llama / Qwen models for now; model.arch "
-                              "glm5 trains with runtime.train_engine torch")
+            if m.arch == "glm5" and m.n_routed_experts % g.ep:
+                errors.append(f"megatron.ep: must divide model.n_routed_experts {m.n_routed_experts} (got {g.ep})")
+            if m.arch == "glm5" and g.tp > 1 and not g.sequence_parallel:
+                errors.append("megatron.tp: Megatron splits a mixture-of-experts model (model.arch glm5) over "
+                              "tensor-parallel ranks only with megatron.sequence_parallel, which needs Transformer "
+                              "Engine; split its experts with megatron.ep instead")
+            if m.arch != "glm5" and g.ep > 1:
+                errors.append(f"megatron.ep: splits a mixture-of-experts model's experts (model.arch glm5); "
+                              f"model.arch {m.arch} has none (supported: 1)")
             if m.num_layers % g.pp:
                 errors.append(f"megatron.pp: must divide model.num_layers {m.num_layers} (got {g.pp})")
             kv = m.num_kv_heads or m.num_heads
-            if m.num_heads % g.tp or kv % g.tp:
+            if m.arch != "glm5" and (m.num_heads % g.tp or kv % g.tp):
                 errors.append(f"megatron.tp: must divide model.num_heads {m.num_heads} and the key-value heads {kv} "
                               f"(got {g.tp})")
         if self.sft.workers % ranks:
-            errors.append(f"sft.workers: the megatron ranks of sft, a multiple of tp x pp x cp = {ranks} "
+            errors.append(f"sft.workers: the megatron ranks of sft, a multiple of tp x pp x cp x ep = {ranks} "
                           f"(got {self.sft.workers})")
         if self.mtp.depth:
             errors.append("mtp.depth: must be 0 with runtime.train_engine megatron (its MTP layer is posttrain's "
                           "own torch module)")
         if self.ramp.attention == "dsa":
-            errors.append("ramp.attention: dsa is posttrain's own torch module, which the megatron engine does not "
-                          "run; use sdpa, packed_sdpa or flash_attention_2 with runtime.train_engine megatron")
+            errors.append("ramp.attention: dsa trains the DSA indexers (posttrain's own, or GLM-5's) through the "
+                          "torch engine; megatron-core has no DSA indexer. Use sdpa, packed_sdpa or "
+                          "flash_attention_2 with runtime.train_engine megatron")
+        if self.moe.aux_loss_weight:
+            errors.append("moe.aux_loss_weight: the megatron engine balances experts through their bias only "
+                          "(moe.bias_update_rate); set it to 0 or use runtime.train_engine torch")
+        if self.rl.routing_replay or any(d.get("routing_replay") for d in self.rl.per_domain.values()):
+            errors.append("rl.routing_replay: the megatron engine does not replay the rollout's routes; use "
+                          "runtime.train_engine torch")
         for i, st in enumerate(self.ramp.stages):
             if st.rope_scaling:
                 errors.append(f"ramp.stages.{i}.rope_scaling: the megatron engine runs default RoPE (a stage's "
@@ -712,8 +725,6 @@ class PipelineConfig(_Strict):
         if g.sequence_parallel and max(g.cp, *(st.cp or 1 for st in self.ramp.stages)) > 1:
             errors.append("megatron.cp: with megatron.sequence_parallel needs Transformer Engine's attention, which "
                           "the engine does not drive yet; set one of them off (here or in ramp.stages)")
-        if g.ep > 1:
-            errors.append("megatron.ep: the engine maps dense models only (supported: 1)")
         if g.sequence_parallel and g.tp == 1:
             errors.append("megatron.sequence_parallel: needs megatron.tp > 1")
         if g.distributed_optimizer:
@@ -740,9 +751,9 @@ class PipelineConfig(_Strict):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def ramp_ranks(self, stage: RampStage) -> int:
-        """The ranks a ramp rung trains over: tp x pp x its cp (or megatron.cp) with megatron, else one."""
+        """The ranks a ramp rung trains over: tp x pp x its cp (or megatron.cp) x ep with megatron, else one."""
         g = self.megatron
-        return g.tp * g.pp * (stage.cp or g.cp) if self.runtime.train_engine == "megatron" else 1
+        return g.tp * g.pp * (stage.cp or g.cp) * g.ep if self.runtime.train_engine == "megatron" else 1
 
     def sft_in_process(self) -> bool:
         """sft's one torch rank trains in its stage's own Ray worker; more ranks (or megatron's) are Ray Train

@@ -280,7 +280,7 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
                                          r"\(2\) \(got 3; supported: \[1, 2\]\)"):
         MegatronTrainEngine(ckpts["llama"], parallel=Parallel(tp=3))
     with pytest.raises(ValueError, match=r"no Megatron mapping for model_type 'gpt2' \(supported: llama, qwen2, "
-                                         r"qwen3\)"):
+                                         r"qwen3, glm_moe_dsa\)"):
         check_layout(GPT2Config(), Parallel())
     with pytest.raises(ConfigError) as e:
         load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "mtp.depth=1", "megatron.pp=2",
@@ -288,9 +288,16 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
     for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks", "mtp.depth: must be 0",
                  "megatron.pp: must divide model.num_layers 1", "megatron.distributed_optimizer"):
         assert rule in str(e.value)
-    with pytest.raises(ConfigError, match="runtime.train_engine: megatron maps dense Llama / Qwen models"):
-        load_config("tiny-glm5", ["runtime.train_engine=megatron"])
-    with pytest.raises(ConfigError, match="ramp.attention: dsa is posttrain's own"):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny-glm5", ["runtime.train_engine=megatron", "megatron.ep=3", "megatron.tp=2",
+                                  "moe.aux_loss_weight=0.001", "rl.routing_replay=true"])
+    for rule in ("megatron.ep: must divide model.n_routed_experts 8 (got 3)", "megatron.tp: Megatron splits a "
+                 "mixture-of-experts model", "x ep = 6", "moe.aux_loss_weight: the megatron engine balances",
+                 "rl.routing_replay: the megatron engine does not replay"):
+        assert rule in str(e.value)
+    with pytest.raises(ConfigError, match="megatron.ep: splits a mixture-of-experts model's experts"):
+        load_config("smoke", ["runtime.train_engine=megatron", "megatron.ep=2", "sft.workers=2"])
+    with pytest.raises(ConfigError, match="ramp.attention: dsa trains the DSA indexers"):
         load_config("smoke", ["runtime.train_engine=megatron", "ramp.attention=dsa", "ramp.dsa.top_k=32"])
     with pytest.raises(ConfigError, match="ramp.stages.0.rope_scaling: the megatron engine runs default RoPE"):
         load_config("smoke", ["runtime.train_engine=megatron", "ramp.stages=[{seq_len: 96, tokens: 384, rope_theta: "

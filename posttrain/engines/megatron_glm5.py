@@ -42,6 +42,10 @@ def check(hf_config, par, where: str = "megatron") -> None:
         raise ValueError(f"{where}: n_group {groups} with num_experts_per_tok {hf_config.num_experts_per_tok} and "
                          f"topk_group {topk_group}: Megatron's group score would differ from transformers' (it "
                          f"needs num_experts_per_tok / topk_group == 2); use runtime.train_engine torch")
+    if par.tp > 1 and not par.sequence_parallel:
+        raise ValueError(f"{where}.tp: Megatron splits a mixture-of-experts model over tensor-parallel ranks only with "
+                         f"{where}.sequence_parallel (which needs Transformer Engine) (got tp {par.tp}); split the "
+                         f"experts with {where}.ep instead")
     heads = hf_config.num_attention_heads
     if heads % par.tp:
         raise ValueError(f"{where}.tp: must divide the attention heads ({heads}) (got {par.tp}; supported: "

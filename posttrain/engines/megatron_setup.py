@@ -26,7 +26,8 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "glm_moe_dsa")  # HF model_type -> mbrid
 
 @dataclass(frozen=True)
 class Parallel:
-    """How one model is split over ranks (world = tp x pp x cp x dp); `ep` splits a MoE model's experts."""
+    """How one model is split over ranks (world = tp x pp x cp x dp); `ep` splits a MoE model's experts over ep of
+    the data-parallel ranks."""
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -35,7 +36,10 @@ class Parallel:
 
     @property
     def model_ranks(self) -> int:
-        return self.tp * self.pp * self.cp
+        """The fewest ranks that hold the model: tp x pp x cp x ep. Where a stage trains one replica (RL, OPD, a
+        ramp rung) its ep ranks each see the whole batch: the experts split, the dense layers repeat, and the
+        gradients are the one replica's (`MegatronTrainEngine._sync_grads`)."""
+        return self.tp * self.pp * self.cp * self.ep
 
 
 def cpu_patches() -> None:
@@ -66,6 +70,9 @@ def cpu_patches() -> None:
             multi_latent_attention.HAVE_TE = False
             from megatron.core.transformer.moe import moe_utils  # the router's GEMM: TE's when its name exists
             moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
+        if not torch.cuda.is_available():  # the all-to-all's split sizes: numpy once "copied to the host"
+            from megatron.core.transformer.moe import token_dispatcher
+            token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
         import megatron.core.optimizer  # noqa: F401
         import mbridge  # noqa: F401
 
@@ -84,6 +91,12 @@ class _HostStream:
 
 
 _HOST_STREAM = _HostStream()
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's `maybe_move_tensor_to_cpu` for a tensor already on the host: numpy when asked (its version
+    converts CUDA tensors only, and the all-to-all then gets tensors for its split sizes)."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 def _on_cpu(fn):
@@ -169,7 +182,7 @@ def init_parallel(par: Parallel, seed: int = 0) -> None:
             dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     world = dist.get_world_size()
     if world % par.model_ranks:
-        raise ValueError(f"megatron.tp: tp x pp x cp = {par.model_ranks} must divide the world of {world} ranks "
+        raise ValueError(f"megatron.tp: tp x pp x cp x ep = {par.model_ranks} must divide the world of {world} ranks "
                          f"this stage runs (sft: sft.workers Ray Train workers)")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),

@@ -51,7 +51,10 @@ class MegatronTrainEngine:
         from posttrain.models.preset import check_folder
         check_folder(checkpoint)
         hf_config = AutoConfig.from_pretrained(checkpoint)
-        check_layout(hf_config, parallel)
+        try:
+            check_layout(hf_config, parallel)
+        except ValueError as e:
+            raise ValueError(f"{Path(checkpoint) / 'config.json'}: {e}") from None
         init_parallel(parallel, seed)
         self.parallel, self.role, self.checkpoint = parallel, role, str(checkpoint)
         self.device = default_device()

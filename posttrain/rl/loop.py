@@ -140,7 +140,7 @@ class Engines:
 
 def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None,
                   engine: tuple[str, dict] = ("torch", {})):
-    """The loop's trained models: `Engines` in this process, or over several megatron ranks (tp x pp x cp > 1) the
+    """The loop's trained models: `Engines` in this process, or over several megatron ranks (tp x pp x cp x ep > 1) the
     same calls on Ray actors (posttrain.rl.ranks). `rl`: the loop trains on rollouts (not distillation only), so
     the KL alarm has tokens to watch; `moe`: how a policy with routers balances them; `engine`: the train engine's
     name and options (posttrain.engines)."""

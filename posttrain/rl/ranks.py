@@ -1,4 +1,4 @@
-"""The RL loop's trained models over several megatron ranks (tp x pp x cp > 1): one Ray actor per rank, each holding its
+"""The RL loop's trained models over several megatron ranks (tp x pp x cp x ep > 1): one Ray actor per rank, each holding its
 shards of the policy (and critic and reference), every rank running each update on the same batch (SPMD), rank 0
 answering. The loop itself (rollouts, rewards, buffers, checkpoints) stays in the stage's process and drives the
 ranks through the same four calls it makes on one rank's `Engines`: update, weights, save, load.
@@ -82,7 +82,7 @@ class RankedEngines:
     def __init__(self, ranks: int, build: dict, threads: int = 1):
         import ray
         if not ray.is_initialized():
-            raise RuntimeError(f"megatron: {ranks} ranks (tp x pp x cp) for the RL trainer need Ray (the pipeline's "
+            raise RuntimeError(f"megatron: {ranks} ranks (tp x pp x cp x ep) for the RL trainer need Ray (the pipeline's "
                                f"stages run on it)")
         from posttrain.device import device
         gpu = device().type == "cuda"  # where the stage computes (runtime.device): its ranks compute there too

@@ -1,0 +1,119 @@
+"""GLM-5 (GlmMoeDsaForCausalLM) through the megatron-core train engine: latent attention and routed experts in
+Megatron's own modules give transformers' logits and the torch engine's updates and expert balancing; expert and
+pipeline parallelism over two gloo processes equal one rank; what Megatron cannot compute the same way fails first."""
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from posttrain.config import MoEConfig, ModelConfig
+from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
+from tests.test_glm5_model import GLM5
+from tests.test_megatron import _free_port, _rank, _samples, _steps
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_groups(megatron_groups):
+    """The engine opens a world of one in this process; later tests open their own (conftest)."""
+
+
+@pytest.fixture(scope="module")
+def glm5(tok, tmp_path_factory):
+    """Two layers (dense, then eight routed experts and a shared one; a full indexer, then a shared one), its norms
+    and expert bias moved off their initial values so that each is read."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**{**GLM5, "num_layers": 2, "num_heads": 4, "qk_rope_head_dim": 4,
+                                       "indexer_types": ["full", "shared"], "max_position_embeddings": 256}), tok)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)
+    path = tmp_path_factory.mktemp("glm5")
+    save_checkpoint(model, tok, path)
+    return str(path)
+
+
+def test_logits_equal_transformers_and_weights_round_trip_exactly(glm5):
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    hf, _ = load_checkpoint(glm5)
+    engine = MegatronTrainEngine(glm5, "reference")
+    samples = _samples(hf.config.vocab_size)
+    with torch.no_grad():
+        got = engine.forward(samples)
+        for i, s in enumerate(samples):
+            want = hf(torch.tensor([s.prompt_ids + s.ids])).logits[0, len(s.prompt_ids) - 1:-1]
+            assert (got[i, :len(s.ids)] - want).abs().max().item() < 1e-4
+    exported, own = engine.weights(), hf.state_dict()
+    assert any(".indexer." in k for k in own) and any("e_score_correction_bias" in k for k in own)
+    assert set(exported) == set(own) and all(torch.equal(exported[k], own[k]) for k in own)
+
+
+def test_policy_updates_and_expert_balancing_equal_the_torch_engines(glm5):
+    """Three RL-style steps: the same gradient norms, weights, expert-load figures and bias moves. Prompts are
+    distinct: the torch engine runs a shared prompt once, so its expert load would count those tokens once."""
+    from posttrain.engines import train_engine
+    moe = MoEConfig(bias_update_rate=0.01)
+    engines = [train_engine(name, glm5, lr=1e-3, moe=moe) for name in ("torch", "megatron")]
+    samples = _samples(engines[1].vocab_size)[1:]
+    norms, stats = [], []
+    for engine in engines:
+        engine.train()
+        for _ in range(3):
+            loss, _, _ = engine.logprob_loss(samples, 1.0, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / 10)
+            engine.backward(loss)
+            norms.append(engine.step(1.0))
+            stats.append(dict(engine.moe_stats))
+    assert all(abs(a - b) < 1e-4 * a for a, b in zip(norms[:3], norms[3:]))
+    assert all(set(a) == set(b) and all(abs(a[k] - b[k]) < 1e-6 for k in a) for a, b in zip(stats[:3], stats[3:]))
+    assert stats[0]["moe_cv"] > 0
+    moved, own = engines[1].weights(), engines[0].model.state_dict()
+    assert max((moved[k] - own[k]).abs().max().item() for k in own) < 1e-5
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    start = load_checkpoint(glm5)[0].state_dict()[bias]
+    assert (moved[bias] - start).abs().max().item() == pytest.approx(0.03, abs=1e-6)  # three moves of 0.01
+
+
+@pytest.mark.parametrize("par,lm", [({"ep": 2}, True), ({"ep": 2}, False), ({"pp": 2}, False)],
+                         ids=["ep2-lm", "ep2", "pp2"])
+def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(glm5, tmp_path, par, lm):
+    """ep2: four experts on each rank, tokens sent to them all-to-all; pp2: the dense layer on one stage, the MoE
+    layer on the other."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    out = str(tmp_path / "rank0.pt")
+    mp.spawn(_rank, args=(2, _free_port(), par, glm5, out, lm, 2048), nprocs=2)
+    got = torch.load(out)
+    one = MegatronTrainEngine(glm5, lr=1e-3)
+    want = [x.item() for x in _steps(one, _samples(one.vocab_size), lm)]
+    assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
+    w = one.weights()
+    assert set(w) == set(got["weights"]) and max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
+
+
+def test_what_megatron_would_compute_differently_fails_before_any_work(glm5, tmp_path):
+    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    with pytest.raises(ValueError, match=rf"{glm5}/config.json: megatron.ep: must divide the checkpoint's "
+                                         r"n_routed_experts \(8\) \(got 3; supported: \[1, 2, 4, 8\]\)"):
+        MegatronTrainEngine(glm5, parallel=Parallel(ep=3))
+    with pytest.raises(ValueError, match="megatron.tp: Megatron splits a mixture-of-experts model over "
+                                         "tensor-parallel ranks only with megatron.sequence_parallel"):
+        MegatronTrainEngine(glm5, parallel=Parallel(tp=2))
+    adopted = tmp_path / "adopted"  # a checkpoint whose indexers keep 8 keys (the ramp adopted DSA)
+    shutil.copytree(glm5, adopted)
+    config = json.loads((adopted / "config.json").read_text())
+    (adopted / "config.json").write_text(json.dumps({**config, "index_topk": 8}))
+    engine = MegatronTrainEngine(adopted, "reference")
+    short = [s for s in _samples(engine.vocab_size) if len(s.prompt_ids) + len(s.ids) <= 8]
+    with torch.no_grad():
+        engine.forward(short)
+        with pytest.raises(ValueError, match=r"a 14-token row is longer than .*adopted/config.json's index_topk "
+                                             r"\(8\): megatron-core has no DSA indexer"):
+            engine.forward(_samples(engine.vocab_size))
