@@ -26,7 +26,7 @@ def _engine(cfg: PipelineConfig, path: str, lr: float, cp: int):
     g = cfg.megatron
     return MegatronTrainEngine(path, lr=lr, parallel=Parallel(g.tp, g.pp, cp, g.ep, g.sequence_parallel),
                                weight_decay=cfg.ramp.weight_decay, seed=cfg.seed,
-                               recompute=g.recompute or cfg.ramp.activation_checkpointing)
+                               recompute=g.recompute or cfg.ramp.activation_checkpointing, moe=cfg.moe)
 
 
 def _worker(c: dict) -> None:

@@ -167,7 +167,7 @@ def _train_rank(config: dict, rank: int, world: int, state: dict | None, report:
         from posttrain.engines import train_options
         from posttrain.engines.megatron_train import MegatronTrainEngine
         model = MegatronTrainEngine(config["init"], lr=s.lr, weight_decay=s.weight_decay, seed=cfg.seed,
-                                    **train_options(cfg))
+                                    moe=cfg.moe, **train_options(cfg))
         shard, shards = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         evaluate = model.lm_loss
     else:

@@ -8,10 +8,11 @@ the PPO critic and the KL reference. `runtime.rollout_engine` and `runtime.train
 backend is one module and one line in ROLLOUT / TRAIN below.
 
 - torch (both): the model in this process (CPU or one GPU; DDP under Ray Train for sft).
-- megatron (train, `engines/megatron_train.py`): megatron-core, weights through mbridge, split over tp x pp x cp
-  ranks (sft's Ray Train workers, a ramp rung's, RL and OPD's Ray actors: `rl/ranks.py`); sft resumes from
-  `dist_checkpointing`; `megatron_memory` says what a layout holds per GPU. Still to come: expert parallelism,
-  Megatron's DDP and distributed optimizer on CUDA, a 1F1B pipeline schedule (docs/megatron.md).
+- megatron (train, `engines/megatron_train.py`): megatron-core, weights through mbridge, split over tp x pp x cp x ep
+  ranks (sft's Ray Train workers, a ramp rung's, RL and OPD's Ray actors: `rl/ranks.py`); GLM-5 in Megatron's latent
+  attention and MoE layers (`megatron_glm5`); sft resumes from `dist_checkpointing`; `megatron_memory` says what a
+  layout holds per GPU. Still to come: Megatron's DDP and distributed optimizer on CUDA, a 1F1B pipeline schedule
+  (docs/megatron.md).
 - sglang (rollout, `engines/sglang_rollout.py`): each worker, teacher and evaluated checkpoint served by its own
   SGLang server process (`engines/sglang_server.py`; SGLang's environment from `make sglang`); updates that reach
   generations in flight (rl.partial_rollouts) and the trainer's broadcast to every server (`engines/weight_group.py`).

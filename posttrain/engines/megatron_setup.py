@@ -5,7 +5,8 @@ layouts (QKV interleaved per query group, gate and up stacked) and splits or gat
 ranks. We patch two things, both because we build Megatron's *local* layer spec (plain torch modules) instead of
 Transformer Engine's, which has no CPU build: the spec (mbridge hard-codes TE's), and the two norm names that
 spec uses (`input_layernorm`, `pre_mlp_layernorm`; TE folds them into the next linear). Megatron-Bridge, the
-other converter, imports Transformer Engine at load, so it cannot run without a GPU.
+other converter, imports Transformer Engine at load, so it cannot run without a GPU. GLM-5's mapping (mbridge's
+DeepSeek-V3 bridge, patched likewise) is in `engines.megatron_glm5`.
 
 On a machine without CUDA, megatron-core 0.16 allocates RoPE frequencies and attention buffers on
 `torch.cuda.current_device()`; `cpu_patches` answers "cpu" there (only when torch has no CUDA at all).

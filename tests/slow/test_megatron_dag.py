@@ -1,7 +1,8 @@
 """The smoke DAG with `runtime.train_engine: megatron`: the ramp, sft, the RL specialist and OPD train through
 megatron-core; sft's Ray Train workers are its ranks (tensor parallel over two of them gives one rank's curve) and
 resume exactly after a SIGKILL from their own per-rank state; the ramp's rungs run over context-parallel ranks;
-RL and OPD train over tensor-parallel ranks as Ray actors."""
+RL and OPD train over tensor-parallel ranks as Ray actors; the glm5 preset trains with its experts over two
+expert-parallel ranks."""
 import json
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from mlflow import MlflowClient
 from tests.test_pipeline_smoke import posttrain, stage_runs
 
 MEGATRON = ("--set", "runtime.train_engine=megatron", "--set", "rl.domains=[reasoning]")
+GLM5 = ("--set", "model.arch=glm5", "--set", "ramp.attention=sdpa", "--set", "model.num_layers=2",
+        "--set", "model.indexer_types=[full, shared]", "--set", "megatron.ep=2", "--set", "sft.workers=2")
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +92,23 @@ def test_rl_and_opd_over_two_tensor_parallel_ranks_start_as_one_rank(run):
         assert abs(got[key][0] - want[key][0]) < 1e-5, stage
         if "reward" in want:
             assert got["reward"][0] == want["reward"][0]
+
+
+def test_the_glm5_preset_trains_through_megatron_with_its_experts_split(tmp_path):
+    """GLM-5 in Megatron's latent attention and MoE layers, its experts over two expert-parallel ranks in every
+    training stage (the ramp's and sft's Ray Train workers, RL's and OPD's actors): the DAG publishes, sft logs its
+    expert load and plots it, and the bias each step moves leaves sft's checkpoint different from the ramp's."""
+    from safetensors.torch import load_file
+    posttrain(tmp_path, "run", "--profile", "smoke", *MEGATRON, *GLM5)
+    report = json.loads((tmp_path / "latest" / "report.json").read_text())
+    assert {"ramp", "sft", "rl-reasoning", "opd", "quantize", "evaluate"} <= set(report["stages"])
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    for stage in ("ramp", "sft", "rl-reasoning", "opd"):
+        params = c.get_run(report["stages"][stage]["mlflow_run_id"]).data.params
+        assert json.loads(params["runtime.train_engine"]) == "megatron", stage
+    sft = Path(report["stages"]["sft"]["artifact"])
+    assert "moe_cv_last" in c.get_run(report["stages"]["sft"]["mlflow_run_id"]).data.metrics
+    assert (sft / "expert_load.png").is_file()
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    before = load_file(Path(report["stages"]["ramp"]["artifact"]) / "model.safetensors")[bias]
+    assert (load_file(sft / "model.safetensors")[bias] - before).abs().max() > 0
