@@ -715,9 +715,9 @@ class PipelineConfig(_Strict):
         if self.moe.aux_loss_weight:
             errors.append("moe.aux_loss_weight: the megatron engine balances experts through their bias only "
                           "(moe.bias_update_rate); set it to 0 or use runtime.train_engine torch")
-        if self.rl.routing_replay or any(d.get("routing_replay") for d in self.rl.per_domain.values()):
-            errors.append("rl.routing_replay: the megatron engine does not replay the rollout's routes; use "
-                          "runtime.train_engine torch")
+        if g.recompute and (self.rl.routing_replay or any(d.get("routing_replay") for d in self.rl.per_domain.values())):
+            errors.append("rl.routing_replay: not with megatron.recompute (the recomputed forward would route by "
+                          "itself); set one of them off")
         for i, st in enumerate(self.ramp.stages):
             if st.rope_scaling:
                 errors.append(f"ramp.stages.{i}.rope_scaling: the megatron engine runs default RoPE (a stage's "

@@ -38,10 +38,9 @@ class RolloutRoutes:
         return torch.cat(self._rows[r], 1)
 
 
-def prefix_calls(samples: list, n_routers: int) -> list[list[torch.Tensor]]:
-    """The samples' routes laid out as posttrain.models.prefix.prefix_forward runs them: the distinct prompts
-    left-padded (its prefill), then every completion right-padded (its continuation); one [N, k] tensor per router
-    and forward, -1 where a position has no route (padding, the last token, a sample without routes)."""
+def check_routes(samples: list, n_routers: int) -> int:
+    """The experts per token of the samples' routes; refused when none has routes or their shapes do not fit a
+    policy with `n_routers` routers."""
     have = [s.routes for s in samples if getattr(s, "routes", None) is not None]
     if not have:
         raise ValueError("routing replay: no sample carries routes (the rollout engine did not record them)")
@@ -50,6 +49,14 @@ def prefix_calls(samples: list, n_routers: int) -> list[list[torch.Tensor]]:
         if r.dim() != 3 or r.shape[0] != n_routers or r.shape[-1] != k:
             raise ValueError(f"routing replay: routes of shape {tuple(r.shape)} for a policy with {n_routers} "
                              f"routers choosing {k} experts each")
+    return k
+
+
+def prefix_calls(samples: list, n_routers: int) -> list[list[torch.Tensor]]:
+    """The samples' routes laid out as posttrain.models.prefix.prefix_forward runs them: the distinct prompts
+    left-padded (its prefill), then every completion right-padded (its continuation); one [N, k] tensor per router
+    and forward, -1 where a position has no route (padding, the last token, a sample without routes)."""
+    k = check_routes(samples, n_routers)
     first: dict[tuple[int, ...], object] = {}
     for s in samples:  # in prefill_distinct's order
         first.setdefault(tuple(s.prompt_ids), s)

@@ -97,6 +97,41 @@ def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(glm5, tmp_pa
     assert set(w) == set(got["weights"]) and max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
 
 
+def test_routing_replay_gives_the_rollouts_logprobs_after_the_routing_moved(glm5, tmp_path):
+    """Routes recorded by the torch rollout engine, then the expert bias moved so that the router chooses otherwise:
+    replayed through Megatron's router, the rollout's log-probabilities come back, and the router still learns."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.torch_rollout import sample
+    from posttrain.models import moe
+    from posttrain.rl.workers import Sample
+    model, tok = load_checkpoint(glm5)
+    prompts = [[5, 6, 7, 8, 9, 10, 11]] * 3 + [[20, 21, 22]] * 3
+    hooks = moe.RouterHooks(model)
+    gens = sample(model, prompts, max_new_tokens=10, temperature=1.0, stop_ids={2}, pad_id=0,
+                  generator=torch.Generator().manual_seed(0), routes=hooks)
+    hooks.remove()
+    samples = [Sample("t", i // 3, p, g.ids, [1] * len(g.ids), g.logprobs, float(i % 2), 0, routes=g.routes)
+               for i, (p, g) in enumerate(zip(prompts, gens))]
+    with torch.no_grad():  # the choice moves, the gate values of a given choice do not (bias: choice only)
+        for _, r in moe.routers(model):
+            r.e_score_correction_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(1)))
+    save_checkpoint(model, tok, tmp_path / "moved")
+    behaviour = torch.nn.utils.rnn.pad_sequence([torch.tensor(g.logprobs) for g in gens], batch_first=True)
+    real = behaviour != 0
+    plain, replay = (MegatronTrainEngine(tmp_path / "moved", lr=1e-3, routing_replay=r) for r in (False, True))
+    assert (plain.logprobs(samples, 1.0)[0][real] - behaviour[real]).abs().max() > 1e-2
+    replay.train()
+    loss, logp, _ = replay.logprob_loss(samples, 1.0, lambda lp, ent: -lp.sum())
+    torch.testing.assert_close(logp[real], behaviour[real], rtol=0, atol=1e-4)
+    stats = replay.replay_stats()
+    assert stats["routes_replayed"] > 0 and stats["routes_differ"] > 0.2
+    replay.backward(loss)
+    assert replay.gpt.decoder.layers[1].mlp.router.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="routes of shape"):
+        samples[0].routes = samples[0].routes[:, :, :1]
+        replay.logprobs(samples, 1.0)
+
+
 def test_what_megatron_would_compute_differently_fails_before_any_work(glm5, tmp_path):
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine

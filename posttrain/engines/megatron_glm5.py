@@ -20,6 +20,7 @@ the ramp has not adopted DSA in selects every key at any length). Nor is the MTP
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,7 @@ def bridge_class(base, local_spec: bool, sdpa_attention):
                 moe_router_group_topk=hf.topk_group if groups > 1 else None,
                 # the bias is a buffer the engine moves itself (`MegatronTrainEngine._balance`), as the torch engine
                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
-                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_enable_routing_replay=True,
                 moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
                 q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim,
                 qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim, rotary_base=hf.rope_theta,
@@ -150,9 +151,89 @@ def _count_load(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | No
             self.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
+def _replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_topk=None,
+                 default_compute_topk=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's `RouterReplay.get_replay_topk` with the rollout's routes where it has them: a row of -1 (padding,
+    the last generated token, a sample without routes) is left to the router, and the replayed tokens whose experts
+    the router would have chosen otherwise are counted (posttrain.routing_replay's contract)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+        return _MEGATRON_REPLAY_TOPK(self, scores, topk, num_groups, group_topk, default_compute_topk)
+    _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+    forced = self.target_topk_idx.to(own.device, own.dtype)
+    fresh = (forced < 0).any(-1, keepdim=True)
+    with torch.no_grad():
+        kept = ~fresh[:, 0]
+        same = (forced.sort(-1).values == own.sort(-1).values).all(-1)
+        n, differ = getattr(self, "replayed", (0, 0))
+        self.replayed = (n + int(kept.sum()), differ + int((kept & ~same).sum()))
+    idx = torch.where(fresh, own, forced)
+    return scores.gather(1, idx), idx
+
+
+_MEGATRON_REPLAY_TOPK = None
+
+
 def patch_router() -> None:
+    global _MEGATRON_REPLAY_TOPK
     from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay
     TopKRouter._apply_expert_bias = _count_load
+    if _MEGATRON_REPLAY_TOPK is None:
+        _MEGATRON_REPLAY_TOPK = RouterReplay.get_replay_topk
+        RouterReplay.get_replay_topk = _replay_topk
+
+
+def moe_layers(gpt, hf_config) -> list[tuple[int, torch.nn.Module]]:
+    """(the router's index among the model's routers, as transformers and the rollout count them; the router) for
+    each MoE layer this pipeline stage holds."""
+    dense = min(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)
+    return [(layer.layer_number - 1 - dense, layer.mlp.router) for layer in gpt.decoder.layers
+            if getattr(layer.mlp, "router", None) is not None]
+
+
+def replay_targets(samples: list, length: int, hf_config) -> torch.Tensor:
+    """The samples' routes (posttrain.routing_replay) laid out as the engine's rows, prompt + completion from
+    position 0, right-padded to `length`: [routers, samples, length, k], -1 where a position has no route."""
+    from posttrain.routing_replay import check_routes
+    n_routers = hf_config.num_hidden_layers - min(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)
+    k = check_routes(samples, n_routers)
+    out = torch.full((n_routers, len(samples), length, k), -1, dtype=torch.long)
+    for b, s in enumerate(samples):
+        if getattr(s, "routes", None) is not None:
+            n = min(length, s.routes.shape[1])
+            out[:, b, :n] = s.routes[:, :n]
+    return out
+
+
+@contextmanager
+def replaying(gpt, hf_config, targets: torch.Tensor | None):
+    """The routers of this stage forced to `targets` [routers, b, s, k] (this rank's rows and positions) for one
+    forward; nothing when None. Megatron's router sees the tokens sequence-major ([s, b] flattened)."""
+    if targets is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    layers = moe_layers(gpt, hf_config)
+    for i, router in layers:
+        router.router_replay.set_target_indices(targets[i].transpose(0, 1).reshape(-1, targets.shape[-1]))
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for _, router in layers:
+            router.router_replay.clear_router_replay_action()
+            router.router_replay.clear_indices()
+
+
+def take_replayed(gpt, hf_config) -> tuple[int, int]:
+    """(routes replayed, of which the router would have chosen otherwise) on this stage since the last call."""
+    n = differ = 0
+    for _, router in moe_layers(gpt, hf_config):
+        a, b = getattr(router.router_replay, "replayed", (0, 0))
+        router.router_replay.replayed = (0, 0)
+        n, differ = n + a, differ + b
+    return n, differ
 
 
 def set_latent_norm_eps(gpt) -> None:

@@ -43,7 +43,7 @@ class MegatronTrainEngine:
 
     def __init__(self, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
                  parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0, recompute: bool = False,
-                 moe=None):
+                 moe=None, routing_replay: bool = False):
         from transformers import AutoConfig, AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -94,19 +94,23 @@ class MegatronTrainEngine:
         from posttrain.config import MoEConfig
         self.moe = moe or MoEConfig()
         self._balance = self.glm5 and moe is not None and self.opt is not None
+        if routing_replay and not self.glm5:
+            raise ValueError(f"rl.routing_replay: needs a mixture-of-experts policy; {checkpoint} is a dense "
+                             f"{hf_config.model_type}")
+        if routing_replay and recompute:  # a recomputed forward would route by itself
+            raise ValueError("rl.routing_replay: not with megatron.recompute (the recomputed forward would not "
+                             "replay the routes)")
+        self.routing_replay, self._targets = routing_replay, None  # the rollout's routes for the next forward
         self.eval()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None, moe=None,
                         routing_replay: bool = False, parallel: Parallel = Parallel(),
                         recompute: bool = False) -> "MegatronTrainEngine":
-        if routing_replay:
-            raise ValueError("rl.routing_replay: the megatron train engine does not replay the rollout's routes; "
-                             "use runtime.train_engine torch")
         if moe is not None and moe.aux_loss_weight:
             raise ValueError("moe.aux_loss_weight: the megatron train engine balances experts through their bias only "
                              "(moe.bias_update_rate); set it to 0 or use runtime.train_engine torch")
-        return cls(path, role, lr=lr, parallel=parallel, recompute=recompute, moe=moe)
+        return cls(path, role, lr=lr, parallel=parallel, recompute=recompute, moe=moe, routing_replay=routing_replay)
 
     # --- the forward in the completion layout -----------------------------------------------------------------
     def _rows(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,6 +154,9 @@ class MegatronTrainEngine:
                 attention_mask = F.pad(attention_mask, (0, pad))
             if padding is not None:
                 padding = F.pad(padding, (0, pad), value=True)
+        targets = self._targets
+        if targets is not None and pad:
+            targets = F.pad(targets, (0, 0, 0, pad), value=-1)
         if T + pad > DENSE_MASK_MAX and (cp > 1 or not causal) and local_spec(self.parallel):  # per document
             mask = self._segments(position_ids, attention_mask)
             mask[:, T:] = -1
@@ -162,6 +169,7 @@ class MegatronTrainEngine:
                 mask = context_parallel.local_mask(mask, T + pad, b, ids.device)
             ids, position_ids = ids[:, where], position_ids[:, where]
             padding = None if padding is None else padding[:, where]
+            targets = None if targets is None else targets[:, :, where]
         trains = torch.is_grad_enabled() and self.opt is not None
         if not self.pipe.first:  # the previous pipeline stage's hidden states [s, b, h] (s: this rank's share)
             s = ids.shape[1] // (self.parallel.tp if self.parallel.sequence_parallel else 1)
@@ -169,7 +177,8 @@ class MegatronTrainEngine:
                                                         trains))
         self.gpt.post_process = False  # GPTModel then returns the final-normed hidden states [s, b, h]
         try:
-            h = self.gpt(ids, position_ids, mask, **({"padding_mask": padding} if self.glm5 else {}))
+            with megatron_glm5.replaying(self.gpt, self.hf_config, targets):
+                h = self.gpt(ids, position_ids, mask, **({"padding_mask": padding} if self.glm5 else {}))
         finally:
             self.gpt.post_process = self.pipe.last
         if not self.pipe.last:
@@ -225,7 +234,12 @@ class MegatronTrainEngine:
         real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, self.device)
         lengths = torch.tensor([len(s.prompt_ids) + len(s.ids) for s in samples], device=self.device)
         padding = torch.arange(ids.shape[1], device=self.device)[None] >= lengths[:, None]
-        return self._hidden(ids, padding=padding)[row, pos], ids[row, pos + 1], real
+        if self.routing_replay:
+            self._targets = megatron_glm5.replay_targets(samples, ids.shape[1], self.hf_config).to(self.device)
+        try:
+            return self._hidden(ids, padding=padding)[row, pos], ids[row, pos + 1], real
+        finally:
+            self._targets = None
 
     @staged
     def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -298,6 +312,18 @@ class MegatronTrainEngine:
         kl = vocab_parallel.reverse_kl(*self._logits(h[gen[real]]), self.vocab_size, temperature, teacher=teacher)
         w = token_weights.to(self.device)[gen].float()
         return (kl * w).sum(), kl.detach().new_zeros(gen.shape).masked_scatter(gen, kl.detach())
+
+    def replay_stats(self) -> dict[str, float]:
+        """Routes replayed since the last call and the share the router would have chosen otherwise (every pipeline
+        stage's routers); {} without replay or when none was replayed."""
+        if not self.routing_replay:
+            return {}
+        from megatron.core import parallel_state as ps
+        got = torch.tensor(megatron_glm5.take_replayed(self.gpt, self.hf_config), dtype=torch.float64)
+        if self.pipe.size > 1:
+            dist.all_reduce(got, group=ps.get_pipeline_model_parallel_group())
+        n, differ = got.tolist()
+        return {"routes_replayed": n, "routes_differ": differ / n} if n else {}
 
     # --- training ----------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -428,7 +454,8 @@ class MegatronTrainEngine:
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's weights under their Hugging Face names (gathered over tensor-parallel ranks; every rank
         returns them), on CPU for the rollout engines."""
-        out = {name: t.detach().cpu().clone() for name, t in self.bridge.export_weights([self.gpt])}
+        with torch.no_grad():  # mbridge broadcasts the parameters themselves over the pipeline group: not for autograd
+            out = {name: t.detach().cpu().clone() for name, t in self.bridge.export_weights([self.gpt])}
         if self.glm5:  # one tensor per layer's experts, as transformers holds them; the DSA indexers passed through
             out = megatron_glm5.to_transformers(out, self._passthrough)
         if self.tied and "lm_head.weight" not in out:  # transformers lists the tied head in its state dict

@@ -13,7 +13,8 @@ from tests.test_pipeline_smoke import posttrain, stage_runs
 
 MEGATRON = ("--set", "runtime.train_engine=megatron", "--set", "rl.domains=[reasoning]")
 GLM5 = ("--set", "model.arch=glm5", "--set", "ramp.attention=sdpa", "--set", "model.num_layers=2",
-        "--set", "model.indexer_types=[full, shared]", "--set", "megatron.ep=2", "--set", "sft.workers=2")
+        "--set", "model.indexer_types=[full, shared]", "--set", "megatron.ep=2", "--set", "sft.workers=2",
+        "--set", "rl.routing_replay=true")
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +97,9 @@ def test_rl_and_opd_over_two_tensor_parallel_ranks_start_as_one_rank(run):
 
 def test_the_glm5_preset_trains_through_megatron_with_its_experts_split(tmp_path):
     """GLM-5 in Megatron's latent attention and MoE layers, its experts over two expert-parallel ranks in every
-    training stage (the ramp's and sft's Ray Train workers, RL's and OPD's actors): the DAG publishes, sft logs its
-    expert load and plots it, and the bias each step moves leaves sft's checkpoint different from the ramp's."""
+    training stage (the ramp's and sft's Ray Train workers, RL's and OPD's actors), RL under routing replay: the DAG
+    publishes, sft logs its expert load and plots it, the bias each step moves leaves sft's checkpoint different from
+    the ramp's, and the RL specialist replays its rollouts' routes."""
     from safetensors.torch import load_file
     posttrain(tmp_path, "run", "--profile", "smoke", *MEGATRON, *GLM5)
     report = json.loads((tmp_path / "latest" / "report.json").read_text())
@@ -109,6 +111,7 @@ def test_the_glm5_preset_trains_through_megatron_with_its_experts_split(tmp_path
     sft = Path(report["stages"]["sft"]["artifact"])
     assert "moe_cv_last" in c.get_run(report["stages"]["sft"]["mlflow_run_id"]).data.metrics
     assert (sft / "expert_load.png").is_file()
+    assert c.get_run(report["stages"]["rl-reasoning"]["mlflow_run_id"]).data.metrics["curve/routes_replayed"] > 0
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     before = load_file(Path(report["stages"]["ramp"]["artifact"]) / "model.safetensors")[bias]
     assert (load_file(sft / "model.safetensors")[bias] - before).abs().max() > 0
