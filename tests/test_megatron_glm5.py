@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from posttrain.config import MoEConfig, ModelConfig
 from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
 from tests.test_glm5_model import GLM5
-from tests.test_megatron import _free_port, _rank, _samples, _steps
+from tests.test_megatron import _free_port, _rank, _samples, _sharded_rank, _steps
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
@@ -95,6 +95,19 @@ def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(glm5, tmp_pa
     assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
     w = one.weights()
     assert set(w) == set(got["weights"]) and max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
+
+
+def test_a_distributed_checkpoint_saved_over_two_expert_ranks_resumes_on_one_rank(glm5, tmp_path):
+    """Each expert-parallel rank writes its four experts and their AdamW moments; one rank holding all eight trains on
+    from it as the two did (sft's resume after a SIGKILL goes through this checkpoint)."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
+    mp.spawn(_sharded_rank, args=(2, _free_port(), glm5, str(folder), out, {"ep": 2}), nprocs=2)
+    want = torch.load(out)
+    one = MegatronTrainEngine(glm5, lr=1e-3)
+    one.load_sharded(folder)
+    got = [x.item() for x in _steps(one, [], lm=True)]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
 
 
 def test_routing_replay_gives_the_rollouts_logprobs_after_the_routing_moved(glm5, tmp_path):

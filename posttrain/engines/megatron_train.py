@@ -37,6 +37,13 @@ from posttrain.engines.pipeline_stages import Pipeline, StageDone, staged
 DENSE_MASK_MAX = 2048
 
 
+def _without_rng(common: dict) -> dict:
+    """The common part of a distributed checkpoint as Megatron compares it over ranks before saving rank 0's: without
+    the RNG states, which data-parallel ranks draw from on their own (rank 0's are saved; dropout is off, so the
+    model's forward draws nothing)."""
+    return {**common, "common": {k: v for k, v in common["common"].items() if k not in ("rng", "python_rng")}}
+
+
 class MegatronTrainEngine:
     """A checkpoint as a Megatron GPTModel on this rank: `policy` (AdamW at `lr`), `critic` (a zero-initialised value
     head on the backbone's last hidden state) or `reference` (forward only)."""
@@ -483,7 +490,7 @@ class MegatronTrainEngine:
         its common part. Every rank calls it (a collective); each writes its own shards."""
         from megatron.core import dist_checkpointing
         Path(folder).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(self._sharded(), str(folder))
+        dist_checkpointing.save(self._sharded(), str(folder), preprocess_common_before_consistancy_check=_without_rng)
 
     def load_sharded(self, folder: str | Path) -> None:
         """`save_sharded`'s checkpoint into this engine, whatever split it was saved at (every rank calls it)."""
