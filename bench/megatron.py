@@ -7,6 +7,9 @@
   weights (fp32), and the exported Hugging Face tensors against the checkpoint's, bit for bit.
 - `tp2_loss_max_abs_diff`, `dp2_loss_max_abs_diff`, `cp2_loss_max_abs_diff`: the same steps on two gloo (NCCL on
   CUDA) ranks, tensor, data and context parallel (posttrain.engines.context_parallel), against one rank's losses.
+- `glm5_*`: the same for GLM-5's architecture (the glm5 preset at GLM5_SHAPE: latent attention, eight routed experts
+  and a shared one, the first layer dense) in Megatron's own MLA and MoE layers (posttrain.engines.megatron_glm5),
+  and `ep2_loss_max_abs_diff`: its experts over two expert-parallel ranks against one rank.
 
     python -m bench.megatron [--shape tiny|0.5b]     (make bench B=megatron)
 
@@ -52,6 +55,28 @@ def checkpoint(shape: str, where: Path) -> Path:
                                   pad_token="t0", eos_token="t1", bos_token="t2", chat_template=CHAT_TEMPLATE)
     LlamaForCausalLM(cfg).save_pretrained(where)
     tok.save_pretrained(where)
+    return where
+
+
+GLM5_SHAPE = dict(arch="glm5", hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384,
+                  moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=64, kv_lora_rank=32,
+                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, index_heads=4, index_head_dim=32,
+                  indexer_types=["full", "shared", "full", "shared"], max_position_embeddings=4096)
+
+
+def glm5_checkpoint(where: Path, vocab: int = 4096) -> Path:
+    """The glm5 preset at GLM5_SHAPE with random weights and a byte-level tokenizer of `vocab` entries."""
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    from posttrain.chat import CHAT_TEMPLATE
+    from posttrain.config import ModelConfig
+    from posttrain.models.preset import build_model, save_checkpoint
+    torch.manual_seed(0)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)},
+                                                                               unk_token="t0")),
+                                  pad_token="t0", eos_token="t1", bos_token="t2", chat_template=CHAT_TEMPLATE)
+    save_checkpoint(build_model(ModelConfig(**GLM5_SHAPE), tok), tok, where)
     return where
 
 
@@ -141,27 +166,31 @@ def main(argv: list[str] | None = None) -> None:
         path = checkpoint(shape, Path(d) / shape)
         data = batches(SHAPES[shape]["vocab_size"], STEPS)
         fig = {"device": device, "shape": shape, "steps": STEPS, "batch": BATCH, "seq_len": SEQ, "repeats": REPEATS,
-               "dtype": "float32" if not torch.cuda.is_available() else "bf16 autocast (torch) / fp32 (megatron)"}
-        times = {"torch": [], "megatron": []}
-        curves = {}
-        for _ in range(REPEATS):  # alternating, so drift in the machine's speed hits both
-            model, _ = load_checkpoint(path)
-            curves["torch"], s = steps(model, data)
-            times["torch"].append(s)
-            del model
-            curves["megatron"], s = steps(MegatronTrainEngine(path, lr=1e-3), data)
-            times["megatron"].append(s)
-        tokens = STEPS * BATCH * SEQ
-        fig["tokens_per_s_torch_engine"] = round(tokens / min(times["torch"]), 1)
-        fig["tokens_per_s_megatron"] = round(tokens / min(times["megatron"]), 1)
-        fig["speed_ratio"] = round(fig["tokens_per_s_megatron"] / fig["tokens_per_s_torch_engine"], 3)
-        fig["loss_max_abs_diff_vs_torch_engine"] = max(abs(a - b) for a, b in zip(curves["torch"],
-                                                                                 curves["megatron"]))
-        fig |= exactness(path)
-        for name, par in (("tp2", {"tp": 2}), ("dp2", {}), ("cp2", {"cp": 2})):
-            got = ranks(path, data, par, 2)
-            fig[f"{name}_loss_max_abs_diff"] = None if got is None else max(
-                abs(a - b) for a, b in zip(got, curves["megatron"]))
+               "dtype": "float32" if not torch.cuda.is_available() else "bf16 autocast (torch) / fp32 (megatron)",
+               "glm5_shape": GLM5_SHAPE}
+        glm5 = glm5_checkpoint(Path(d) / "glm5")
+        for prefix, at, splits in (("", path, (("tp2", {"tp": 2}), ("dp2", {}), ("cp2", {"cp": 2}))),
+                                   ("glm5_", glm5, (("ep2", {"ep": 2}),))):
+            times = {"torch": [], "megatron": []}
+            curves = {}
+            for _ in range(REPEATS):  # alternating, so drift in the machine's speed hits both
+                model, _ = load_checkpoint(at)
+                curves["torch"], s = steps(model, data)
+                times["torch"].append(s)
+                del model
+                curves["megatron"], s = steps(MegatronTrainEngine(at, lr=1e-3), data)
+                times["megatron"].append(s)
+            tokens = STEPS * BATCH * SEQ
+            torch_tps, mega_tps = (round(tokens / min(times[k]), 1) for k in ("torch", "megatron"))
+            fig |= {f"{prefix}tokens_per_s_torch_engine": torch_tps, f"{prefix}tokens_per_s_megatron": mega_tps,
+                    f"{prefix}speed_ratio": round(mega_tps / torch_tps, 3),
+                    f"{prefix}loss_max_abs_diff_vs_torch_engine": max(abs(a - b) for a, b in zip(curves["torch"],
+                                                                                                 curves["megatron"]))}
+            fig |= {prefix + k: v for k, v in exactness(at).items()}
+            for name, par in splits:
+                got = ranks(at, data, par, 2)
+                fig[f"{name}_loss_max_abs_diff"] = None if got is None else max(
+                    abs(a - b) for a, b in zip(got, curves["megatron"]))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "megatron.json").write_text(json.dumps(mark(fig), indent=1) + "\n")
     print(json.dumps(mark(fig), indent=1))
