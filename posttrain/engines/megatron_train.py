@@ -384,7 +384,7 @@ class MegatronTrainEngine:
                 replicated += sq
         if self.parallel.tp > 1:
             dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-        if self.parallel.ep * self.parallel.tp > 1 and self.glm5:
+        if self.parallel.ep > 1:
             dist.all_reduce(experts, group=ps.get_expert_tensor_and_model_parallel_group())
         total = sharded + replicated + experts
         if self.pipe.size > 1:  # each stage holds its own layers
@@ -413,13 +413,9 @@ class MegatronTrainEngine:
         each router's bias moved `moe.bias_update_rate` toward uniform load."""
         from megatron.core import parallel_state as ps
 
-        from posttrain.models.moe import load_stats
-        dense = min(self.hf_config.first_k_dense_replace, self.hf_config.num_hidden_layers)
+        from posttrain.models.moe import load_stats, load_summary
         stats = {}
-        for layer in self.gpt.decoder.layers:
-            router = getattr(layer.mlp, "router", None)
-            if router is None:
-                continue
+        for i, router in megatron_glm5.moe_layers(self.gpt, self.hf_config):
             load = router.local_tokens_per_expert.detach().float().clone()
             router.local_tokens_per_expert.zero_()
             if dist.get_world_size(group := ps.get_data_parallel_group(with_context_parallel=True)) > 1:
@@ -428,19 +424,14 @@ class MegatronTrainEngine:
                 dist.all_reduce(load, group=ps.get_tensor_model_parallel_group())
             if not float(load.sum()):
                 continue
-            stats[layer.layer_number - 1 - dense] = load_stats(load)
+            stats[i] = load_stats(load)
             with torch.no_grad():
                 router.expert_bias += self.moe.bias_update_rate * torch.sign(load.mean() - load)
         if self.pipe.size > 1:  # each stage routed its own layers
             every = [None] * self.pipe.size
             dist.all_gather_object(every, stats, group=ps.get_pipeline_model_parallel_group())
             stats = {k: v for part in every for k, v in part.items()}
-        if not stats:
-            return {}
-        per = [stats[i] for i in sorted(stats)]
-        out = {f"moe_{k}_{i}": v for i, s in sorted(stats.items()) for k, v in s.items()}
-        return out | {"moe_cv": sum(s["cv"] for s in per) / len(per), "moe_max_mean": max(s["max_mean"] for s in per),
-                      "moe_dead": sum(s["dead"] for s in per)}
+        return load_summary(stats) if stats else {}
 
     def with_schedule(self, schedule: Callable[[int], float], lr: float) -> "MegatronTrainEngine":
         """`lr` times `schedule(step)` from now on (posttrain.train's warmup + cosine)."""

@@ -42,6 +42,15 @@ def load_stats(load: torch.Tensor) -> dict[str, float]:
             "dead": int((load == 0).sum())}
 
 
+def load_summary(per_layer: dict[int, dict[str, float]]) -> dict[str, float]:
+    """A step's expert-load figures per MoE layer (`load_stats` by router index) and across layers, under the names
+    MLflow and the plot read."""
+    per = [per_layer[i] for i in sorted(per_layer)]
+    out = {f"moe_{k}_{i}": v for i, s in sorted(per_layer.items()) for k, v in s.items()}
+    return out | {"moe_cv": sum(s["cv"] for s in per) / len(per), "moe_max_mean": max(s["max_mean"] for s in per),
+                  "moe_dead": sum(s["dead"] for s in per)}
+
+
 def _rescore(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The router's gate weights for experts `idx`, exactly as its forward computes them for its own choice."""
     w = logits.sigmoid().gather(1, idx)
@@ -177,16 +186,12 @@ class RouterHooks:
         self.loads = [torch.zeros_like(x) for x in self.loads]
         if not any(float(x.sum()) for x in loads):
             return {}
-        per = [load_stats(x) for x in loads]
         if rate:
             with torch.no_grad():
                 for (_, r), x in zip(self.routers, loads):
                     b = r.e_score_correction_bias
                     b += (rate * torch.sign(x.mean() - x)).to(b.device, b.dtype)
-        out = {f"moe_{k}_{i}": v for i, s in enumerate(per) for k, v in s.items()}
-        out |= {"moe_cv": sum(s["cv"] for s in per) / len(per), "moe_max_mean": max(s["max_mean"] for s in per),
-                "moe_dead": sum(s["dead"] for s in per)}
-        return out
+        return load_summary(dict(enumerate(load_stats(x) for x in loads)))
 
     def aux_loss(self) -> torch.Tensor | None:
         """DeepSeek-V3's sequence-wise balance loss over the forwards since the last call, averaged over routers and
