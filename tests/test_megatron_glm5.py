@@ -56,6 +56,20 @@ def test_logits_equal_transformers_and_weights_round_trip_exactly(glm5):
     assert set(exported) == set(own) and all(torch.equal(exported[k], own[k]) for k in own)
 
 
+def test_a_draft_layer_passes_through_every_export(glm5, tmp_path):
+    """A GLM-5 checkpoint with its MTP layer (layer num_hidden_layers): Megatron does not hold it, the export carries
+    it as the checkpoint has it, and the transformers model the engine saves from loads it."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.models import mtp
+    model, tok = load_checkpoint(glm5)
+    mtp.install(model, 1)
+    save_checkpoint(model, tok, tmp_path / "draft")
+    want = {k: v for k, v in load_checkpoint(tmp_path / "draft")[0].state_dict().items() if k.startswith("mtp.")}
+    engine = MegatronTrainEngine(tmp_path / "draft", lr=1e-3)
+    got = engine.hf_model().state_dict()
+    assert want and all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def test_policy_updates_and_expert_balancing_equal_the_torch_engines(glm5):
     """Three RL-style steps: the same gradient norms, weights, expert-load figures and bias moves. Prompts are
     distinct: the torch engine runs a shared prompt once, so its expert load would count those tokens once."""

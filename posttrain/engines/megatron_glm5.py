@@ -14,8 +14,8 @@ only); and the latent norms' epsilon (transformers builds them at 1e-6 whatever 
 What megatron-core lacks: DeepSeek sparse attention's indexer. Its weights are not in the Megatron model; they pass
 through from the checkpoint unchanged into every export. That is exact as long as the indexer selects every key of a
 row, which is what `check_rows` enforces: a row longer than the checkpoint's `index_topk` is refused (a checkpoint
-the ramp has not adopted DSA in selects every key at any length). Nor is the MTP draft layer mapped (config refuses
-`mtp.depth` with this engine).
+the ramp has not adopted DSA in selects every key at any length). Nor is GLM-5's MTP draft layer mapped: a
+checkpoint's passes through unchanged too (the config refuses `mtp.depth`, training one, with this engine).
 """
 from __future__ import annotations
 
@@ -243,15 +243,24 @@ def set_latent_norm_eps(gpt) -> None:
                 norm.eps = LATENT_NORM_EPS
 
 
-def passthrough(checkpoint: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors no Megatron module holds (the DSA indexers), for every export."""
+def passthrough(checkpoint: str, hf_config) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors no Megatron module holds, for every export under transformers' in-memory names: the
+    DSA indexers, and a GLM-5 draft (MTP) layer (stored as layer num_hidden_layers; the config keeps this engine
+    from training one)."""
     from pathlib import Path
+    from types import SimpleNamespace
 
     from safetensors import safe_open
+
+    from posttrain.models import mtp
+    n = hf_config.num_hidden_layers
     out = {}
     for f in sorted(Path(checkpoint).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            out |= {k: st.get_tensor(k) for k in st.keys() if ".self_attn.indexer." in k}
+            out |= {k: st.get_tensor(k) for k in st.keys()
+                    if ".self_attn.indexer." in k and not k.startswith(f"model.layers.{n}.")}
+    if getattr(hf_config, "num_nextn_predict_layers", 0):
+        out |= mtp.glm5_layer_state(SimpleNamespace(config=hf_config), checkpoint)
     return out
 
 

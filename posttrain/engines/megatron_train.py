@@ -78,7 +78,7 @@ class MegatronTrainEngine:
         self._passthrough = {}
         if self.glm5:
             megatron_glm5.set_latent_norm_eps(self.gpt)
-            self._passthrough = megatron_glm5.passthrough(checkpoint)
+            self._passthrough = megatron_glm5.passthrough(checkpoint, hf_config)
         if recompute and not torch.cuda.is_available():
             recompute_layers(self.gpt)
         self.vocab_size = hf_config.vocab_size

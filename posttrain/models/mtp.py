@@ -210,9 +210,10 @@ def _glm5_layer(model, checkpoint: str | Path, keys_only: bool = False) -> dict[
     return raw
 
 
-def _load_glm5_layer(model, checkpoint: str | Path) -> None:
-    """The MTP layer's weights from a checkpoint's layer num_hidden_layers (GLM-5's names; routed experts one
-    Linear each on disk, as transformers writes them, fused here as its loader fuses the model's layers)."""
+def glm5_layer_state(model, checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's layer num_hidden_layers (GLM-5's names; routed experts one Linear each on disk, as
+    transformers writes them) under the MTP module's names, its experts fused as transformers' loader fuses the
+    model's layers. Only `model.config` is read."""
     raw = _glm5_layer(model, checkpoint)
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for k in [k for k in raw if ".experts." in k and k.split(".experts.")[1].split(".")[0].isdigit()]:
@@ -225,7 +226,13 @@ def _load_glm5_layer(model, checkpoint: str | Path) -> None:
             raw[f"{head}.down_proj"] = torch.stack([per[e] for e in sorted(per)])
         elif proj == "gate_proj" and set(per) == set(up := experts.get(f"{head}.up_proj", {})):
             raw[f"{head}.gate_up_proj"] = torch.stack([torch.cat([per[e], up[e]]) for e in sorted(per)])
-    ours = from_glm5_state(model, raw)
+    return from_glm5_state(model, raw)
+
+
+def _load_glm5_layer(model, checkpoint: str | Path) -> None:
+    """The MTP layer's weights from a checkpoint's layer num_hidden_layers (`glm5_layer_state`), all or a loud
+    error."""
+    ours = glm5_layer_state(model, checkpoint)
     want = {k for k in model.state_dict() if k.startswith("mtp.")}
     missing, extra = want - set(ours), set(ours) - want
     if missing or extra:
