@@ -91,7 +91,7 @@ def bridge_class(base, local_spec: bool, sdpa_attention):
                 moe_router_topk_scaling_factor=hf.routed_scaling_factor,
                 moe_router_num_groups=groups if groups > 1 else None,
                 moe_router_group_topk=hf.topk_group if groups > 1 else None,
-                # the bias is a buffer the engine moves itself (`MegatronTrainEngine._balance`), as the torch engine
+                # the bias is a buffer the engine moves itself (`MegatronTrainEngine._balance_experts`), as the torch one
                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_enable_routing_replay=True,
                 moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
