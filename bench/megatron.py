@@ -9,7 +9,8 @@
   CUDA) ranks, tensor, data and context parallel (posttrain.engines.context_parallel), against one rank's losses.
 - `glm5_*`: the same for GLM-5's architecture (the glm5 preset at GLM5_SHAPE: latent attention, eight routed experts
   and a shared one, the first layer dense) in Megatron's own MLA and MoE layers (posttrain.engines.megatron_glm5),
-  and `ep2_loss_max_abs_diff`: its experts over two expert-parallel ranks against one rank.
+  and `ep2_loss_max_abs_diff`: its experts over two expert-parallel ranks against one rank, beside
+  `glm5_dp2_loss_max_abs_diff` (the same two data-parallel ranks with every expert on each).
 
     python -m bench.megatron [--shape tiny|0.5b]     (make bench B=megatron)
 
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                "glm5_shape": GLM5_SHAPE}
         glm5 = glm5_checkpoint(Path(d) / "glm5")
         for prefix, at, splits in (("", path, (("tp2", {"tp": 2}), ("dp2", {}), ("cp2", {"cp": 2}))),
-                                   ("glm5_", glm5, (("ep2", {"ep": 2}),))):
+                                   ("glm5_", glm5, (("glm5_dp2", {}), ("ep2", {"ep": 2})))):
             times = {"torch": [], "megatron": []}
             curves = {}
             for _ in range(REPEATS):  # alternating, so drift in the machine's speed hits both
