@@ -187,9 +187,10 @@ def init_parallel(par: Parallel, seed: int = 0) -> None:
                          f"this stage runs (sft: sft.workers Ray Train workers)")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_context_parallel_world_size())
-        if have != (par.tp, par.pp, par.cp):
-            raise ValueError(f"megatron: this process already runs tp/pp/cp {have}, not {(par.tp, par.pp, par.cp)}")
+                ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if have != (par.tp, par.pp, par.cp, par.ep):
+            raise ValueError(f"megatron: this process already runs tp/pp/cp/ep {have}, not "
+                             f"{(par.tp, par.pp, par.cp, par.ep)}")
         return
     ps.initialize_model_parallel(par.tp, par.pp, context_parallel_size=par.cp, expert_model_parallel_size=par.ep)
     if torch.cuda.is_available():
