@@ -63,12 +63,13 @@ def _engines(path, role="policy", lr=1e-3):
     return train_engine("torch", path, role, lr=lr), train_engine("megatron", path, role, lr=lr)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_logits_equal_transformers_and_weights_round_trip_exactly(ckpts, arch):
+def equals_transformers(path) -> dict[str, torch.Tensor]:
+    """Assert the megatron engine's logits on `path` equal transformers' (fp32, 1e-4) and its export is the
+    checkpoint's state bit for bit; that state."""
     from posttrain.models.preset import load_checkpoint
     from posttrain.engines.megatron_train import MegatronTrainEngine
-    hf, _ = load_checkpoint(ckpts[arch])
-    engine = MegatronTrainEngine(ckpts[arch], "reference")
+    hf, _ = load_checkpoint(path)
+    engine = MegatronTrainEngine(path, "reference")
     samples = _samples(hf.config.vocab_size)
     with torch.no_grad():
         got = engine.forward(samples)
@@ -77,6 +78,12 @@ def test_logits_equal_transformers_and_weights_round_trip_exactly(ckpts, arch):
             assert (got[i, :len(s.ids)] - want).abs().max().item() < 1e-4
     exported, own = engine.weights(), hf.state_dict()
     assert set(exported) == set(own) and all(torch.equal(exported[k], own[k]) for k in own)
+    return own
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_logits_equal_transformers_and_weights_round_trip_exactly(ckpts, arch):
+    equals_transformers(ckpts[arch])
 
 
 def test_policy_updates_equal_the_torch_engines(ckpts):
