@@ -82,13 +82,13 @@ class _HostStream:
     """A CUDA stream's waits and events on a machine without CUDA, where there is nothing to wait for."""
 
     def wait_stream(self, other) -> None:
-        pass
+        pass  # deliberate: host work is already ordered, so there is no other stream to wait for
 
     def record_event(self):
         return self
 
     def synchronize(self) -> None:
-        pass
+        pass  # deliberate: the "device-to-host" copies it would wait for are plain host tensors here
 
 
 _HOST_STREAM = _HostStream()
