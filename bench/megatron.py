@@ -11,6 +11,9 @@
   and a shared one, the first layer dense) in Megatron's own MLA and MoE layers (posttrain.engines.megatron_glm5),
   and `ep2_loss_max_abs_diff`: its experts over two expert-parallel ranks against one rank, beside
   `glm5_dp2_loss_max_abs_diff` (the same two data-parallel ranks with every expert on each).
+- `*_distributed_optimizer_*`: dp 2 (GLM-5: ep 2) with `megatron.distributed_optimizer`: the loss against one rank,
+  rank 0's AdamW state in bytes over the same split without it (`..._state_ratio`), and its steps' time over theirs
+  (`..._time_ratio`: the parameters' broadcast after each step).
 
     python -m bench.megatron [--shape tiny|0.5b]     (make bench B=megatron)
 
@@ -114,21 +117,24 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, data: list[dic
 
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
-    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par))
+    par = dict(par)
+    zero = par.pop("distributed_optimizer", False)
+    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par), distributed_optimizer=zero)
     dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = [{k: v[shard::dp] for k, v in b.items()} for b in data]  # equal shares: the mean of means is the mean
-    losses, _ = steps(engine, mine)
+    losses, seconds = steps(engine, mine)
     total = torch.tensor(losses, device=engine.device)
     dist.all_reduce(total, group=ps.get_data_parallel_group())
+    state = sum(t.numel() * t.element_size() for st in engine.opt.state.values() for t in st.values() if t.dim())
     if rank == 0:
-        torch.save((total / dp).tolist(), out)
+        torch.save({"losses": (total / dp).tolist(), "seconds": seconds, "optimizer_bytes": state}, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def ranks(path: Path, data: list[dict], par: dict, world: int) -> list[float] | None:
-    """The losses of `world` ranks split as `par` (Parallel's fields); None where this machine has fewer GPUs than
-    ranks."""
+def ranks(path: Path, data: list[dict], par: dict, world: int) -> dict | None:
+    """Rank 0's losses (the whole batch's), seconds and AdamW state bytes over `world` ranks split as `par`
+    (Parallel's fields, `distributed_optimizer`); None where this machine has fewer GPUs than ranks."""
     import torch.multiprocessing as mp
     if torch.cuda.is_available() and torch.cuda.device_count() < world:
         return None
@@ -170,8 +176,11 @@ def main(argv: list[str] | None = None) -> None:
                "dtype": "float32" if not torch.cuda.is_available() else "bf16 autocast (torch) / fp32 (megatron)",
                "glm5_shape": GLM5_SHAPE}
         glm5 = glm5_checkpoint(Path(d) / "glm5")
-        for prefix, at, splits in (("", path, (("tp2", {"tp": 2}), ("dp2", {}), ("cp2", {"cp": 2}))),
-                                   ("glm5_", glm5, (("glm5_dp2", {}), ("ep2", {"ep": 2})))):
+        zero = {"distributed_optimizer": True}
+        for prefix, at, splits in (("", path, (("tp2", {"tp": 2}), ("dp2", {}), ("cp2", {"cp": 2}),
+                                               ("dp2_distributed_optimizer", zero))),
+                                   ("glm5_", glm5, (("glm5_dp2", {}), ("ep2", {"ep": 2}),
+                                                    ("glm5_ep2_distributed_optimizer", {"ep": 2, **zero})))):
             times = {"torch": [], "megatron": []}
             curves = {}
             for _ in range(REPEATS):  # alternating, so drift in the machine's speed hits both
@@ -188,10 +197,15 @@ def main(argv: list[str] | None = None) -> None:
                     f"{prefix}loss_max_abs_diff_vs_torch_engine": max(abs(a - b) for a, b in zip(curves["torch"],
                                                                                                  curves["megatron"]))}
             fig |= {prefix + k: v for k, v in exactness(at).items()}
+            runs = {}
             for name, par in splits:
-                got = ranks(at, data, par, 2)
+                runs[name] = got = ranks(at, data, par, 2)
                 fig[f"{name}_loss_max_abs_diff"] = None if got is None else max(
-                    abs(a - b) for a, b in zip(got, curves["megatron"]))
+                    abs(a - b) for a, b in zip(got["losses"], curves["megatron"]))
+            name, plain = splits[-1][0], runs[splits[-2][0] if prefix else "dp2"]  # the same split without it
+            if runs[name] and plain:
+                fig[f"{name}_state_ratio"] = round(runs[name]["optimizer_bytes"] / plain["optimizer_bytes"], 3)
+                fig[f"{name}_time_ratio"] = round(runs[name]["seconds"] / plain["seconds"], 3)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "megatron.json").write_text(json.dumps(mark(fig), indent=1) + "\n")
     print(json.dumps(mark(fig), indent=1))

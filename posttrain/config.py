@@ -538,7 +538,9 @@ class MegatronConfig(_Strict):
     cp: AtLeast1 = 1                 # context parallel (the long ramp stages)
     ep: AtLeast1 = 1                 # expert parallel (MoE models): must divide the routed experts
     sequence_parallel: bool = False  # norms and dropout on a tp-th of the sequence each (needs tp > 1)
-    distributed_optimizer: bool = False  # optimizer state sharded over data-parallel ranks
+    # AdamW's moments split over the ranks that hold the same parameters (data-parallel replicas; a MoE model's dense
+    # layers over its expert-parallel ranks): each rank keeps about 1 / their number
+    distributed_optimizer: bool = False
     recompute: bool = False          # activations recomputed in the backward (full layers)
 
 
@@ -727,9 +729,6 @@ class PipelineConfig(_Strict):
                           "the engine does not drive yet; set one of them off (here or in ramp.stages)")
         if g.sequence_parallel and g.tp == 1:
             errors.append("megatron.sequence_parallel: needs megatron.tp > 1")
-        if g.distributed_optimizer:
-            errors.append("megatron.distributed_optimizer: not wired into the engine yet (each rank runs AdamW on "
-                          "its own shards); set it false")
         return errors
 
     def section(self, name: str) -> Any:

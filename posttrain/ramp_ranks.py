@@ -26,7 +26,8 @@ def _engine(cfg: PipelineConfig, path: str, lr: float, cp: int):
     g = cfg.megatron
     return MegatronTrainEngine(path, lr=lr, parallel=Parallel(g.tp, g.pp, cp, g.ep, g.sequence_parallel),
                                weight_decay=cfg.ramp.weight_decay, seed=cfg.seed,
-                               recompute=g.recompute or cfg.ramp.activation_checkpointing, moe=cfg.moe)
+                               recompute=g.recompute or cfg.ramp.activation_checkpointing, moe=cfg.moe,
+                               distributed_optimizer=g.distributed_optimizer)
 
 
 def _worker(c: dict) -> None:

@@ -209,6 +209,15 @@ def _steps(engine, samples: list, lm: bool) -> list[float]:
     return losses
 
 
+def _engine(path, par: dict):
+    """A policy split as `par` says (Parallel's fields, and `distributed_optimizer`)."""
+    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    par = dict(par)
+    zero = par.pop("distributed_optimizer", False)
+    return MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par), distributed_optimizer=zero)
+
+
 def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: bool, dense_max: int) -> None:
     """One rank of `world` running `_steps` (data-parallel ranks each take their share of the samples); rows longer
     than `dense_max` attend per document."""
@@ -218,10 +227,8 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
     from megatron.core import parallel_state as ps
 
     from posttrain.engines import megatron_train
-    from posttrain.engines.megatron_setup import Parallel
-    from posttrain.engines.megatron_train import MegatronTrainEngine
     megatron_train.DENSE_MASK_MAX = dense_max
-    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par))
+    engine = _engine(path, par)
     dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     losses = []
     for loss in _steps(engine, _samples(engine.vocab_size)[shard::dp], lm):
@@ -232,19 +239,23 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
         with pytest.raises(KeyError, match="loss_mask"):
             engine.lm_loss({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
     weights = engine.weights()
+    owned = sum(p.numel() for g in engine.opt.param_groups for p in g["params"])  # the parameters this rank steps
     if rank == 0:
-        torch.save({"losses": losses, "weights": weights}, out)
+        torch.save({"losses": losses, "weights": weights,
+                    "owned": owned / sum(p.numel() for p in engine.model.parameters())}, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("par,lm,dense_max", [({"tp": 2}, False, 2048), ({}, False, 2048), ({"cp": 2}, True, 2048),
-                                              ({"cp": 2}, True, 0), ({"pp": 2}, False, 2048), ({"pp": 2}, True, 2048)],
-                         ids=["tp2", "dp2", "cp2", "cp2-per-document", "pp2", "pp2-lm"])
+                                              ({"cp": 2}, True, 0), ({"pp": 2}, False, 2048), ({"pp": 2}, True, 2048),
+                                              ({"distributed_optimizer": True}, False, 2048)],
+                         ids=["tp2", "dp2", "cp2", "cp2-per-document", "pp2", "pp2-lm", "dp2-distributed-optimizer"])
 def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm, dense_max):
     """Against one rank with its whole [T, T] masks; `cp2-per-document`: the long rows' path, attention per document
     with no mask, over the two context-parallel ranks' query chunks; `pp2`: a layer on each pipeline stage, the tied
-    embeddings on both ends (every stage returns the last stage's answer)."""
+    embeddings on both ends (every stage returns the last stage's answer); `dp2-distributed-optimizer`: each rank
+    steps about half the parameters, the update still the whole batch's."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_rank, args=(2, _free_port(), par, ckpts["llama"], out, lm, dense_max), nprocs=2)
@@ -254,6 +265,10 @@ def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, l
     assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
     w = one.weights()
     assert max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
+    if par.get("distributed_optimizer"):
+        assert 0.3 < got["owned"] < 0.7
+    else:
+        assert got["owned"] == 1
 
 
 def test_attention_per_document_equals_the_whole_mask(ckpts, monkeypatch):
@@ -290,10 +305,9 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
                                          r"qwen3, glm_moe_dsa\)"):
         check_layout(GPT2Config(), Parallel())
     with pytest.raises(ConfigError) as e:
-        load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "mtp.depth=1", "megatron.pp=2",
-                              "megatron.distributed_optimizer=true"])
+        load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "mtp.depth=1", "megatron.pp=2"])
     for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks", "mtp.depth: must be 0",
-                 "megatron.pp: must divide model.num_layers 1", "megatron.distributed_optimizer"):
+                 "megatron.pp: must divide model.num_layers 1"):
         assert rule in str(e.value)
     with pytest.raises(ConfigError) as e:
         load_config("tiny-glm5", ["runtime.train_engine=megatron", "megatron.ep=3", "megatron.tp=2",
@@ -395,9 +409,7 @@ def _sharded_rank(rank: int, world: int, port: int, path: str, folder: str, out:
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    from posttrain.engines.megatron_setup import Parallel
-    from posttrain.engines.megatron_train import MegatronTrainEngine
-    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par))
+    engine = _engine(path, par)
     _steps(engine, [], lm=True)
     engine.save_sharded(folder)
     losses = [x.item() for x in _steps(engine, [], lm=True)]
@@ -407,11 +419,12 @@ def _sharded_rank(rank: int, world: int, port: int, path: str, folder: str, out:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("par", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("par", [{"tp": 2}, {"pp": 2}, {"distributed_optimizer": True}],
+                         ids=["tp2", "pp2", "dp2-distributed-optimizer"])
 def test_a_distributed_checkpoint_saved_over_two_ranks_resumes_on_one_rank(ckpts, tmp_path, par):
-    """Megatron's dist_checkpointing: weights and AdamW moments sharded over two tp ranks, or split in two pipeline
-    stages, load into one rank (resharded on load), which then trains on as the two ranks did; a fresh engine alone
-    does not."""
+    """Megatron's dist_checkpointing: weights and AdamW moments sharded over two tp ranks, split in two pipeline
+    stages, or each data-parallel rank's moments for the parameters it steps, load into one rank (resharded on
+    load), which then trains on as the two ranks did; a fresh engine alone does not."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
     mp.spawn(_sharded_rank, args=(2, _free_port(), str(ckpts["llama"]), str(folder), out, par), nprocs=2)

@@ -86,11 +86,13 @@ def test_policy_updates_and_expert_balancing_equal_the_torch_engines(glm5):
     assert (moved[bias] - start).abs().max().item() == pytest.approx(0.03, abs=1e-6)  # three moves of 0.01
 
 
-@pytest.mark.parametrize("par,lm", [({"ep": 2}, True), ({"ep": 2}, False), ({"pp": 2}, False)],
-                         ids=["ep2-lm", "ep2", "pp2"])
+@pytest.mark.parametrize("par,lm", [({"ep": 2}, True), ({"ep": 2}, False), ({"pp": 2}, False),
+                                    ({"ep": 2, "distributed_optimizer": True}, False)],
+                         ids=["ep2-lm", "ep2", "pp2", "ep2-distributed-optimizer"])
 def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(glm5, tmp_path, par, lm):
     """ep2: four experts on each rank, tokens sent to them all-to-all; pp2: the dense layer on one stage, the MoE
-    layer on the other."""
+    layer on the other; with the distributed optimizer each rank steps its own experts and about half the dense
+    layers (which repeat over the two ranks)."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_rank, args=(2, _free_port(), par, glm5, out, lm, 2048), nprocs=2)
@@ -100,14 +102,18 @@ def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(glm5, tmp_pa
     assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
     w = one.weights()
     assert set(w) == set(got["weights"]) and max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
+    assert got["owned"] < 0.9 if par.get("distributed_optimizer") else got["owned"] == 1  # the share it steps
 
 
-def test_a_distributed_checkpoint_saved_over_two_expert_ranks_resumes_on_one_rank(glm5, tmp_path):
-    """Each expert-parallel rank writes its four experts and their AdamW moments; one rank holding all eight trains on
-    from it as the two did (sft's resume after a SIGKILL goes through this checkpoint)."""
+@pytest.mark.parametrize("par", [{"ep": 2}, {"ep": 2, "distributed_optimizer": True}],
+                         ids=["ep2", "ep2-distributed-optimizer"])
+def test_a_distributed_checkpoint_saved_over_two_expert_ranks_resumes_on_one_rank(glm5, tmp_path, par):
+    """Each expert-parallel rank writes its four experts and their AdamW moments (with the distributed optimizer
+    also the dense layers' moments it owns); one rank holding all eight trains on from it as the two did (sft's
+    resume after a SIGKILL goes through this checkpoint)."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
-    mp.spawn(_sharded_rank, args=(2, _free_port(), glm5, str(folder), out, {"ep": 2}), nprocs=2)
+    mp.spawn(_sharded_rank, args=(2, _free_port(), glm5, str(folder), out, par), nprocs=2)
     want = torch.load(out)
     one = MegatronTrainEngine(glm5, lr=1e-3)
     one.load_sharded(folder)

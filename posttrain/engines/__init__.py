@@ -72,7 +72,8 @@ def train_options(cfg) -> dict:
         return {}
     from posttrain.engines.megatron_setup import Parallel
     m = cfg.megatron
-    return {"parallel": Parallel(m.tp, m.pp, m.cp, m.ep, m.sequence_parallel), "recompute": m.recompute}
+    return {"parallel": Parallel(m.tp, m.pp, m.cp, m.ep, m.sequence_parallel), "recompute": m.recompute,
+            "distributed_optimizer": m.distributed_optimizer}
 
 
 def rollout_options(cfg) -> dict:

@@ -12,9 +12,10 @@ causal mask; the head runs only at the positions that predict a completion token
 
 Gradients: the data-parallel ranks' gradients are averaged with one all-reduce per step; with sequence parallelism
 the norms' gradients (computed on each rank's slice of the sequence) are summed over the tensor-parallel group, as
-Megatron's DDP does. The optimizer is torch's fused AdamW on each rank's own parameters (the torch engine's), and
-the clipping norm counts tensor-parallel shards once each. Megatron's own DDP and distributed optimizer hard-code
-CUDA devices and streams, so they are not used here.
+Megatron's DDP does. The optimizer is torch's fused AdamW on each rank's own parameters (the torch engine's), or with
+`distributed_optimizer` on the share of them this rank owns (`engines.zero_optimizer`); the clipping norm counts
+tensor-parallel shards once each. Megatron's own DDP and distributed optimizer hard-code CUDA devices and streams, so
+they are not used here.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from posttrain.engines import context_parallel, megatron_glm5, vocab_parallel
+from posttrain.engines import context_parallel, megatron_glm5, vocab_parallel, zero_optimizer
 from posttrain.engines.megatron_setup import (Parallel, bridge, check_layout, init_parallel, local_spec, quiet,
                                               recompute_layers)
 from posttrain.engines.pipeline_stages import Pipeline, StageDone, staged
@@ -50,7 +51,7 @@ class MegatronTrainEngine:
 
     def __init__(self, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
                  parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0, recompute: bool = False,
-                 moe=None, routing_replay: bool = False):
+                 moe=None, routing_replay: bool = False, distributed_optimizer: bool = False):
         from transformers import AutoConfig, AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -90,10 +91,12 @@ class MegatronTrainEngine:
             torch.nn.init.zeros_(self.value_head.bias)
             modules["value_head"] = self.value_head
         self.model = torch.nn.ModuleDict(modules)
-        self.opt = self.sched = None
+        self.opt = self.sched = self.shards = None
         if lr is not None and role != "reference":
             from posttrain.train import make_optimizer
-            self.opt = make_optimizer(self.model, lr, weight_decay)
+            if distributed_optimizer:
+                self.shards = self._shards()
+            self.opt = make_optimizer(self.shards.mine if self.shards else self.model.parameters(), lr, weight_decay)
         else:
             self.model.requires_grad_(False)
         # `routers` is the torch engine's hook object (aux loss, replay): Megatron's MoE layers route themselves here
@@ -113,11 +116,22 @@ class MegatronTrainEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None, moe=None,
                         routing_replay: bool = False, parallel: Parallel = Parallel(),
-                        recompute: bool = False) -> "MegatronTrainEngine":
+                        recompute: bool = False, distributed_optimizer: bool = False) -> "MegatronTrainEngine":
         if moe is not None and moe.aux_loss_weight:
             raise ValueError("moe.aux_loss_weight: the megatron train engine balances experts through their bias only "
                              "(moe.bias_update_rate); set it to 0 or use runtime.train_engine torch")
-        return cls(path, role, lr=lr, parallel=parallel, recompute=recompute, moe=moe, routing_replay=routing_replay)
+        return cls(path, role, lr=lr, parallel=parallel, recompute=recompute, moe=moe, routing_replay=routing_replay,
+                   distributed_optimizer=distributed_optimizer)
+
+    def _shards(self) -> zero_optimizer.Shards:
+        """The distributed optimizer's split: the dense parameters over the data-parallel (and context-parallel)
+        ranks, which hold them alike; a MoE model's experts over their own replicas (expert data parallel)."""
+        from megatron.core import parallel_state as ps
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        experts = [p for p in params if not getattr(p, "allreduce", True)]
+        return zero_optimizer.Shards([
+            ([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group(with_context_parallel=True)),
+            (experts, ps.get_expert_data_parallel_group() if experts else None)])
 
     # --- the forward in the completion layout -----------------------------------------------------------------
     def _rows(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -399,9 +413,11 @@ class MegatronTrainEngine:
             if p.grad is not None:
                 p.grad.mul_(coef)
         self.opt.step()
+        if self.shards:
+            self.shards.broadcast()
         if self.sched:
             self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # the distributed optimizer's holds only its own parameters
         self.pipe.forget()
         if self._balance:
             self.moe_stats = self._balance_experts()
@@ -443,7 +459,7 @@ class MegatronTrainEngine:
     def zero_grad(self) -> None:
         self.pipe.forget()
         if self.opt is not None:
-            self.opt.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)
 
     @property
     def lr(self) -> float:
@@ -512,6 +528,9 @@ class MegatronTrainEngine:
         opt = self.opt.state_dict()
         step = float(next(iter(opt["state"].values()))["step"]) if opt["state"] else 0.0
         optim_state_to_sharding_state(opt, get_param_id_to_sharded_param_map(model, params), exclude_keys=("step",))
+        if self.shards:  # each moment on its owner only
+            opt["state"] = {i: {k: zero_optimizer.owned_moment(v) for k, v in st.items()}
+                            for i, st in opt["state"].items()}
         return {"model": model, "optimizer": opt,
                 "common": {"opt_step": step, "sched": self.sched.state_dict() if self.sched else None,
                            "rng": torch.get_rng_state(), "python_rng": random.getstate()}}
