@@ -14,6 +14,9 @@
 - `*_distributed_optimizer_*`: dp 2 (GLM-5: ep 2) with `megatron.distributed_optimizer`: the loss against one rank,
   rank 0's AdamW state in bytes over the same split without it (`..._state_ratio`), and its steps' time over theirs
   (`..._time_ratio`: the parameters' broadcast after each step).
+- `pp2_1f1b_speed_ratio`: two pipeline stages, each batch in MICRO micro-batches in the 1F1B order
+  (`megatron.micro_batches`), against the same two stages taking the whole batch in turn (`pp2_loss_max_abs_diff`,
+  `pp2_1f1b_loss_max_abs_diff` against one rank); at most 2 x MICRO / (MICRO + 1) with two stages.
 
     python -m bench.megatron [--shape tiny|0.5b]     (make bench B=megatron)
 
@@ -40,6 +43,7 @@ OUT = out_dir()
 REPEATS = size(3, 1)
 STEPS = size(10, 2)
 BATCH, SEQ = size(8, 2), size(256, 32)
+MICRO = size(4, 2)
 SHAPES = {"tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        intermediate_size=768, vocab_size=4096),
           "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -118,8 +122,8 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, data: list[dic
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
     par = dict(par)
-    zero = par.pop("distributed_optimizer", False)
-    engine = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par), distributed_optimizer=zero)
+    engine = MegatronTrainEngine(path, lr=1e-3, distributed_optimizer=par.pop("distributed_optimizer", False),
+                                 micro_batches=par.pop("micro_batches", 1), parallel=Parallel(**par))
     dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = [{k: v[shard::dp] for k, v in b.items()} for b in data]  # equal shares: the mean of means is the mean
     losses, seconds = steps(engine, mine)
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         glm5 = glm5_checkpoint(Path(d) / "glm5")
         zero = {"distributed_optimizer": True}
         for prefix, at, splits in (("", path, (("tp2", {"tp": 2}), ("dp2", {}), ("cp2", {"cp": 2}),
-                                               ("dp2_distributed_optimizer", zero))),
+                                               ("dp2_distributed_optimizer", zero), ("pp2", {"pp": 2}),
+                                               ("pp2_1f1b", {"pp": 2, "micro_batches": MICRO}))),
                                    ("glm5_", glm5, (("glm5_dp2", {}), ("ep2", {"ep": 2}),
                                                     ("glm5_ep2_distributed_optimizer", {"ep": 2, **zero})))):
             times = {"torch": [], "megatron": []}
@@ -202,10 +207,15 @@ def main(argv: list[str] | None = None) -> None:
                 runs[name] = got = ranks(at, data, par, 2)
                 fig[f"{name}_loss_max_abs_diff"] = None if got is None else max(
                     abs(a - b) for a, b in zip(got["losses"], curves["megatron"]))
-            name, plain = splits[-1][0], runs[splits[-2][0] if prefix else "dp2"]  # the same split without it
-            if runs[name] and plain:
-                fig[f"{name}_state_ratio"] = round(runs[name]["optimizer_bytes"] / plain["optimizer_bytes"], 3)
-                fig[f"{name}_time_ratio"] = round(runs[name]["seconds"] / plain["seconds"], 3)
+            zero_run, plain = (("glm5_ep2_distributed_optimizer", "ep2") if prefix else
+                               ("dp2_distributed_optimizer", "dp2"))  # the same split with and without it
+            if runs[zero_run] and runs[plain]:
+                fig[f"{zero_run}_state_ratio"] = round(runs[zero_run]["optimizer_bytes"] /
+                                                       runs[plain]["optimizer_bytes"], 3)
+                fig[f"{zero_run}_time_ratio"] = round(runs[zero_run]["seconds"] / runs[plain]["seconds"], 3)
+            if not prefix and runs["pp2"] and runs["pp2_1f1b"]:
+                fig |= {"micro_batches": MICRO,
+                        "pp2_1f1b_speed_ratio": round(runs["pp2"]["seconds"] / runs["pp2_1f1b"]["seconds"], 3)}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "megatron.json").write_text(json.dumps(mark(fig), indent=1) + "\n")
     print(json.dumps(mark(fig), indent=1))

@@ -542,6 +542,10 @@ class MegatronConfig(_Strict):
     # layers over its expert-parallel ranks): each rank keeps about 1 / their number
     distributed_optimizer: bool = False
     recompute: bool = False          # activations recomputed in the backward (full layers)
+    # sft's and the ramp's batches in this many micro-batches of rows, run through the pipeline stages in Megatron's
+    # 1F1B order: the stages work at once, each holding at most pp micro-batches' activations (a packed batch of
+    # fewer rows splits into as many as it has)
+    micro_batches: AtLeast1 = 1
 
 
 class RuntimeConfig(_Strict):

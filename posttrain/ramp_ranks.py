@@ -27,7 +27,7 @@ def _engine(cfg: PipelineConfig, path: str, lr: float, cp: int):
     return MegatronTrainEngine(path, lr=lr, parallel=Parallel(g.tp, g.pp, cp, g.ep, g.sequence_parallel),
                                weight_decay=cfg.ramp.weight_decay, seed=cfg.seed,
                                recompute=g.recompute or cfg.ramp.activation_checkpointing, moe=cfg.moe,
-                               distributed_optimizer=g.distributed_optimizer)
+                               distributed_optimizer=g.distributed_optimizer, micro_batches=g.micro_batches)
 
 
 def _worker(c: dict) -> None:

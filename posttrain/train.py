@@ -87,9 +87,7 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
         engine.zero_grad()
         total = 0.0
         for micro in range(grad_accum):
-            loss = engine.forward(next_batch(step * grad_accum + micro)) / grad_accum
-            engine.backward(loss)
-            total += loss.item()
+            total += engine.forward_backward(next_batch(step * grad_accum + micro), 1 / grad_accum).item()
         engine.step(grad_clip)
         hist["loss"].append(total)
         for k, v in step_summary(engine).items():

@@ -199,23 +199,23 @@ def _steps(engine, samples: list, lm: bool) -> list[float]:
     losses = []
     engine.train()
     for i in range(4):
-        if lm:
-            loss = engine.lm_loss(_lm_batches(engine.vocab_size)[i % 2])
+        if lm:  # posttrain.train's call
+            loss = engine.forward_backward(_lm_batches(engine.vocab_size)[i % 2])
         else:
             loss, _, _ = engine.logprob_loss(samples, 1.0, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / 4)
-        engine.backward(loss)
+            engine.backward(loss)
         engine.step(1.0)
         losses.append(loss.detach())
     return losses
 
 
 def _engine(path, par: dict):
-    """A policy split as `par` says (Parallel's fields, and `distributed_optimizer`)."""
+    """A policy split as `par` says (Parallel's fields, `distributed_optimizer` and `micro_batches`)."""
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
     par = dict(par)
-    zero = par.pop("distributed_optimizer", False)
-    return MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(**par), distributed_optimizer=zero)
+    return MegatronTrainEngine(path, lr=1e-3, distributed_optimizer=par.pop("distributed_optimizer", False),
+                               micro_batches=par.pop("micro_batches", 1), parallel=Parallel(**par))
 
 
 def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: bool, dense_max: int) -> None:
@@ -249,12 +249,15 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
 
 @pytest.mark.parametrize("par,lm,dense_max", [({"tp": 2}, False, 2048), ({}, False, 2048), ({"cp": 2}, True, 2048),
                                               ({"cp": 2}, True, 0), ({"pp": 2}, False, 2048), ({"pp": 2}, True, 2048),
+                                              ({"pp": 2, "micro_batches": 2}, True, 2048),
                                               ({"distributed_optimizer": True}, False, 2048)],
-                         ids=["tp2", "dp2", "cp2", "cp2-per-document", "pp2", "pp2-lm", "dp2-distributed-optimizer"])
+                         ids=["tp2", "dp2", "cp2", "cp2-per-document", "pp2", "pp2-lm", "pp2-1f1b",
+                              "dp2-distributed-optimizer"])
 def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm, dense_max):
     """Against one rank with its whole [T, T] masks; `cp2-per-document`: the long rows' path, attention per document
     with no mask, over the two context-parallel ranks' query chunks; `pp2`: a layer on each pipeline stage, the tied
-    embeddings on both ends (every stage returns the last stage's answer); `dp2-distributed-optimizer`: each rank
+    embeddings on both ends (every stage returns the last stage's answer); `pp2-1f1b`: each batch in two micro-batches
+    through the stages in the 1F1B order; `dp2-distributed-optimizer`: each rank
     steps about half the parameters, the update still the whole batch's."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")

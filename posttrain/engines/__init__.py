@@ -11,8 +11,8 @@ backend is one module and one line in ROLLOUT / TRAIN below.
 - megatron (train, `engines/megatron_train.py`): megatron-core, weights through mbridge, split over tp x pp x cp x ep
   ranks (sft's Ray Train workers, a ramp rung's, RL and OPD's Ray actors: `rl/ranks.py`); GLM-5 in Megatron's latent
   attention and MoE layers (`megatron_glm5`); sft resumes from `dist_checkpointing`; `megatron_memory` says what a
-  layout holds per GPU. Still to come: Megatron's DDP and distributed optimizer on CUDA, a 1F1B pipeline schedule
-  (docs/megatron.md).
+  layout holds per GPU; a distributed optimizer of its own (`zero_optimizer`) and the 1F1B schedule for sft's and the
+  ramp's LM loss (`pipeline_stages`). Still to come: Megatron's DDP on CUDA (docs/megatron.md).
 - sglang (rollout, `engines/sglang_rollout.py`): each worker, teacher and evaluated checkpoint served by its own
   SGLang server process (`engines/sglang_server.py`; SGLang's environment from `make sglang`); updates that reach
   generations in flight (rl.partial_rollouts) and the trainer's broadcast to every server (`engines/weight_group.py`).
@@ -73,7 +73,7 @@ def train_options(cfg) -> dict:
     from posttrain.engines.megatron_setup import Parallel
     m = cfg.megatron
     return {"parallel": Parallel(m.tp, m.pp, m.cp, m.ep, m.sequence_parallel), "recompute": m.recompute,
-            "distributed_optimizer": m.distributed_optimizer}
+            "distributed_optimizer": m.distributed_optimizer, "micro_batches": m.micro_batches}
 
 
 def rollout_options(cfg) -> dict:

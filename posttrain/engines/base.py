@@ -76,6 +76,10 @@ class TrainEngine(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
+    def forward_backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """An LM batch's loss times `scale`, backpropagated; its value (posttrain.train's loop, one micro-batch).
+        An engine may split it into micro-batches of its own (megatron: the 1F1B pipeline schedule)."""
+
     def step(self, max_grad_norm: float = 1.0) -> float:
         """Clip, optimizer step, zero the gradients; returns the gradient norm before clipping."""
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from posttrain.engines import context_parallel, megatron_glm5, vocab_parallel, zero_optimizer
 from posttrain.engines.megatron_setup import (Parallel, bridge, check_layout, init_parallel, local_spec, quiet,
                                               recompute_layers)
-from posttrain.engines.pipeline_stages import Pipeline, StageDone, staged
+from posttrain.engines.pipeline_stages import Pipeline, StageDone, one_f_one_b, staged
 
 # Rows longer than this attend per document (`context_parallel.document_attention`, Megatron's local layers) instead of
 # through one [T, T] mask: at 2k tokens a mask is 4 MB a row, at 128k 16 GB, and on CUDA a mask keeps SDPA off its
@@ -51,7 +51,7 @@ class MegatronTrainEngine:
 
     def __init__(self, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
                  parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0, recompute: bool = False,
-                 moe=None, routing_replay: bool = False, distributed_optimizer: bool = False):
+                 moe=None, routing_replay: bool = False, distributed_optimizer: bool = False, micro_batches: int = 1):
         from transformers import AutoConfig, AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -65,6 +65,7 @@ class MegatronTrainEngine:
             raise ValueError(f"{Path(checkpoint) / 'config.json'}: {e}") from None
         init_parallel(parallel, seed)
         self.parallel, self.role, self.checkpoint = parallel, role, str(checkpoint)
+        self.micro_batches = micro_batches
         self.device = default_device()
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.pad_id = pad_id(self.tokenizer)
@@ -116,12 +117,13 @@ class MegatronTrainEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None, moe=None,
                         routing_replay: bool = False, parallel: Parallel = Parallel(),
-                        recompute: bool = False, distributed_optimizer: bool = False) -> "MegatronTrainEngine":
+                        recompute: bool = False, distributed_optimizer: bool = False,
+                        micro_batches: int = 1) -> "MegatronTrainEngine":
         if moe is not None and moe.aux_loss_weight:
             raise ValueError("moe.aux_loss_weight: the megatron train engine balances experts through their bias only "
                              "(moe.bias_update_rate); set it to 0 or use runtime.train_engine torch")
         return cls(path, role, lr=lr, parallel=parallel, recompute=recompute, moe=moe, routing_replay=routing_replay,
-                   distributed_optimizer=distributed_optimizer)
+                   distributed_optimizer=distributed_optimizer, micro_batches=micro_batches)
 
     def _shards(self) -> zero_optimizer.Shards:
         """The distributed optimizer's split: the dense parameters over the data-parallel (and context-parallel)
@@ -263,14 +265,16 @@ class MegatronTrainEngine:
             self._targets = None
 
     @staged
-    def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def lm_loss(self, batch: dict[str, torch.Tensor], total: torch.Tensor | None = None) -> torch.Tensor:
         """`posttrain.train.masked_lm_loss` on an LM batch (input_ids, loss_mask, optional position_ids and
         attention_mask): the next-token NLL's mean weighted by the target's loss mask, vocab-parallel. With
         context parallelism each rank scores its own slice of the sequence; the value is the whole batch's loss on
-        every rank, the gradient that of this rank's share (`_sync_grads` sums the shares)."""
+        every rank, the gradient that of this rank's share (`_sync_grads` sums the shares). `total`: the weight to
+        divide by (a micro-batch's share of a batch: the whole batch's), its own by default."""
         batch = {k: v.to(self.device) for k, v in batch.items() if v is not None}
         ids, weight = batch["input_ids"], batch["loss_mask"]
-        total = weight[:, 1:].float().sum()
+        if total is None:
+            total = weight[:, 1:].float().sum()
         if not bool(total):  # no scored token: a zero loss every rank can still backward
             return next(self.gpt.parameters()).sum() * 0.0
         h, where = self._hidden(ids, batch.get("position_ids"), batch.get("attention_mask"), local=True)
@@ -289,6 +293,24 @@ class MegatronTrainEngine:
             dist.all_reduce(whole, group=context_parallel.group())
             loss = loss + (whole - loss.detach())
         return loss
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """`lm_loss(batch)` times `scale`, backpropagated (one micro-batch of posttrain.train's loop); its value.
+        With `micro_batches` > 1 the batch's rows go through in that many micro-batches in the 1F1B order
+        (`pipeline_stages.one_f_one_b`): with pipeline stages they work at once, and each holds at most pp
+        micro-batches' activations (one without stages). The same loss and gradient as the whole batch at once."""
+        rows = batch["input_ids"].shape[0]
+        total = batch["loss_mask"][:, 1:].float().sum().to(self.device)
+        parts = torch.arange(rows).tensor_split(min(self.micro_batches, rows))
+        if len(parts) == 1 or not bool(total):
+            loss = self.lm_loss(batch) * scale
+            self.backward(loss)
+            return loss.detach()
+        return self._one_f_one_b([{k: v[i] for k, v in batch.items() if v is not None} for i in parts], total, scale)
+
+    @staged
+    def _one_f_one_b(self, micro: list[dict], total: torch.Tensor, scale: float) -> torch.Tensor | None:
+        return one_f_one_b(self.pipe, lambda i: self.lm_loss(micro[i], total) * scale, len(micro))
 
     @staged
     def forward(self, samples) -> torch.Tensor:

@@ -2,11 +2,12 @@
 layers (the first also the embeddings, the last the final norm and the output layer), and a call's hidden states
 go from stage to stage over torch.distributed's point-to-point sends.
 
-Why not Megatron's own schedules (`get_forward_backward_func`, 1F1B): they own the whole step, forward, loss and
-backward, through a loss function of theirs, while this engine's callers (sft, the ramp, GRPO / PPO, OPD) compute
-their losses from what the engine returns and call `backward` themselves; and its point-to-point layer allocates
-its buffers on CUDA. So here a call runs the whole batch through the stages in turn: the memory of a model split
-`pp` ways, not 1F1B's overlap of micro-batches (a stage idles while the others work).
+Why not Megatron's own schedules (`get_forward_backward_func`): they own the whole step, forward, loss and
+backward, through a loss function of theirs, while this engine's callers (GRPO / PPO, OPD) compute their losses from
+what the engine returns and call `backward` themselves; and they allocate on "cuda" by name. So a call runs the whole
+batch through the stages in turn (a stage idles while the others work), except the LM loss of sft and the ramp, which
+the engine owns: `one_f_one_b` runs its micro-batches in Megatron's 1F1B order, so the stages work at once and each
+holds at most `pp` micro-batches' activations.
 
 Every stage returns the same answer: the last stage computes it and broadcasts it over the pipeline group, so the
 callers' SPMD loops (the same code on every rank) stay in step. `backward` then runs from the last stage back:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,9 +36,11 @@ class Pipeline:
         if self.size > 1:
             self.prev, self.next = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
             self.group, self.src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+        self.stage = ps.get_pipeline_model_parallel_rank()
         self.received: list[torch.Tensor] = []  # inputs from the previous stage, whose gradients go back to it
         self.sent: list[torch.Tensor] = []  # outputs to the next stage, whose gradients come back from it
         self.depth = 0
+        self.pending: list | None = None  # under `one_f_one_b`: sends in flight (a stage never waits on its sends)
 
     def receive(self, shape: tuple, dtype: torch.dtype, device, grad: bool) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=device)
@@ -46,8 +50,14 @@ class Pipeline:
             self.received.append(x)
         return x
 
+    def _send(self, t: torch.Tensor, peer: int) -> None:
+        if self.pending is None:
+            dist.send(t, peer)
+        else:
+            self.pending.append((dist.isend(t, peer), t))
+
     def send(self, h: torch.Tensor, grad: bool) -> None:
-        dist.send(h.detach().contiguous(), self.next)
+        self._send(h.detach().contiguous(), self.next)
         if grad:
             self.sent.append(h)
 
@@ -63,7 +73,7 @@ class Pipeline:
             torch.autograd.backward(self.sent, grads)
         if not self.first:
             for x in self.received:  # an input the loss did not reach still answers, with zeros
-                dist.send(x.grad if x.grad is not None else torch.zeros_like(x), self.prev)
+                self._send(x.grad if x.grad is not None else torch.zeros_like(x), self.prev)
         self.forget()
 
     def forget(self) -> None:
@@ -93,6 +103,47 @@ class Pipeline:
         """The last stage's error, told to the others (else they would wait for its answer until the process group
         timed out): they raise it too."""
         dist.broadcast_object_list([repr(error)], src=self.src, group=self.group, device=device)
+
+
+def one_f_one_b(pipe: Pipeline, forward: Callable[[int], torch.Tensor | None], m: int) -> torch.Tensor | None:
+    """`m` micro-batches forward and backward in Megatron's 1F1B order (`forward_backward_pipelining_without_
+    interleaving`): stage s runs pp - s - 1 forwards ahead, then alternates one forward and one backward, then drains.
+    `forward(i)`: micro-batch i on this stage, the loss to backpropagate on the last (the others send on and return
+    or raise StageDone). Sends go out without waiting, so a stage blocks only on what it receives, which its peer has
+    sent or will send before it waits itself. Returns the last stage's summed losses (None on the others)."""
+    warm = min(pipe.size - pipe.stage - 1, m)
+    held, total = {}, None
+
+    def run_forward(i: int) -> None:
+        nonlocal total
+        pipe.forget()
+        try:
+            loss = forward(i)
+        except StageDone:
+            loss = None
+        if loss is not None:
+            total = loss.detach() if total is None else total + loss.detach()
+        held[i] = (list(pipe.received), list(pipe.sent), loss)
+
+    def run_backward(i: int) -> None:
+        received, sent, loss = held.pop(i)
+        pipe.received[:], pipe.sent[:] = received, sent
+        pipe.backward(loss)
+
+    pipe.pending = []
+    try:
+        for i in range(warm):
+            run_forward(i)
+        for i in range(m - warm):
+            run_forward(warm + i)
+            run_backward(i)
+        for i in range(m - warm, m):
+            run_backward(i)
+    finally:
+        for req, _ in pipe.pending:
+            req.wait()
+        pipe.pending = None
+    return total
 
 
 def staged(method):

@@ -130,6 +130,11 @@ class TorchTrainEngine:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def forward_backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        loss = self.forward(batch) * scale
+        loss.backward()
+        return loss.detach()
+
     def step(self, max_grad_norm: float = 1.0) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm).item()
         self.opt.step()

@@ -14,7 +14,8 @@ from tests.test_pipeline_smoke import posttrain, stage_runs
 MEGATRON = ("--set", "runtime.train_engine=megatron", "--set", "rl.domains=[reasoning]")
 GLM5 = ("--set", "model.arch=glm5", "--set", "ramp.attention=sdpa", "--set", "model.num_layers=2",
         "--set", "model.indexer_types=[full, shared]", "--set", "megatron.ep=2", "--set", "sft.workers=2",
-        "--set", "rl.routing_replay=true")
+        "--set", "rl.routing_replay=true", "--set", "megatron.distributed_optimizer=true",
+        "--set", "megatron.micro_batches=2")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,8 @@ def test_rl_and_opd_over_two_tensor_parallel_ranks_start_as_one_rank(run):
 
 def test_the_glm5_preset_trains_through_megatron_with_its_experts_split(tmp_path):
     """GLM-5 in Megatron's latent attention and MoE layers, its experts over two expert-parallel ranks in every
-    training stage (the ramp's and sft's Ray Train workers, RL's and OPD's actors), RL under routing replay: the DAG
+    training stage (the ramp's and sft's Ray Train workers, RL's and OPD's actors), the dense layers' AdamW state split
+    over those ranks (the distributed optimizer), sft's batches in two micro-batches, RL under routing replay: the DAG
     publishes, sft logs its expert load and plots it, the bias each step moves leaves sft's checkpoint different from
     the ramp's, and the RL specialist replays its rollouts' routes."""
     from safetensors.torch import load_file
