@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 
 def owners(sizes: list[int], ranks: int) -> list[int]:
-    """The owning rank of each parameter (by element count): largest first, each to the least loaded rank, so the
-    ranks' shares differ by at most one parameter. Deterministic: every rank of a group computes the same plan."""
+    """The owning rank of each parameter (by element count): largest first, each to the rank holding the fewest
+    elements so far. Deterministic: every rank of a group computes the same plan."""
     load = [0] * ranks
     out = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
