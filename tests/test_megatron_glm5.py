@@ -176,3 +176,11 @@ def test_what_megatron_would_compute_differently_fails_before_any_work(glm5, tmp
         with pytest.raises(ValueError, match=r"a 14-token row is longer than .*adopted/config.json's index_topk "
                                              r"\(8\): megatron-core has no DSA indexer"):
             engine.forward(_samples(engine.vocab_size))
+    # sft's micro-batches: the whole packed batch is checked before the first one goes through the stages
+    policy = MegatronTrainEngine(adopted, lr=1e-3, micro_batches=2)
+    docs = torch.tensor([list(range(4)) + list(range(4)), list(range(3)) + list(range(5))])  # documents of 3-5
+    ids = torch.randint(3, policy.vocab_size, (2, 8))
+    policy.forward_backward({"input_ids": ids, "loss_mask": torch.ones_like(ids), "position_ids": docs})
+    with pytest.raises(ValueError, match=r"a 9-token row is longer than .*index_topk \(8\)"):
+        policy.forward_backward({"input_ids": torch.randint(3, policy.vocab_size, (2, 9)),
+                                 "loss_mask": torch.ones(2, 9, dtype=torch.long)})

@@ -299,8 +299,12 @@ class MegatronTrainEngine:
         With `micro_batches` > 1 the batch's rows go through in that many micro-batches in the 1F1B order
         (`pipeline_stages.one_f_one_b`): with pipeline stages they work at once, and each holds at most pp
         micro-batches' activations (one without stages). The same loss and gradient as the whole batch at once."""
-        rows = batch["input_ids"].shape[0]
+        ids, positions = batch["input_ids"], batch.get("position_ids")
         total = batch["loss_mask"][:, 1:].float().sum().to(self.device)
+        if self.glm5:  # the whole batch's rows refused at once, on every stage, before any micro-batch is sent on
+            megatron_glm5.check_rows(self.hf_config, int(positions.max()) + 1 if positions is not None
+                                     else ids.shape[1], self.checkpoint)
+        rows = ids.shape[0]
         parts = torch.arange(rows).tensor_split(min(self.micro_batches, rows))
         if len(parts) == 1 or not bool(total):
             loss = self.lm_loss(batch) * scale

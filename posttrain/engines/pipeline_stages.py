@@ -139,9 +139,9 @@ def one_f_one_b(pipe: Pipeline, forward: Callable[[int], torch.Tensor | None], m
             run_backward(i)
         for i in range(m - warm, m):
             run_backward(i)
-    finally:
         for req, _ in pipe.pending:
             req.wait()
+    finally:  # after a failure the peer may never take what was sent: raise rather than wait for it
         pipe.pending = None
     return total
 
