@@ -228,6 +228,9 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
 
     from posttrain.engines import megatron_train
     megatron_train.DENSE_MASK_MAX = dense_max
+    schedules = []  # the micro-batches of each 1F1B schedule run
+    scheduled = megatron_train.one_f_one_b
+    megatron_train.one_f_one_b = lambda pipe, forward, m: schedules.append(m) or scheduled(pipe, forward, m)
     engine = _engine(path, par)
     dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     losses = []
@@ -241,7 +244,7 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
     weights = engine.weights()
     owned = sum(p.numel() for g in engine.opt.param_groups for p in g["params"])  # the parameters this rank steps
     if rank == 0:
-        torch.save({"losses": losses, "weights": weights,
+        torch.save({"losses": losses, "weights": weights, "schedules": schedules,
                     "owned": owned / sum(p.numel() for p in engine.model.parameters())}, out)
     dist.barrier()
     dist.destroy_process_group()
@@ -272,6 +275,7 @@ def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, l
         assert 0.3 < got["owned"] < 0.7
     else:
         assert got["owned"] == 1
+    assert got["schedules"] == ([2] * 4 if par.get("micro_batches") else [])  # each LM step in two micro-batches
 
 
 def test_attention_per_document_equals_the_whole_mask(ckpts, monkeypatch):
