@@ -195,15 +195,18 @@ def _lm_batches(vocab: int) -> list[dict]:
 
 
 def _steps(engine, samples: list, lm: bool) -> list[float]:
-    """Four steps: RL-style on `samples` (this rank's share), or sft's LM loss on both batch forms twice."""
+    """Four steps: RL-style on `samples` (this rank's share, in two micro-batches: posttrain.rl.step's call), or
+    sft's LM loss on both batch forms twice (posttrain.train's call)."""
     losses = []
     engine.train()
+    half = (len(samples) + 1) // 2
+    parts = [(part, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / 4) for part in (samples[:half], samples[half:])
+             if part]
     for i in range(4):
-        if lm:  # posttrain.train's call
+        if lm:
             loss = engine.forward_backward(_lm_batches(engine.vocab_size)[i % 2])
         else:
-            loss, _, _ = engine.logprob_loss(samples, 1.0, lambda lp, ent: -(lp.sum() + 0.1 * ent.sum()) / 4)
-            engine.backward(loss)
+            loss = sum(loss for loss, _, _ in engine.logprob_losses(parts, 1.0))
         engine.step(1.0)
         losses.append(loss.detach())
     return losses
@@ -259,8 +262,8 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
 def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm, dense_max):
     """Against one rank with its whole [T, T] masks; `cp2-per-document`: the long rows' path, attention per document
     with no mask, over the two context-parallel ranks' query chunks; `pp2`: a layer on each pipeline stage, the tied
-    embeddings on both ends (every stage returns the last stage's answer); `pp2-1f1b`: each batch in two micro-batches
-    through the stages in the 1F1B order; `dp2-distributed-optimizer`: each rank
+    embeddings on both ends (every stage returns the last stage's answer), RL's two micro-batches in the 1F1B order;
+    `pp2-1f1b`: sft's batches in two micro-batches through the stages in the 1F1B order; `dp2-distributed-optimizer`: each rank
     steps about half the parameters, the update still the whole batch's."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")
@@ -275,7 +278,8 @@ def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, l
         assert 0.3 < got["owned"] < 0.7
     else:
         assert got["owned"] == 1
-    assert got["schedules"] == ([2] * 4 if par.get("micro_batches") else [])  # each LM step in two micro-batches
+    # over pipeline stages each step's two micro-batches go in the 1F1B order: RL's always, sft's as asked
+    assert got["schedules"] == ([2] * 4 if par.get("micro_batches") or par.get("pp") and not lm else [])
 
 
 def test_attention_per_document_equals_the_whole_mask(ckpts, monkeypatch):

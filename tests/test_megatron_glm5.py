@@ -103,6 +103,7 @@ def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(glm5, tmp_pa
     w = one.weights()
     assert set(w) == set(got["weights"]) and max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
     assert got["owned"] < 0.9 if par.get("distributed_optimizer") else got["owned"] == 1  # the share it steps
+    assert got["schedules"] == ([2] * 4 if par.get("pp") else [])  # RL's two micro-batches over the stages in 1F1B
 
 
 @pytest.mark.parametrize("par", [{"ep": 2}, {"ep": 2, "distributed_optimizer": True}],

@@ -76,6 +76,11 @@ class TrainEngine(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
+    def logprob_losses(self, parts: list[tuple[list, Any]], temperature: float
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """`logprob_loss` of each (samples, loss_of) micro-batch, each backpropagated: [(loss detached, logp,
+        ent)]. An engine may interleave them (megatron: the 1F1B order over pipeline stages)."""
+
     def forward_backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """An LM batch's loss times `scale`, backpropagated; its value (posttrain.train's loop, one micro-batch).
         An engine may split it into micro-batches of its own (megatron: the 1F1B pipeline schedule)."""
@@ -99,3 +104,14 @@ class TrainEngine(Protocol):
 
 
 Forward = Callable[[torch.nn.Module, list], torch.Tensor]
+
+
+def one_by_one(engine: TrainEngine, parts: list[tuple[list, Any]], temperature: float
+               ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`TrainEngine.logprob_losses` one micro-batch after the other: each forward, then its backward."""
+    out = []
+    for samples, loss_of in parts:
+        loss, logp, ent = engine.logprob_loss(samples, temperature, loss_of)
+        engine.backward(loss)
+        out.append((loss.detach(), logp, ent))
+    return out

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from posttrain.engines import context_parallel, megatron_glm5, vocab_parallel, zero_optimizer
+from posttrain.engines.base import one_by_one
 from posttrain.engines.megatron_setup import (Parallel, bridge, check_layout, init_parallel, local_spec, quiet,
                                               recompute_layers)
 from posttrain.engines.pipeline_stages import Pipeline, StageDone, one_f_one_b, staged
@@ -347,6 +348,29 @@ class MegatronTrainEngine:
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logp, ent = self.logprobs(samples, temperature)
         return loss_of(logp, ent), logp.detach(), ent.detach()
+
+    def logprob_losses(self, parts: list[tuple[list, Callable]], temperature: float
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each micro-batch's `logprob_loss`, backpropagated: over pipeline stages in the 1F1B order (the stages
+        work at once), else one after the other."""
+        if self.pipe.size == 1 or len(parts) == 1:
+            return one_by_one(self, parts, temperature)
+        flat = self._logprob_1f1b(parts, temperature)
+        return [tuple(flat[3 * i:3 * i + 3]) for i in range(len(parts))]
+
+    @staged
+    def _logprob_1f1b(self, parts: list[tuple[list, Callable]], temperature: float) -> tuple[torch.Tensor, ...] | None:
+        """The last stage's (loss, logp, ent) of every micro-batch, flat (`staged` shares them with every stage)."""
+        kept = {}
+
+        def forward(i: int) -> torch.Tensor:
+            samples, loss_of = parts[i]
+            logp, ent = self.logprobs(samples, temperature)
+            loss = loss_of(logp, ent)
+            kept[i] = (loss.detach(), logp.detach(), ent.detach())
+            return loss
+        one_f_one_b(self.pipe, forward, len(parts))
+        return tuple(t for i in range(len(parts)) for t in kept[i]) if self.pipe.last else None
 
     @staged
     def reverse_kl_loss(self, samples: list, teacher: list[torch.Tensor], temperature: float,

@@ -11,7 +11,7 @@ import torch
 
 from posttrain.config import MoEConfig
 from posttrain.device import autocast
-from posttrain.engines.base import Forward
+from posttrain.engines.base import Forward, one_by_one
 from posttrain.models.moe import RouterHooks
 
 
@@ -129,6 +129,10 @@ class TorchTrainEngine:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def logprob_losses(self, parts: list[tuple[list, Callable]], temperature: float
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return one_by_one(self, parts, temperature)
 
     def forward_backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         loss = self.forward(batch) * scale

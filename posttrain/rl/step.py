@@ -53,35 +53,40 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         flat = torch.cat([a[b["mask"] > 0] for a, b in zip(gaes, batches)])  # whitened over the whole batch
         advs = [(a - flat.mean()) / (flat.std() + 1e-6) * b["mask"] for a, b in zip(gaes, batches)]
 
+    def loss_for(b: dict, a: torch.Tensor, ref_logp: torch.Tensor | None):
+        """A micro-batch's loss: per-token terms only (the engine may differentiate it chunk by chunk)."""
+        mask = b["mask"]
+        share = mask.sum().item() / n_tokens  # this micro-batch's part of a token mean over the batch
+
+        def loss_of(logp, ent, stats=False):
+            loss, st = policy_loss(logp, b["old_logprobs"], a, mask, clip_eps=r.clip_eps, is_lower=r.is_lower,
+                                   is_upper=r.is_upper, agg=r.loss_agg, stats=stats, **norm)
+            if r.entropy_coef:
+                loss = loss - r.entropy_coef * token_mean(ent, mask) * share
+            if r.kl_coef and ref_logp is not None:
+                loss = loss + r.kl_coef * kl_to_reference(logp, ref_logp, mask) * share
+            return (loss, st) if stats else loss
+        return loss_of
+
     stats: dict[str, float] = {}
     for epoch in range(r.ppo_epochs):
         stats = {}
         policy.zero_grad()
-        for (_, sub), b, a in zip(chunks, batches, advs):
+        refs = [None] * len(chunks)
+        if ref is not None:  # in the loss where kl_coef > 0; else watched only (posttrain.rl.alarms)
+            with torch.no_grad():
+                refs = [ref.logprobs(sub, r.temperature)[0] for _, sub in chunks]
+        losses = [loss_for(b, a, ref_logp) for b, a, ref_logp in zip(batches, advs, refs)]
+        # at the sampling temperature, as the behaviour's; every micro-batch backpropagated (megatron: in the 1F1B
+        # order over pipeline stages), the gradient made in the forward where the engine can
+        done = policy.logprob_losses([(sub, loss_of) for (_, sub), loss_of in zip(chunks, losses)], r.temperature)
+        for b, loss_of, ref_logp, (loss, logp, ent_tok) in zip(batches, losses, refs, done):
             mask = b["mask"]
-            share = mask.sum().item() / n_tokens  # this micro-batch's part of a token mean over the batch
-            ref_logp = None
-            if ref is not None:  # in the loss where kl_coef > 0; else watched only (posttrain.rl.alarms)
-                with torch.no_grad():
-                    ref_logp = ref.logprobs(sub, r.temperature)[0]
-
-            def loss_of(logp, ent, stats=False):
-                """Per-token terms only (the engine may differentiate it chunk by chunk); used in this iteration."""
-                loss, st = policy_loss(logp, b["old_logprobs"], a, mask, clip_eps=r.clip_eps, is_lower=r.is_lower,
-                                       is_upper=r.is_upper, agg=r.loss_agg, stats=stats, **norm)
-                if r.entropy_coef:
-                    loss = loss - r.entropy_coef * token_mean(ent, mask) * share
-                if r.kl_coef and ref_logp is not None:
-                    loss = loss + r.kl_coef * kl_to_reference(logp, ref_logp, mask) * share
-                return (loss, st) if stats else loss
-            # at the sampling temperature, as the behaviour's; the gradient made in the forward where the engine can
-            loss, logp, ent_tok = policy.logprob_loss(sub, r.temperature, loss_of)
             with torch.no_grad():
                 st = loss_of(logp, ent_tok, stats=True)[1]
                 st["entropy"] = token_mean(ent_tok, mask).item()
                 if ref_logp is not None:
                     st["kl_ref"] = kl_to_reference(logp, ref_logp, mask).item()
-            policy.backward(loss)
             stats["loss"] = stats.get("loss", 0.0) + loss.item()
             for k, v in st.items():  # token means, weighted by the micro-batch's tokens among the trained ones
                 stats[k] = stats.get(k, 0.0) + v * mask.sum().item() / trained
