@@ -544,7 +544,7 @@ class MegatronConfig(_Strict):
     recompute: bool = False          # activations recomputed in the backward (full layers)
     # sft's and the ramp's batches in this many micro-batches of rows, run through the pipeline stages in Megatron's
     # 1F1B order: the stages work at once, each holding at most pp micro-batches' activations (a packed batch of
-    # fewer rows splits into as many as it has)
+    # fewer rows splits into as many as it has). RL's update takes that order over its own rl.micro_batch_cells
     micro_batches: AtLeast1 = 1
 
 
