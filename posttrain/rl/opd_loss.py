@@ -79,33 +79,49 @@ def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: floa
                ).to(policy.device)
     stats: dict[str, float] = {"distill_loss": 0.0, "reverse_kl": 0.0, "distill_masked_fraction": 0.0}
     per_domain: dict[str, list[float]] = {}  # domain -> [KL sum, tokens]
-    for idx in micro_batches(samples, max_cells):
-        sub = [samples[i] for i in idx]
-        b = completion_batch(sub, policy.device)
-        mask, ids = b["mask"], b["ids"]
-        logp = None
-        if mode == "topk":  # needs the student's log-probabilities at the teacher's k tokens: the full logits
-            logp_all = torch.log_softmax(policy.forward(sub).float() / temperature, -1)
-            logp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
-            kl = reverse_kl_terms(logp_all, ids, sub, mode)
-        elif mode == "full":  # the loss's per-token weights known now: the engine may make its gradient at once
-            kl_loss, kl = policy.reverse_kl_loss(sub, [_read_only_tensor(s.teacher) for s in sub], temperature,
-                                                 coef * mask / n_tokens)
-        if mode == "sampled" or reward_weight:
-            logp = policy.logprobs(sub, temperature)[0] if logp is None else logp
-        if mode == "sampled":
-            kl = (logp.detach() - _at_generated(mask, [s.teacher for s in sub])) * mask
-            adv = -coef * kl + row_adv[idx, None]
-            loss, st = policy_loss(logp, b["old_logprobs"], adv * mask, mask, clip_eps=clip_eps, is_lower=is_lower,
-                                   is_upper=is_upper, agg="token", n_tokens=n_tokens)
-        else:
+    chunks = [(idx, [samples[i] for i in idx]) for idx in micro_batches(samples, max_cells)]
+    batches = [completion_batch(sub, policy.device) for _, sub in chunks]
+    if mode == "sampled":  # every micro-batch's loss at once: an engine may interleave them (megatron's 1F1B)
+        def sampled(idx, sub, b):
+            mask = b["mask"]
+            teacher = _at_generated(mask, [s.teacher for s in sub])
+
+            def loss_of(logp, ent, stats=False):
+                kl = (logp.detach() - teacher) * mask
+                adv = -coef * kl + row_adv[idx, None]
+                loss, st = policy_loss(logp, b["old_logprobs"], adv * mask, mask, clip_eps=clip_eps,
+                                       is_lower=is_lower, is_upper=is_upper, agg="token", n_tokens=n_tokens,
+                                       stats=stats)
+                return (loss, kl, st) if stats else loss * weight
+            return loss_of
+        losses = [sampled(idx, sub, b) for (idx, sub), b in zip(chunks, batches)]
+        done = policy.logprob_losses([(sub, f) for (_, sub), f in zip(chunks, losses)], temperature)
+        with torch.no_grad():  # the statistics, from the log-probabilities the update used
+            results = [f(logp, ent, stats=True) for f, (_, logp, ent) in zip(losses, done)]
+    else:
+        results = []
+        for (idx, sub), b in zip(chunks, batches):
+            mask, ids = b["mask"], b["ids"]
+            logp = None
+            if mode == "topk":  # needs the student's log-probabilities at the teacher's k tokens: the full logits
+                logp_all = torch.log_softmax(policy.forward(sub).float() / temperature, -1)
+                logp = logp_all.gather(-1, ids[..., None]).squeeze(-1)
+                kl = reverse_kl_terms(logp_all, ids, sub, mode)
+            else:  # full: the loss's per-token weights known now: the engine may make its gradient at once
+                kl_loss, kl = policy.reverse_kl_loss(sub, [_read_only_tensor(s.teacher) for s in sub], temperature,
+                                                     coef * mask / n_tokens)
+            if reward_weight:
+                logp = policy.logprobs(sub, temperature)[0] if logp is None else logp
             loss = kl_loss if mode == "full" else coef * (kl * mask).sum() / n_tokens
             st = {"masked_fraction": 0.0}
             if reward_weight:
                 pg, st = policy_loss(logp, b["old_logprobs"], row_adv[idx], mask, clip_eps=clip_eps,
                                      is_lower=is_lower, is_upper=is_upper, agg="token", n_tokens=n_tokens)
                 loss = loss + pg
-        policy.backward(loss * weight)
+            policy.backward(loss * weight)
+            results.append((loss, kl, st))
+    for (_, sub), b, (loss, kl, st) in zip(chunks, batches, results):
+        mask = b["mask"]
         share = mask.sum().item() / n_tokens
         stats["distill_loss"] += loss.item()
         stats["reverse_kl"] += (kl.detach() * mask).sum().item() / n_tokens
