@@ -68,15 +68,15 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
             return (loss, st) if stats else loss
         return loss_of
 
+    refs = [None] * len(chunks)
+    if ref is not None:  # in the loss where kl_coef > 0; else watched only (posttrain.rl.alarms). Frozen: once a step
+        with torch.no_grad():
+            refs = [ref.logprobs(sub, r.temperature)[0] for _, sub in chunks]
+    losses = [loss_for(b, a, ref_logp) for b, a, ref_logp in zip(batches, advs, refs)]
     stats: dict[str, float] = {}
     for epoch in range(r.ppo_epochs):
         stats = {}
         policy.zero_grad()
-        refs = [None] * len(chunks)
-        if ref is not None:  # in the loss where kl_coef > 0; else watched only (posttrain.rl.alarms)
-            with torch.no_grad():
-                refs = [ref.logprobs(sub, r.temperature)[0] for _, sub in chunks]
-        losses = [loss_for(b, a, ref_logp) for b, a, ref_logp in zip(batches, advs, refs)]
         # at the sampling temperature, as the behaviour's; every micro-batch backpropagated (megatron: in the 1F1B
         # order over pipeline stages), the gradient made in the forward where the engine can
         done = policy.logprob_losses([(sub, loss_of) for (_, sub), loss_of in zip(chunks, losses)], r.temperature)
