@@ -131,10 +131,10 @@ class MegatronTrainEngine:
         ranks, which hold them alike; a MoE model's experts over their own replicas (expert data parallel)."""
         from megatron.core import parallel_state as ps
         params = [p for p in self.model.parameters() if p.requires_grad]
+        dense = [p for p in params if getattr(p, "allreduce", True)]
         experts = [p for p in params if not getattr(p, "allreduce", True)]
-        return zero_optimizer.Shards([
-            ([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group(with_context_parallel=True)),
-            (experts, ps.get_expert_data_parallel_group() if experts else None)])
+        return zero_optimizer.Shards([(dense, ps.get_data_parallel_group(with_context_parallel=True)),
+                                      (experts, ps.get_expert_data_parallel_group() if experts else None)])
 
     # --- the forward in the completion layout -----------------------------------------------------------------
     def _rows(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,8 +6,8 @@ Why not Megatron's own schedules (`get_forward_backward_func`): they own the who
 backward, through a loss function of theirs, while this engine's callers compute their losses from what the engine
 returns; and they allocate on "cuda" by name. So a call runs the whole batch through the stages in turn (a stage
 idles while the others work), except where the engine is handed every micro-batch's loss at once (sft's and the
-ramp's LM loss, `forward_backward`; the RL update's and sampled OPD's, `logprob_losses`): `one_f_one_b` runs them in Megatron's 1F1B
-order, so the stages work at once and each holds at most `pp` micro-batches' activations.
+ramp's LM loss, `forward_backward`; the RL update's and sampled OPD's, `logprob_losses`): `one_f_one_b` runs them in
+Megatron's 1F1B order, so the stages work at once and each holds at most `pp` micro-batches' activations.
 
 Every stage returns the same answer: the last stage computes it and broadcasts it over the pipeline group, so the
 callers' SPMD loops (the same code on every rank) stay in step. `backward` then runs from the last stage back:

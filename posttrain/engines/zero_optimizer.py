@@ -4,10 +4,10 @@ dense layers over the expert-parallel ranks) are split among those ranks, each p
 still gets every gradient (the engine's all-reduce); an owner steps its parameters and broadcasts them to the others.
 The optimizer state per rank falls from 2 x params x 4 bytes to about that over the group's size.
 
-Why our own: Megatron's DistributedOptimizer runs on its DDP's contiguous gradient buffers, which hard-code CUDA; torch's
-ZeroRedundancyOptimizer splits over one process group, while a MoE model's experts repeat over another group (expert
-data parallel) than its dense layers, and it gathers its state on one rank to save it, where Megatron's distributed
-checkpoint has each rank write the moments it owns (`owned_moment`)."""
+Why our own: Megatron's DistributedOptimizer runs on its DDP's contiguous gradient buffers, which hard-code CUDA;
+torch's ZeroRedundancyOptimizer splits over one process group, while a MoE model's experts repeat over another group
+(expert data parallel) than its dense layers, and it gathers its state on one rank to save it, where Megatron's
+distributed checkpoint has each rank write the moments it owns (`owned_moment`)."""
 from __future__ import annotations
 
 import dataclasses
