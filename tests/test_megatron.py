@@ -248,7 +248,7 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
     owned = sum(p.numel() for g in engine.opt.param_groups for p in g["params"])  # the parameters this rank steps
     if rank == 0:
         torch.save({"losses": losses, "weights": weights, "schedules": schedules,
-                    "owned": owned / sum(p.numel() for p in engine.model.parameters())}, out)
+                    "owned": owned / sum(p.numel() for p in engine.model.parameters() if p.requires_grad)}, out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -41,10 +41,31 @@ def glm5(tok, tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def adopted(glm5, tmp_path_factory):
+    """The same weights with DSA adopted: each indexer keeps 4 keys (the samples' rows have 9-14 tokens)."""
+    path = tmp_path_factory.mktemp("adopted")
+    shutil.copytree(glm5, path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "index_topk": 4}))
+    return str(path)
+
+
 def test_logits_equal_transformers_and_weights_round_trip_exactly(glm5):
     """The indexers and the expert bias included in the export."""
     own = equals_transformers(glm5)
     assert any(".indexer." in k for k in own) and any("e_score_correction_bias" in k for k in own)
+
+
+def test_a_checkpoint_that_adopted_dsa_attends_sparsely_as_transformers(glm5, adopted):
+    """The indexer of layer 0 selects 4 keys for both layers (layer 1 shares its selection): transformers' logits, not
+    the dense ones."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    equals_transformers(adopted)
+    samples = _samples(load_checkpoint(glm5)[0].config.vocab_size)
+    with torch.no_grad():
+        dense, sparse = (MegatronTrainEngine(p, "reference").forward(samples) for p in (glm5, adopted))
+    assert (dense - sparse).abs().max().item() > 1e-2
 
 
 def test_a_draft_layer_passes_through_every_export(glm5, tmp_path):
@@ -61,10 +82,13 @@ def test_a_draft_layer_passes_through_every_export(glm5, tmp_path):
     assert want and all(torch.equal(got[k], v) for k, v in want.items())
 
 
-def test_policy_updates_and_expert_balancing_equal_the_torch_engines(glm5):
+@pytest.mark.parametrize("ckpt", ["glm5", "adopted"])
+def test_policy_updates_and_expert_balancing_equal_the_torch_engines(request, ckpt):
     """Three RL-style steps: the same gradient norms, weights, expert-load figures and bias moves. Prompts are
-    distinct: the torch engine runs a shared prompt once, so its expert load would count those tokens once."""
+    distinct: the torch engine runs a shared prompt once, so its expert load would count those tokens once. With DSA
+    adopted the indexers select as transformers' and stay as they were (only the ramp's adoption trains them)."""
     from posttrain.engines import train_engine
+    glm5 = request.getfixturevalue(ckpt)
     moe = MoEConfig(bias_update_rate=0.01)
     engines = [train_engine(name, glm5, lr=1e-3, moe=moe) for name in ("torch", "megatron")]
     samples = _samples(engines[1].vocab_size)[1:]
@@ -84,16 +108,21 @@ def test_policy_updates_and_expert_balancing_equal_the_torch_engines(glm5):
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     start = load_checkpoint(glm5)[0].state_dict()[bias]
     assert (moved[bias] - start).abs().max().item() == pytest.approx(0.03, abs=1e-6)  # three moves of 0.01
+    start = load_checkpoint(glm5)[0].state_dict()
+    assert all(torch.equal(moved[k], start[k]) for k in start if ".indexer." in k)
 
 
-@pytest.mark.parametrize("par,lm", [({"ep": 2}, True), ({"ep": 2}, False), ({"pp": 2}, False),
-                                    ({"ep": 2, "distributed_optimizer": True}, False)],
-                         ids=["ep2-lm", "ep2", "pp2", "ep2-distributed-optimizer"])
-def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(glm5, tmp_path, par, lm):
+@pytest.mark.parametrize("ckpt,par,lm", [("glm5", {"ep": 2}, True), ("glm5", {"ep": 2}, False),
+                                         ("glm5", {"pp": 2}, False),
+                                         ("glm5", {"ep": 2, "distributed_optimizer": True}, False),
+                                         ("adopted", {"ep": 2}, True)],
+                         ids=["ep2-lm", "ep2", "pp2", "ep2-distributed-optimizer", "ep2-dsa-lm"])
+def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(request, tmp_path, ckpt, par, lm):
     """ep2: four experts on each rank, tokens sent to them all-to-all; pp2: the dense layer on one stage, the MoE
     layer on the other; with the distributed optimizer each rank steps its own experts and about half the dense
-    layers (which repeat over the two ranks)."""
+    layers (which repeat over the two ranks); with DSA adopted each rank's indexers select the same keys."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
+    glm5 = request.getfixturevalue(ckpt)
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_rank, args=(2, _free_port(), par, glm5, out, lm, 2048), nprocs=2)
     got = torch.load(out)
@@ -157,7 +186,8 @@ def test_routing_replay_gives_the_rollouts_logprobs_after_the_routing_moved(glm5
         replay.logprobs(samples, 1.0)
 
 
-def test_what_megatron_would_compute_differently_fails_before_any_work(glm5, tmp_path):
+def test_what_megatron_would_compute_differently_fails_before_any_work(glm5, adopted):
+    from posttrain.engines import megatron_glm5
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
     with pytest.raises(ValueError, match=rf"{glm5}/config.json: megatron.ep: must divide the checkpoint's "
@@ -166,22 +196,15 @@ def test_what_megatron_would_compute_differently_fails_before_any_work(glm5, tmp
     with pytest.raises(ValueError, match="megatron.tp: Megatron splits a mixture-of-experts model over "
                                          "tensor-parallel ranks only with megatron.sequence_parallel"):
         MegatronTrainEngine(glm5, parallel=Parallel(tp=2))
-    adopted = tmp_path / "adopted"  # a checkpoint whose indexers keep 8 keys (the ramp adopted DSA)
-    shutil.copytree(glm5, adopted)
-    config = json.loads((adopted / "config.json").read_text())
-    (adopted / "config.json").write_text(json.dumps({**config, "index_topk": 8}))
-    engine = MegatronTrainEngine(adopted, "reference")
-    short = [s for s in _samples(engine.vocab_size) if len(s.prompt_ids) + len(s.ids) <= 8]
-    with torch.no_grad():
-        engine.forward(short)
-        with pytest.raises(ValueError, match=r"a 14-token row is longer than .*adopted/config.json's index_topk "
-                                             r"\(8\): megatron-core has no DSA indexer"):
-            engine.forward(_samples(engine.vocab_size))
-    # sft's micro-batches: the whole packed batch is checked before the first one goes through the stages
-    policy = MegatronTrainEngine(adopted, lr=1e-3, micro_batches=2)
-    docs = torch.tensor([list(range(4)) + list(range(4)), list(range(3)) + list(range(5))])  # documents of 3-5
-    ids = torch.randint(3, policy.vocab_size, (2, 8))
-    policy.forward_backward({"input_ids": ids, "loss_mask": torch.ones_like(ids), "position_ids": docs})
-    with pytest.raises(ValueError, match=r"a 9-token row is longer than .*index_topk \(8\)"):
-        policy.forward_backward({"input_ids": torch.randint(3, policy.vocab_size, (2, 9)),
-                                 "loss_mask": torch.ones(2, 9, dtype=torch.long)})
+    # a shared DSA layer must find its full layer's selection on its own pipeline stage
+    with pytest.raises(ValueError, match=r"adopted\d*/config.json: megatron.pp: layer 1 shares layer 0's DSA "
+                                         r"selection \(indexer_types 'shared'\) but would start another pipeline"):
+        MegatronTrainEngine(adopted, parallel=Parallel(pp=2))
+    # context-parallel ranks and Transformer Engine's layers run no indexer: rows past index_topk refused there
+    config = load_checkpoint(adopted)[0].config
+    megatron_glm5.check_rows(config, 9, adopted, sparse=True, cp=1)
+    megatron_glm5.check_rows(config, 4, adopted, sparse=False, cp=2)
+    for sparse, cp, why in ((True, 2, "split over 2 context-parallel ranks"), (False, 1, "on Transformer Engine")):
+        with pytest.raises(ValueError, match=rf"a 9-token row is longer than .*adopted\d*/config.json's index_topk "
+                                             rf"\(4\), {why}"):
+            megatron_glm5.check_rows(config, 9, adopted, sparse=sparse, cp=cp)

@@ -11,11 +11,12 @@ expert-parallel rank, instead of TE's grouped `weight{i}`); the model provider (
 TE's MTP spec and leaves the vocabulary unpadded); plain safetensors reading (its FP8 dequantising reader is bf16
 only); and the latent norms' epsilon (transformers builds them at 1e-6 whatever `rms_norm_eps` says).
 
-What megatron-core lacks: DeepSeek sparse attention's indexer. Its weights are not in the Megatron model; they pass
-through from the checkpoint unchanged into every export. That is exact as long as the indexer selects every key of a
-row, which is what `check_rows` enforces: a row longer than the checkpoint's `index_topk` is refused (a checkpoint
-the ramp has not adopted DSA in selects every key at any length). Nor is GLM-5's MTP draft layer mapped: a
-checkpoint's passes through unchanged too (the config refuses `mtp.depth`, training one, with this engine).
+DeepSeek sparse attention's indexer is `engines.megatron_dsa`'s (transformers' own indexer inside each layer's core
+attention: megatron-core's `DSAttention` computes something else, that module says what). It needs Megatron's local
+layers: with Transformer Engine's, the indexers' weights pass through from the checkpoint unchanged into every export,
+which is exact only while the indexer selects every key of a row, and `check_rows` refuses longer rows. Nor is GLM-5's
+MTP draft layer mapped: a checkpoint's passes through unchanged too (the config refuses `mtp.depth`, training one,
+with this engine).
 """
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from posttrain.engines import megatron_dsa
+
 MODEL_TYPES = ("glm_moe_dsa",)
 _LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc\d)\.weight$")
 _HF_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+INDEXER_WEIGHTS = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
 LATENT_NORM_EPS = 1e-6  # transformers' GlmMoeDsaRMSNorm default, which its q_a / kv_a layernorms keep
 
 
@@ -53,14 +57,18 @@ def check(hf_config, par, where: str = "megatron") -> None:
                          f"{[d for d in range(1, heads + 1) if heads % d == 0]})")
 
 
-def check_rows(hf_config, length: int, checkpoint: str) -> None:
-    """A row the dense latent attention would compute differently from GLM-5's sparse one: longer than the keys
-    its DSA indexer keeps."""
+def check_rows(hf_config, length: int, checkpoint: str, sparse: bool, cp: int) -> None:
+    """A row whose attention would differ from GLM-5's sparse one: longer than the keys its DSA indexer keeps, where
+    the engine's layers have no indexer (`sparse` false: Transformer Engine's) or the sequence is split over
+    context-parallel ranks (the indexer scores a rank's queries against every key: not built)."""
     topk = getattr(hf_config, "index_topk", None)
-    if topk is not None and length > topk:
-        raise ValueError(f"megatron: a {length}-token row is longer than {checkpoint}/config.json's index_topk "
-                         f"({topk}): megatron-core has no DSA indexer, so past {topk} keys its attention would be "
-                         f"dense where the checkpoint's is sparse; use runtime.train_engine torch for this model")
+    if topk is None or length <= topk or (sparse and cp == 1):
+        return
+    why = (f"split over {cp} context-parallel ranks, where the engine's DSA indexer does not run (set megatron.cp 1)"
+           if sparse else "on Transformer Engine's layers, which have no DSA indexer here")
+    raise ValueError(f"megatron: a {length}-token row is longer than {checkpoint}/config.json's index_topk ({topk}), "
+                     f"{why}: its attention would be dense where the checkpoint's is sparse; or use "
+                     f"runtime.train_engine torch for this model")
 
 
 def bridge_class(base, local_spec: bool, sdpa_attention):
@@ -75,7 +83,9 @@ def bridge_class(base, local_spec: bool, sdpa_attention):
     class Glm5(base):
         _ATTENTION_MAPPING = {**base._ATTENTION_MAPPING,
                               "self_attention.q_layernorm.weight": [layer + "self_attn.q_a_layernorm.weight"],
-                              "self_attention.kv_layernorm.weight": [layer + "self_attn.kv_a_layernorm.weight"]}
+                              "self_attention.kv_layernorm.weight": [layer + "self_attn.kv_a_layernorm.weight"],
+                              **{f"self_attention.core_attention.indexer.{w}": [f"{layer}self_attn.indexer.{w}"]
+                                 for w in INDEXER_WEIGHTS}}
         _model_provider = LLMBridge._model_provider
 
         def _build_config(self):
@@ -104,8 +114,9 @@ def bridge_class(base, local_spec: bool, sdpa_attention):
             if not local_spec:  # Transformer Engine's fused layers, mbridge's own mapping
                 return get_gpt_decoder_block_spec(self.config, use_transformer_engine=True)
             spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm")
+            attention = megatron_dsa.core_attention(sdpa_attention(), self.hf_config)  # one class: shared selections
             for s in spec.layer_specs:
-                s.submodules.self_attention.submodules.core_attention = sdpa_attention()
+                s.submodules.self_attention.submodules.core_attention = attention
             return spec
 
         def _get_safetensor_io(self, weights_path):
@@ -236,17 +247,30 @@ def take_replayed(gpt, hf_config) -> tuple[int, int]:
     return n, differ
 
 
-def set_latent_norm_eps(gpt) -> None:
+def finish(gpt) -> None:
+    """What the built model still needs: the latent norms' epsilon; on the local layers, latent attention handing its
+    core attention the hidden states and compressed queries the DSA indexer reads (Megatron does that for its own
+    `DSAttention` only, and refuses context parallelism at config time with it set), and the indexers frozen (only the
+    ramp's DSA adoption trains them, from a loss of their own)."""
     for layer in gpt.decoder.layers:
-        for norm in (layer.self_attention.q_layernorm, layer.self_attention.kv_layernorm):
+        attention = layer.self_attention
+        for norm in (attention.q_layernorm, attention.kv_layernorm):
             if hasattr(norm, "eps"):
                 norm.eps = LATENT_NORM_EPS
+        if getattr(attention.core_attention, "indexer", None) is not None:
+            attention.config.experimental_attention_variant = "dsa"
+            attention.core_attention.indexer.requires_grad_(False)
 
 
-def passthrough(checkpoint: str, hf_config) -> dict[str, torch.Tensor]:
+def sparse_layers(gpt) -> bool:
+    """Whether this model's layers run the DSA indexer (Megatron's local layers; not Transformer Engine's)."""
+    return any(hasattr(layer.self_attention.core_attention, "indexer") for layer in gpt.decoder.layers)
+
+
+def passthrough(checkpoint: str, hf_config, indexers: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors no Megatron module holds, for every export under transformers' in-memory names: the
-    DSA indexers, and a GLM-5 draft (MTP) layer (stored as layer num_hidden_layers; the config keeps this engine
-    from training one)."""
+    DSA indexers where the layers have none (`indexers`), and a GLM-5 draft (MTP) layer (stored as layer
+    num_hidden_layers; the config keeps this engine from training one)."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -258,7 +282,7 @@ def passthrough(checkpoint: str, hf_config) -> dict[str, torch.Tensor]:
     for f in sorted(Path(checkpoint).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             out |= {k: st.get_tensor(k) for k in st.keys()
-                    if ".self_attn.indexer." in k and not k.startswith(f"model.layers.{n}.")}
+                    if indexers and ".self_attn.indexer." in k and not k.startswith(f"model.layers.{n}.")}
     if getattr(hf_config, "num_nextn_predict_layers", 0):
         out |= mtp.glm5_layer_state(SimpleNamespace(config=hf_config), checkpoint)
     return out

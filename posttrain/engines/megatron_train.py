@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from posttrain.engines import context_parallel, megatron_glm5, vocab_parallel, zero_optimizer
+from posttrain.engines import context_parallel, megatron_dsa, megatron_glm5, vocab_parallel, zero_optimizer
 from posttrain.engines.base import one_by_one
 from posttrain.engines.megatron_setup import (Parallel, bridge, check_layout, init_parallel, local_spec, quiet,
                                               recompute_layers)
@@ -62,6 +62,8 @@ class MegatronTrainEngine:
         hf_config = AutoConfig.from_pretrained(checkpoint)
         try:
             check_layout(hf_config, parallel)
+            if hf_config.model_type in megatron_glm5.MODEL_TYPES:
+                megatron_dsa.check(hf_config, parallel, recompute)
         except ValueError as e:
             raise ValueError(f"{Path(checkpoint) / 'config.json'}: {e}") from None
         init_parallel(parallel, seed)
@@ -78,10 +80,11 @@ class MegatronTrainEngine:
             self.bridge.load_weights([self.gpt], str(checkpoint))
         self.hf_config = hf_config
         self.glm5 = hf_config.model_type in megatron_glm5.MODEL_TYPES
-        self._passthrough = {}
+        self._passthrough, self._sparse = {}, False
         if self.glm5:
-            megatron_glm5.set_latent_norm_eps(self.gpt)
-            self._passthrough = megatron_glm5.passthrough(checkpoint, hf_config)
+            megatron_glm5.finish(self.gpt)
+            self._sparse = megatron_glm5.sparse_layers(self.gpt)
+            self._passthrough = megatron_glm5.passthrough(checkpoint, hf_config, indexers=not self._sparse)
         if recompute and not torch.cuda.is_available():
             recompute_layers(self.gpt)
         self.vocab_size = hf_config.vocab_size
@@ -98,7 +101,8 @@ class MegatronTrainEngine:
             from posttrain.train import make_optimizer
             if distributed_optimizer:
                 self.shards = self._shards()
-            self.opt = make_optimizer(self.shards.mine if self.shards else self.model.parameters(), lr, weight_decay)
+            trained = [p for p in self.model.parameters() if p.requires_grad]  # not GLM-5's frozen indexers
+            self.opt = make_optimizer(self.shards.mine if self.shards else trained, lr, weight_decay)
         else:
             self.model.requires_grad_(False)
         # `routers` is the torch engine's hook object (aux loss, replay): Megatron's MoE layers route themselves here
@@ -163,7 +167,7 @@ class MegatronTrainEngine:
         b, T = ids.shape
         if self.glm5:
             megatron_glm5.check_rows(self.hf_config, int(position_ids.max()) + 1 if position_ids is not None else T,
-                                     self.checkpoint)
+                                     self.checkpoint, self._sparse, context_parallel.size())
             if padding is None and attention_mask is not None:
                 padding = attention_mask == 0
         cp = context_parallel.size()
@@ -304,7 +308,7 @@ class MegatronTrainEngine:
         total = batch["loss_mask"][:, 1:].float().sum().to(self.device)
         if self.glm5:  # the whole batch's rows refused at once, on every stage, before any micro-batch is sent on
             megatron_glm5.check_rows(self.hf_config, int(positions.max()) + 1 if positions is not None
-                                     else ids.shape[1], self.checkpoint)
+                                     else ids.shape[1], self.checkpoint, self._sparse, context_parallel.size())
         rows = ids.shape[0]
         parts = torch.arange(rows).tensor_split(min(self.micro_batches, rows))
         if len(parts) == 1 or not bool(total):
@@ -520,7 +524,7 @@ class MegatronTrainEngine:
         returns them), on CPU for the rollout engines."""
         with torch.no_grad():  # mbridge broadcasts the parameters themselves over the pipeline group: not for autograd
             out = {name: t.detach().cpu().clone() for name, t in self.bridge.export_weights([self.gpt])}
-        if self.glm5:  # one tensor per layer's experts, as transformers holds them; the DSA indexers passed through
+        if self.glm5:  # one tensor per layer's experts, as transformers holds them; what no Megatron module holds
             out = megatron_glm5.to_transformers(out, self._passthrough)
         if self.tied and "lm_head.weight" not in out:  # transformers lists the tied head in its state dict
             out["lm_head.weight"] = out["model.embed_tokens.weight"]

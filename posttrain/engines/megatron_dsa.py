@@ -1,0 +1,115 @@
+"""GLM-5's DeepSeek sparse attention (DSA) in the Megatron engine: each latent-attention layer's core attention keeps
+only the keys its indexer selects, as transformers' GlmMoeDsaForCausalLM does.
+
+Why not megatron-core's own `DSAttention` (0.16): it rotates the indexer's queries and keys by a Hadamard transform
+(bf16 and the `fast_hadamard_transform` CUDA package only), applies RoPE to the other half of the head than GLM-5
+does (transformers' interleaved rope on the first `qk_rope_head_dim` dims), layer-norms the keys under its own names,
+selects with an unstable `topk`, has no cross-layer sharing (GLM-5's IndexShare: `indexer_types` "shared" layers reuse
+the previous full layer's selection) and ignores document and padding masks in its attention. Here the indexer *is*
+transformers' `GlmMoeDsaIndexer` (with `posttrain.models.glm5`'s stable selection), held by the core attention under
+the checkpoint's names, so the selection is the torch engine's by construction; the attention is the engine's SDPA
+under the allowed-and-selected mask.
+
+Rows no longer than `index_topk` select every key: they skip the indexer (dense attention, as before). RoPE in the
+indexer runs at the row's sequence positions: within a packed row's document that is a constant offset, which RoPE's
+scores do not see.
+"""
+from __future__ import annotations
+
+import torch
+
+from posttrain.models.glm5 import DENSE_TOPK
+
+
+def adopted(hf_config) -> bool:
+    """Whether the checkpoint attends sparsely: its indexers keep fewer keys than any row has."""
+    return getattr(hf_config, "index_topk", DENSE_TOPK) < DENSE_TOPK
+
+
+def groups(hf_config) -> list[int]:
+    """For each layer, the layer whose indexer selects its keys (itself, or the last full layer before a shared
+    one)."""
+    types = getattr(hf_config, "indexer_types", None) or ["full"] * hf_config.num_hidden_layers
+    out, group = [], 0
+    for i, kind in enumerate(types):
+        group = i if kind == "full" else group
+        out.append(group)
+    return out
+
+
+def check(hf_config, par, recompute: bool, where: str = "megatron") -> None:
+    """Refuse a split under which a shared layer would not find its full layer's selection (once DSA is adopted:
+    before, no layer selects)."""
+    if not adopted(hf_config):
+        return
+    g = groups(hf_config)
+    per = hf_config.num_hidden_layers // par.pp
+    cut = [i for i in range(per, hf_config.num_hidden_layers, per) if g[i] != i]
+    if cut:
+        raise ValueError(f"{where}.pp: layer {cut[0]} shares layer {g[cut[0]]}'s DSA selection (indexer_types "
+                         f"'shared') but would start another pipeline stage; pick a pp whose stages begin at a "
+                         f"'full' layer")
+    if recompute and par.pp > 1 and any(a != i for i, a in enumerate(g)):
+        # a recomputed shared layer would read the selection of the micro-batch forwarded last
+        raise ValueError(f"{where}.recompute: not with pp > 1 on a checkpoint with shared DSA layers "
+                         f"(indexer_types 'shared'); set one of them off")
+
+
+def allowed_keys(mask: torch.Tensor | None, b: int, s: int, device) -> torch.Tensor:
+    """[b, s, s] True where a query may see a key, from the engine's mask: None (causal), Megatron's bool
+    [b, 1, s, s] (True = masked) or document ids [b, s] (-1 on padding)."""
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    if mask is None:
+        return causal.expand(b, s, s)
+    if mask.dtype == torch.bool:
+        return ~mask[:, 0]
+    same = (mask[:, :, None] == mask[:, None, :]) & (mask[:, None, :] >= 0)
+    return (same & causal) | torch.eye(s, dtype=torch.bool, device=device)
+
+
+def core_attention(base: type, hf_config) -> type:
+    """`base` (the engine's SDPA core attention) narrowed to each query's DSA selection; one class per model: its
+    layers share the selections of this forward (IndexShare) through it."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaRotaryEmbedding
+
+    from kernels.dsa import selected_mask
+    from posttrain.models.glm5 import patch_indexer
+    patch_indexer()
+    layer_group = groups(hf_config)
+    rope = GlmMoeDsaRotaryEmbedding(hf_config)  # not a submodule: no parameters, and no state to save
+    selections: dict[int, torch.Tensor] = {}
+
+    class DsaAttention(base):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.index = self.layer_number - 1  # global, 0-based: transformers' layer index
+            self.group = layer_group[self.index]
+            self.indexer = GlmMoeDsaIndexer(hf_config, self.index) if self.group == self.index else None
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None, x=None, qr=None):
+            s, b = query.shape[:2]
+            topk = self.indexer.index_topk if self.indexer is not None else hf_config.index_topk
+            if s <= topk and getattr(self.indexer, "dsa_state", None) is None:  # every key kept: dense
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params)
+            allowed = allowed_keys(attention_mask, b, s, query.device)
+            if self.indexer is not None:
+                positions = torch.arange(s, device=query.device)[None].expand(b, s)
+                selections[self.index] = self.indexer(x.transpose(0, 1), qr.transpose(0, 1),
+                                                      rope.to(x.device)(x, positions), allowed)
+            chosen = allowed & selected_mask(selections[self.group], s)
+            chosen |= ~chosen.any(-1, keepdim=True)  # a padding query that selects nothing: no NaN
+            return super().forward(query, key, value, ~chosen[:, None], attn_mask_type, attention_bias,
+                                   packed_seq_params)
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+            """The indexer too (Megatron's core attention saves only its own softmax offset): replicated over tp."""
+            from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+            out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            if self.indexer is not None:
+                out.update(make_sharded_tensors_for_checkpoint(
+                    self.indexer.state_dict(prefix="", keep_vars=True), f"{prefix}indexer.", {}, sharded_offsets,
+                    tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]))
+            return out
+    return DsaAttention
