@@ -194,17 +194,27 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
     next_batch = _sampler(cfg, k, short_rows, long_rows, st, pad_id(tok))
     curves: dict[str, list[float]] = {"indexer_kl": [], "topk_recall": []}
     extra: dict[str, float] = {}
+
+    def warm_batch(i: int) -> dict:
+        return next_batch(10_000_000 + i)
     with peak_memory() as peak:
         if dsa.state(model):
             dsa.state(model).collect = True
-        if adopt and r.dsa.warmup_steps and not adopted:
-            warm = _indexer_warmup(cfg, model, lambda i: next_batch(10_000_000 + i), name)
+        if adopt and r.dsa.warmup_steps and not adopted and not megatron:
+            warm = _indexer_warmup(cfg, model, warm_batch, name)
             extra = {f"dsa_warmup.{key}": v for c in warm for key, v in summarize(warm, c).items()}
         loss_fn = _with_indexer_loss(r.dsa.kl_weight, curves) if dsa.state(model) else masked_lm_loss
         kw = dict(steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
                   weight_decay=r.weight_decay, desc=name)
-        if megatron:  # the config refuses what only the torch path has (DSA, MTP, RoPE scaling)
-            hist, model = train_rung(cfg, model, tok, next_batch, kw, st)
+        if megatron:  # the config refuses what only the torch path has (MTP, RoPE scaling, DSA on a dense model)
+            if adopt and r.dsa.warmup_steps and not adopted:  # GLM-5's indexers alone, toward the dense attention
+                d = r.dsa
+                warm, model = train_rung(cfg, model, tok, warm_batch, dict(
+                    steps=d.warmup_steps, lr=d.warmup_lr, warmup=max(1, d.warmup_steps // 10),
+                    desc=f"{name} indexer warm-up"), st, indexers=("warmup", d.kl_queries, 1.0))
+                extra = {f"dsa_warmup.{key}": v for c in curves for key, v in summarize(warm, c).items()}
+            hist, model = train_rung(cfg, model, tok, next_batch, kw, st,
+                                     indexers=("sparse", r.dsa.kl_queries, r.dsa.kl_weight) if adopt else None)
         else:
             hist = train(model, next_batch, **kw, loss_fn=mtp.with_loss(loss_fn, cfg.mtp.loss_weight, curves),
                          moe=cfg.moe)
@@ -212,6 +222,7 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
             dsa.state(model).collect = False
     if r.activation_checkpointing and not megatron:
         model.activation_checkpointing_disable()
+    curves = {c: xs or hist.get(c, []) for c, xs in curves.items()}  # megatron's engine logs them in its history
     curves = {c: xs for c, xs in curves.items() if xs}
     hist.update(curves)
     extra.update({key: v for c in curves for key, v in summarize(curves, c).items()})

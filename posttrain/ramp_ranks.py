@@ -20,14 +20,18 @@ from posttrain.models.preset import load_checkpoint, save_checkpoint
 from posttrain.train import train
 
 
-def _engine(cfg: PipelineConfig, path: str, lr: float, cp: int):
+def _engine(cfg: PipelineConfig, path: str, kw: dict, cp: int, indexers: tuple | None):
+    """`indexers`: (mode, kl_queries, kl_weight) while DSA's indexers train; the warm-up trains nothing else, so
+    the experts' bias stays too."""
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
     g = cfg.megatron
-    return MegatronTrainEngine(path, lr=lr, parallel=Parallel(g.tp, g.pp, cp, g.ep, g.sequence_parallel),
-                               weight_decay=cfg.ramp.weight_decay, seed=cfg.seed,
-                               recompute=g.recompute or cfg.ramp.activation_checkpointing, moe=cfg.moe,
-                               distributed_optimizer=g.distributed_optimizer, micro_batches=g.micro_batches)
+    warmup = indexers is not None and indexers[0] == "warmup"
+    return MegatronTrainEngine(path, lr=kw["lr"], parallel=Parallel(g.tp, g.pp, cp, g.ep, g.sequence_parallel),
+                               weight_decay=kw.get("weight_decay", 0.0), seed=cfg.seed,
+                               recompute=g.recompute or cfg.ramp.activation_checkpointing,
+                               moe=None if warmup else cfg.moe, distributed_optimizer=g.distributed_optimizer,
+                               micro_batches=g.micro_batches, train_indexers=indexers)
 
 
 def _worker(c: dict) -> None:
@@ -39,7 +43,7 @@ def _worker(c: dict) -> None:
     with tempfile.TemporaryDirectory() as init, tempfile.TemporaryDirectory() as out:
         for name, data in ray.get(c["init"]).items():
             (Path(init) / name).write_bytes(data)
-        engine = _engine(c["cfg"], init, c["kw"]["lr"], c["cp"])
+        engine = _engine(c["cfg"], init, c["kw"], c["cp"], c["indexers"])
         hist = train(engine, c["next_batch"], **c["kw"])
         model = engine.hf_model()  # a collective over the tensor-parallel ranks
         first = ray.train.get_context().get_world_rank() == 0
@@ -51,20 +55,21 @@ def _worker(c: dict) -> None:
 
 
 def train_rung(cfg: PipelineConfig, model, tok, next_batch: Callable[[int], dict], kw: dict,
-               stage: RampStage) -> tuple[dict, object]:
+               stage: RampStage, indexers: tuple[str, int, float] | None = None) -> tuple[dict, object]:
     """(the rung's history, the model holding its trained weights) after `train(engine, next_batch, **kw)` over
-    megatron's tp x pp and the rung's context-parallel ranks (`PipelineConfig.ramp_ranks`)."""
+    megatron's tp x pp and the rung's context-parallel ranks (`PipelineConfig.ramp_ranks`); with `indexers`
+    (`MegatronTrainEngine`'s `train_indexers`) GLM-5's DSA indexers train too, or alone in the warm-up."""
     cp, ranks = stage.cp or cfg.megatron.cp, cfg.ramp_ranks(stage)
     with tempfile.TemporaryDirectory(prefix="posttrain-ramp-megatron-") as d, \
             tempfile.TemporaryDirectory(prefix="posttrain-ramp-train-") as storage:
         save_checkpoint(model, tok, d)  # the rung's RoPE and weights, as the engine loads them
         if ranks == 1:
-            engine = _engine(cfg, d, kw["lr"], cp)
+            engine = _engine(cfg, d, kw, cp, indexers)
             return train(engine, next_batch, **kw), engine.hf_model()
         import ray
         files = ray.put({f.name: f.read_bytes() for f in Path(d).iterdir() if f.is_file()})
         result = _over_ranks(cfg, ranks, storage, {
-            "cfg": cfg, "init": files, "tok": tok, "kw": kw, "next_batch": next_batch, "cp": cp,
+            "cfg": cfg, "init": files, "tok": tok, "kw": kw, "next_batch": next_batch, "cp": cp, "indexers": indexers,
             "threads": max(1, cfg.runtime.torch_threads // ranks)})
         with result.checkpoint.as_directory() as out:
             trained, _ = load_checkpoint(out)

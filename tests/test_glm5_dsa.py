@@ -56,10 +56,15 @@ def test_the_warmup_trains_only_glm5s_own_indexers_towards_the_dense_attention(m
     assert kl1 < 0.95 * kl0 and recall1 > recall0, (kl0, kl1, recall0, recall1)
 
 
-def test_a_ramp_rung_adopts_dsa_on_glm5s_indexers(model, tok):
+@pytest.mark.parametrize("engine", ["torch", "megatron"])
+def test_a_ramp_rung_adopts_dsa_on_glm5s_indexers(model, tok, engine, request):
+    """Through either train engine: the megatron one runs the warm-up and the sparse rung in Megatron's layers, its
+    indexers inside the core attention (`engines.megatron_dsa`)."""
+    if engine == "megatron":
+        request.getfixturevalue("megatron_groups")
     sets = [f"model.{k}={v}" for k, v in GLM5.items() if not isinstance(v, list)] + [
         "model.indexer_types=[full, full, shared, full]", "quantize.group_size=16", "ramp.attention=dsa", "ramp.batch_size=2",
-        "ramp.dsa={top_k: 8, warmup_steps: 3, kl_queries: 16}",
+        "ramp.dsa={top_k: 8, warmup_steps: 3, kl_queries: 16}", f"runtime.train_engine={engine}",
         "ramp.stages=[{seq_len: 64, tokens: 512, lr: 1.0e-3, warmup: 1, rope_theta: 20000.0, long_share: 0.5}]"]
     cfg = load_config("smoke", sets)
     docs = [IDS[i % 2, :20 + i].tolist() for i in range(12)]
@@ -73,6 +78,13 @@ def test_a_ramp_rung_adopts_dsa_on_glm5s_indexers(model, tok):
 
 def test_dsa_settings_glm5_lays_out_itself_are_refused():
     load_config("tiny-glm5", ["ramp.attention=dsa", "ramp.dsa.top_k=64"])
+    megatron = ["ramp.attention=dsa", "ramp.dsa.top_k=64", "runtime.train_engine=megatron"]
+    load_config("tiny-glm5", megatron)
+    with pytest.raises(ConfigError, match=r"ramp.stages.0.cp: the megatron engine runs GLM-5's DSA indexer on one "
+                                          r"context-parallel rank"):
+        load_config("tiny-glm5", megatron + ["megatron.cp=2"])
+    with pytest.raises(ConfigError, match=r"ramp.attention: dsa on a dense model adds posttrain's own indexers"):
+        load_config("tiny", megatron)
     with pytest.raises(ConfigError, match=r"ramp.dsa.own_indexer: GLM-5's own indexers are laid out by "
                                           r"model.indexer_types"):
         load_config("tiny-glm5", ["ramp.attention=dsa", "ramp.dsa={top_k: 64, own_indexer: [0, 1]}"])

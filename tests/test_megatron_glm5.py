@@ -68,6 +68,45 @@ def test_a_checkpoint_that_adopted_dsa_attends_sparsely_as_transformers(glm5, ad
     assert (dense - sparse).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("mode", ["warmup", "sparse"])
+def test_the_ramps_dsa_adoption_trains_the_indexers_as_the_torch_engines(adopted, mode):
+    """Three steps of the ramp's adoption: the warm-up (only the indexers train, toward the dense attention) and
+    sparse training (the LM loss, and each indexer toward its selected keys' attention, weighted by kl_weight), as
+    `posttrain.ramp` runs them through the torch engine: the same indexer KL, recall, losses and weights."""
+    from types import SimpleNamespace
+
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.models import dsa, glm5 as arch
+    from posttrain.ramp import _indexer_warmup, _with_indexer_loss
+    from posttrain.train import train
+    torch.manual_seed(0)
+    model, _ = load_checkpoint(adopted)
+    batches = [torch.randint(3, model.config.vocab_size, (2, 12)) for _ in range(3)]
+
+    def next_batch(i):
+        return {"input_ids": batches[i % 3], "loss_mask": torch.ones_like(batches[i % 3])}
+    arch.install_dsa(model, 4, kl_queries=8)
+    dsa.state(model).collect = True
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    if mode == "warmup":
+        cfg = SimpleNamespace(ramp=SimpleNamespace(dsa=SimpleNamespace(warmup_steps=3, warmup_lr=1e-2)))
+        want = _indexer_warmup(cfg, model, next_batch, "warm-up")
+    else:
+        want = {"indexer_kl": [], "topk_recall": []}
+        want["loss"] = train(model, next_batch, steps=3, lr=1e-2, warmup=1, loss_fn=_with_indexer_loss(0.5, want))["loss"]
+    engine = MegatronTrainEngine(adopted, lr=1e-2, train_indexers=(mode, 8, 1.0 if mode == "warmup" else 0.5))
+    got = train(engine, next_batch, steps=3, lr=1e-2, warmup=1)
+    for key in ("indexer_kl", "topk_recall") + (("loss",) if mode == "sparse" else ()):
+        assert max(abs(a - b) for a, b in zip(want[key], got[key])) < 1e-5, key
+    if mode == "warmup":  # the indexers learned the dense attention
+        assert want["indexer_kl"][-1] < want["indexer_kl"][0]
+    moved, own = engine.weights(), model.state_dict()
+    assert max((moved[k] - own[k]).abs().max().item() for k in own) < 1e-5
+    changed = {k for k in own if not torch.equal(own[k], start[k])}
+    indexers = {k for k in changed if ".indexer." in k}
+    assert indexers and (changed == indexers if mode == "warmup" else changed > indexers)
+
+
 def test_a_draft_layer_passes_through_every_export(glm5, tmp_path):
     """A GLM-5 checkpoint with its MTP layer (layer num_hidden_layers): Megatron does not hold it, the export carries
     it as the checkpoint has it, and the transformers model the engine saves from loads it."""

@@ -13,6 +13,12 @@ under the allowed-and-selected mask.
 Rows no longer than `index_topk` select every key: they skip the indexer (dense attention, as before). RoPE in the
 indexer runs at the row's sequence positions: within a packed row's document that is a constant offset, which RoPE's
 scores do not see.
+
+The ramp's DSA adoption trains the indexers here as the torch engine does (`train_indexers`): each layer adds the
+KL from its attention distribution to its group indexer's scores (`posttrain.models.dsa.indexer_loss`, the torch
+path's function) and attaches it to its output, so the backward that reaches the layer (from the LM loss, or from
+the next pipeline stage) also backpropagates the KL into the indexer, with the weight the engine set for the
+micro-batch.
 """
 from __future__ import annotations
 
@@ -55,6 +61,38 @@ def check(hf_config, par, recompute: bool, where: str = "megatron") -> None:
                          f"(indexer_types 'shared'); set one of them off")
 
 
+def train_indexers(gpt, hf_config, mode: str, kl_queries: int):
+    """The model's indexers learning (the ramp's DSA adoption): their weights trainable, and a
+    `posttrain.models.dsa.DSAState` collecting their losses on every layer. `warmup`: every key kept, the rest of
+    the model frozen, the indexers learning the dense attention; `sparse`: the selected keys, the model trains on."""
+    from posttrain.models.dsa import DSAState
+    st = DSAState(hf_config.index_topk, kl_queries)
+    st.mode, st.collect, st.weight = mode, True, 1.0
+    if mode == "warmup":
+        gpt.requires_grad_(False)
+    for layer in gpt.decoder.layers:
+        attention = layer.self_attention.core_attention
+        attention.dsa_state = st
+        if attention.indexer is not None:
+            attention.indexer.dsa_state = st
+            attention.indexer.requires_grad_(True)
+    return st
+
+
+class _Attach(torch.autograd.Function):
+    """`out` unchanged; the backward that reaches it gives `loss` the gradient `weight` (Megatron's
+    `DSAIndexerLossAutoScaler`, with the weight fixed at the forward: micro-batches in flight each keep theirs)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_full((), ctx.weight), None
+
+
 def allowed_keys(mask: torch.Tensor | None, b: int, s: int, device) -> torch.Tensor:
     """[b, s, s] True where a query may see a key, from the engine's mask: None (causal), Megatron's bool
     [b, 1, s, s] (True = masked) or document ids [b, s] (-1 on padding)."""
@@ -73,6 +111,7 @@ def core_attention(base: type, hf_config) -> type:
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaRotaryEmbedding
 
     from kernels.dsa import selected_mask
+    from posttrain.models.dsa import indexer_loss
     from posttrain.models.glm5 import patch_indexer
     patch_indexer()
     layer_group = groups(hf_config)
@@ -85,12 +124,14 @@ def core_attention(base: type, hf_config) -> type:
             self.index = self.layer_number - 1  # global, 0-based: transformers' layer index
             self.group = layer_group[self.index]
             self.indexer = GlmMoeDsaIndexer(hf_config, self.index) if self.group == self.index else None
+            self.dsa_state = None  # set while the indexers train (`train_indexers`)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None, x=None, qr=None):
             s, b = query.shape[:2]
             topk = self.indexer.index_topk if self.indexer is not None else hf_config.index_topk
-            if s <= topk and getattr(self.indexer, "dsa_state", None) is None:  # every key kept: dense
+            st = self.dsa_state
+            if s <= topk and st is None:  # every key kept: dense
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
             allowed = allowed_keys(attention_mask, b, s, query.device)
@@ -100,8 +141,15 @@ def core_attention(base: type, hf_config) -> type:
                                                       rope.to(x.device)(x, positions), allowed)
             chosen = allowed & selected_mask(selections[self.group], s)
             chosen |= ~chosen.any(-1, keepdim=True)  # a padding query that selects nothing: no NaN
-            return super().forward(query, key, value, ~chosen[:, None], attn_mask_type, attention_bias,
-                                   packed_seq_params)
+            out = super().forward(query, key, value, ~chosen[:, None], attn_mask_type, attention_bias,
+                                  packed_seq_params)
+            if st is not None and st.collect and torch.is_grad_enabled():  # shared layers train their group's too
+                scores = st.scores[self.group]
+                q, k = (t.detach().permute(1, 2, 0, 3) for t in (query, key))  # [s, b, n, d] -> [b, n, s, d]
+                indexer_loss(st, q, k, self.softmax_scale, lambda rows: scores[:, rows], allowed,
+                             selections[self.group])
+                out = _Attach.apply(out, st.losses[-1], st.weight)
+            return out
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
             """The indexer too (Megatron's core attention saves only its own softmax offset): replicated over tp."""

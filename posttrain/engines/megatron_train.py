@@ -52,7 +52,8 @@ class MegatronTrainEngine:
 
     def __init__(self, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
                  parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0, recompute: bool = False,
-                 moe=None, routing_replay: bool = False, distributed_optimizer: bool = False, micro_batches: int = 1):
+                 moe=None, routing_replay: bool = False, distributed_optimizer: bool = False, micro_batches: int = 1,
+                 train_indexers: tuple[str, int, float] | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -80,11 +81,18 @@ class MegatronTrainEngine:
             self.bridge.load_weights([self.gpt], str(checkpoint))
         self.hf_config = hf_config
         self.glm5 = hf_config.model_type in megatron_glm5.MODEL_TYPES
-        self._passthrough, self._sparse = {}, False
+        self._passthrough, self._sparse, self._dsa = {}, False, None
         if self.glm5:
             megatron_glm5.finish(self.gpt)
             self._sparse = megatron_glm5.sparse_layers(self.gpt)
             self._passthrough = megatron_glm5.passthrough(checkpoint, hf_config, indexers=not self._sparse)
+        if train_indexers:  # (mode, kl_queries, kl_weight): the ramp's DSA adoption
+            if not self._sparse:
+                raise ValueError(f"ramp.attention dsa: {checkpoint} has no DSA indexer this engine runs (a GLM-5 "
+                                 f"checkpoint on Megatron's local layers); use runtime.train_engine torch")
+            self._dsa = megatron_dsa.train_indexers(self.gpt, hf_config, *train_indexers[:2])
+            self._kl_weight = train_indexers[2]
+        self.indexer_stats: dict[str, float] = {}
         if recompute and not torch.cuda.is_available():
             recompute_layers(self.gpt)
         self.vocab_size = hf_config.vocab_size
@@ -312,6 +320,7 @@ class MegatronTrainEngine:
         rows = ids.shape[0]
         parts = torch.arange(rows).tensor_split(min(self.micro_batches, rows))
         if len(parts) == 1 or not bool(total):
+            self._indexer_weight(scale)
             loss = self.lm_loss(batch) * scale
             self.backward(loss)
             return loss.detach()
@@ -319,7 +328,18 @@ class MegatronTrainEngine:
 
     @staged
     def _one_f_one_b(self, micro: list[dict], total: torch.Tensor, scale: float) -> torch.Tensor | None:
-        return one_f_one_b(self.pipe, lambda i: self.lm_loss(micro[i], total) * scale, len(micro))
+        rows = sum(len(m["input_ids"]) for m in micro)
+
+        def forward(i: int) -> torch.Tensor:
+            self._indexer_weight(scale * len(micro[i]["input_ids"]) / rows)  # the indexer KL's share of the batch
+            return self.lm_loss(micro[i], total) * scale
+        return one_f_one_b(self.pipe, forward, len(micro))
+
+    def _indexer_weight(self, share: float) -> None:
+        """While the indexers train: the weight of the next forward's indexer losses (the torch ramp's
+        `kl_weight` x the micro-batch's share of the step)."""
+        if self._dsa is not None:
+            self._dsa.weight = self._kl_weight * share
 
     @staged
     def forward(self, samples) -> torch.Tensor:
@@ -475,7 +495,25 @@ class MegatronTrainEngine:
         self.pipe.forget()
         if self._balance:
             self.moe_stats = self._balance_experts()
+        if self._dsa is not None:
+            self.indexer_stats = self._pop_indexer_stats()
         return norm.item()
+
+    def _pop_indexer_stats(self) -> dict[str, float]:
+        """The step's indexer KL (mean over its layers' losses, as the torch ramp's) and top-k recall of the dense
+        attention mass, over every pipeline stage's layers."""
+        from megatron.core import parallel_state as ps
+        st = self._dsa
+        losses, recalls = st.losses, st.recalls
+        st.losses, st.recalls = [], []
+        st.scores.clear()
+        sums = torch.tensor([float(sum(x.item() for x in losses)), len(losses),
+                             float(sum(x.item() for x in recalls)), len(recalls)], dtype=torch.float64)
+        if self.pipe.size > 1:
+            dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
+        if not sums[1]:
+            return {}
+        return {"indexer_kl": (sums[0] / sums[1]).item(), "topk_recall": (sums[2] / sums[3]).item()}
 
     def _balance_experts(self) -> dict[str, float]:
         """The torch engine's aux-loss-free balancing (`models.moe.RouterHooks.after_step`) on Megatron's routers:
