@@ -718,12 +718,6 @@ class PipelineConfig(_Strict):
             errors.append("ramp.attention: dsa on a dense model adds posttrain's own indexers, which train through the "
                           "torch engine only (the megatron engine trains GLM-5's, model.arch glm5). Use sdpa, "
                           "packed_sdpa or flash_attention_2 with runtime.train_engine megatron")
-        if self.ramp.attention == "dsa":
-            for i, st in enumerate(self.ramp.stages):
-                if st.seq_len >= self.ramp.dsa_start() and (st.cp or g.cp) > 1:
-                    errors.append(f"ramp.stages.{i}.cp: the megatron engine runs GLM-5's DSA indexer on one "
-                                  f"context-parallel rank (a rung from DSA's adoption on, seq_len {st.seq_len}); set "
-                                  f"its cp 1 or ramp.attention sdpa (got {st.cp or g.cp})")
         if self.moe.aux_loss_weight:
             errors.append("moe.aux_loss_weight: the megatron engine balances experts through their bias only "
                           "(moe.bias_update_rate); set it to 0 or use runtime.train_engine torch")

@@ -213,12 +213,14 @@ def _steps(engine, samples: list, lm: bool) -> list[float]:
 
 
 def _engine(path, par: dict):
-    """A policy split as `par` says (Parallel's fields, `distributed_optimizer` and `micro_batches`)."""
+    """A policy split as `par` says (Parallel's fields, `distributed_optimizer`, `micro_batches`, and
+    `train_indexers`)."""
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
     par = dict(par)
     return MegatronTrainEngine(path, lr=1e-3, distributed_optimizer=par.pop("distributed_optimizer", False),
-                               micro_batches=par.pop("micro_batches", 1), parallel=Parallel(**par))
+                               micro_batches=par.pop("micro_batches", 1),
+                               train_indexers=par.pop("train_indexers", None), parallel=Parallel(**par))
 
 
 def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: bool, dense_max: int) -> None:
@@ -247,20 +249,22 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
     weights = engine.weights()
     owned = sum(p.numel() for g in engine.opt.param_groups for p in g["params"])  # the parameters this rank steps
     if rank == 0:
-        torch.save({"losses": losses, "weights": weights, "schedules": schedules,
+        torch.save({"losses": losses, "weights": weights, "schedules": schedules, "indexer": engine.indexer_stats,
                     "owned": owned / sum(p.numel() for p in engine.model.parameters() if p.requires_grad)}, out)
     dist.barrier()
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("par,lm,dense_max", [({"tp": 2}, False, 2048), ({}, False, 2048), ({"cp": 2}, True, 2048),
-                                              ({"cp": 2}, True, 0), ({"pp": 2}, False, 2048), ({"pp": 2}, True, 2048),
+                                              ({"cp": 2}, False, 2048), ({"cp": 2}, True, 0), ({"pp": 2}, False, 2048),
+                                              ({"pp": 2}, True, 2048),
                                               ({"pp": 2, "micro_batches": 2}, True, 2048),
                                               ({"distributed_optimizer": True}, False, 2048)],
-                         ids=["tp2", "dp2", "cp2", "cp2-per-document", "pp2", "pp2-lm", "pp2-1f1b",
+                         ids=["tp2", "dp2", "cp2", "cp2-rl", "cp2-per-document", "pp2", "pp2-lm", "pp2-1f1b",
                               "dp2-distributed-optimizer"])
 def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm, dense_max):
-    """Against one rank with its whole [T, T] masks; `cp2-per-document`: the long rows' path, attention per document
+    """Against one rank with its whole [T, T] masks; `cp2-rl`: the RL losses on the whole sequence gathered on both
+    context-parallel ranks (the output weights' gradient shared, not doubled); `cp2-per-document`: the long rows' path, attention per document
     with no mask, over the two context-parallel ranks' query chunks; `pp2`: a layer on each pipeline stage, the tied
     embeddings on both ends (every stage returns the last stage's answer), RL's two micro-batches in the 1F1B order;
     `pp2-1f1b`: sft's batches in two micro-batches through the stages in the 1F1B order; `dp2-distributed-optimizer`: each rank
@@ -329,7 +333,7 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
         assert rule in str(e.value)
     with pytest.raises(ConfigError, match="megatron.ep: splits a mixture-of-experts model's experts"):
         load_config("smoke", ["runtime.train_engine=megatron", "megatron.ep=2", "sft.workers=2"])
-    with pytest.raises(ConfigError, match="ramp.attention: dsa trains the DSA indexers"):
+    with pytest.raises(ConfigError, match="ramp.attention: dsa on a dense model adds posttrain.s own indexers"):
         load_config("smoke", ["runtime.train_engine=megatron", "ramp.attention=dsa", "ramp.dsa.top_k=32"])
     with pytest.raises(ConfigError, match="ramp.stages.0.rope_scaling: the megatron engine runs default RoPE"):
         load_config("smoke", ["runtime.train_engine=megatron", "ramp.stages=[{seq_len: 96, tokens: 384, rope_theta: "

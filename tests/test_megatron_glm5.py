@@ -154,19 +154,26 @@ def test_policy_updates_and_expert_balancing_equal_the_torch_engines(request, ck
 @pytest.mark.parametrize("ckpt,par,lm", [("glm5", {"ep": 2}, True), ("glm5", {"ep": 2}, False),
                                          ("glm5", {"pp": 2}, False),
                                          ("glm5", {"ep": 2, "distributed_optimizer": True}, False),
-                                         ("adopted", {"ep": 2}, True)],
-                         ids=["ep2-lm", "ep2", "pp2", "ep2-distributed-optimizer", "ep2-dsa-lm"])
+                                         ("adopted", {"ep": 2}, True), ("adopted", {"cp": 2}, True),
+                                         ("adopted", {"cp": 2}, False),
+                                         ("adopted", {"cp": 2, "train_indexers": ("sparse", 8, 0.5)}, True)],
+                         ids=["ep2-lm", "ep2", "pp2", "ep2-distributed-optimizer", "ep2-dsa-lm", "cp2-dsa-lm",
+                              "cp2-dsa", "cp2-dsa-adoption"])
 def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(request, tmp_path, ckpt, par, lm):
     """ep2: four experts on each rank, tokens sent to them all-to-all; pp2: the dense layer on one stage, the MoE
     layer on the other; with the distributed optimizer each rank steps its own experts and about half the dense
-    layers (which repeat over the two ranks); with DSA adopted each rank's indexers select the same keys."""
+    layers (which repeat over the two ranks); with DSA adopted each rank's indexers select the same keys, and over
+    two context-parallel ranks each rank's queries select among the whole sequence's keys; the indexers train
+    there as on one rank (each rank's indexer loss the share of its queries)."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     glm5 = request.getfixturevalue(ckpt)
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_rank, args=(2, _free_port(), par, glm5, out, lm, 2048), nprocs=2)
     got = torch.load(out)
-    one = MegatronTrainEngine(glm5, lr=1e-3)
+    one = MegatronTrainEngine(glm5, lr=1e-3, train_indexers=par.get("train_indexers"))
     want = [x.item() for x in _steps(one, _samples(one.vocab_size), lm)]
+    assert set(one.indexer_stats) == set(got["indexer"]) and all(  # the last step's: KL ~1e-5, recall ~0.7
+        abs(one.indexer_stats[k] - got["indexer"][k]) < 1e-3 * one.indexer_stats[k] for k in got["indexer"])
     assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
     w = one.weights()
     assert set(w) == set(got["weights"]) and max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
@@ -239,11 +246,10 @@ def test_what_megatron_would_compute_differently_fails_before_any_work(glm5, ado
     with pytest.raises(ValueError, match=r"adopted\d*/config.json: megatron.pp: layer 1 shares layer 0's DSA "
                                          r"selection \(indexer_types 'shared'\) but would start another pipeline"):
         MegatronTrainEngine(adopted, parallel=Parallel(pp=2))
-    # context-parallel ranks and Transformer Engine's layers run no indexer: rows past index_topk refused there
+    # Transformer Engine's layers run no indexer: rows past index_topk refused there
     config = load_checkpoint(adopted)[0].config
-    megatron_glm5.check_rows(config, 9, adopted, sparse=True, cp=1)
-    megatron_glm5.check_rows(config, 4, adopted, sparse=False, cp=2)
-    for sparse, cp, why in ((True, 2, "split over 2 context-parallel ranks"), (False, 1, "on Transformer Engine")):
-        with pytest.raises(ValueError, match=rf"a 9-token row is longer than .*adopted\d*/config.json's index_topk "
-                                             rf"\(4\), {why}"):
-            megatron_glm5.check_rows(config, 9, adopted, sparse=sparse, cp=cp)
+    megatron_glm5.check_rows(config, 9, adopted, sparse=True)
+    megatron_glm5.check_rows(config, 4, adopted, sparse=False)
+    with pytest.raises(ValueError, match=r"a 9-token row is longer than .*adopted\d*/config.json's index_topk "
+                                         r"\(4\), on Transformer Engine's layers"):
+        megatron_glm5.check_rows(config, 9, adopted, sparse=False)

@@ -84,6 +84,24 @@ class GatherOutput(torch.autograd.Function):
         return _mine(grad)
 
 
+class SharedGrad(torch.autograd.Function):
+    """A weight applied to hidden states every rank gathered alike (`GatherOutput`): each rank's gradient for it is
+    the whole one, and the engine sums the ranks' gradient shares, so each keeps 1/cp of it."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor) -> torch.Tensor:
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad / size()
+
+
+def shared(w: torch.Tensor | None) -> torch.Tensor | None:
+    """`w` as used after `GatherOutput` (its gradient a share, `SharedGrad`); itself with one rank."""
+    return w if w is None or size() == 1 else SharedGrad.apply(w)
+
+
 def local_mask(mask: torch.Tensor | None, length: int, batch: int, device) -> torch.Tensor:
     """The attention mask of this rank's queries against the whole sequence's keys [b, 1, s_local, length] (True:
     may not see), from the whole mask [b, 1, length, length], or causal when there is none."""

@@ -67,7 +67,7 @@ def train_indexers(gpt, hf_config, mode: str, kl_queries: int):
     the model frozen, the indexers learning the dense attention; `sparse`: the selected keys, the model trains on."""
     from posttrain.models.dsa import DSAState
     st = DSAState(hf_config.index_topk, kl_queries)
-    st.mode, st.collect, st.weight = mode, True, 1.0
+    st.mode, st.collect, st.weight, st.length = mode, True, 1.0, None  # the engine sets weight and length
     if mode == "warmup":
         gpt.requires_grad_(False)
     for layer in gpt.decoder.layers:
@@ -77,6 +77,14 @@ def train_indexers(gpt, hf_config, mode: str, kl_queries: int):
             attention.indexer.dsa_state = st
             attention.indexer.requires_grad_(True)
     return st
+
+
+def _sum_over_context(n: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    from posttrain.engines import context_parallel
+    dist.all_reduce(n, group=context_parallel.group())
+    return n
 
 
 class _Attach(torch.autograd.Function):
@@ -93,16 +101,18 @@ class _Attach(torch.autograd.Function):
         return grad, grad.new_full((), ctx.weight), None
 
 
-def allowed_keys(mask: torch.Tensor | None, b: int, s: int, device) -> torch.Tensor:
-    """[b, s, s] True where a query may see a key, from the engine's mask: None (causal), Megatron's bool
-    [b, 1, s, s] (True = masked) or document ids [b, s] (-1 on padding)."""
-    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+def allowed_keys(mask: torch.Tensor | None, queries: torch.Tensor, length: int) -> torch.Tensor:
+    """[b, s, length] True where this rank's queries (at sequence positions `queries` [s]) may see a key, from the
+    engine's mask: None (causal), Megatron's bool [b, 1, s, length] (True = masked) or document ids [b, length] (-1 on
+    padding)."""
+    keys = torch.arange(length, device=queries.device)
+    causal = queries[:, None] >= keys[None]
     if mask is None:
-        return causal.expand(b, s, s)
+        return causal[None]
     if mask.dtype == torch.bool:
         return ~mask[:, 0]
-    same = (mask[:, :, None] == mask[:, None, :]) & (mask[:, None, :] >= 0)
-    return (same & causal) | torch.eye(s, dtype=torch.bool, device=device)
+    same = (mask[:, queries, None] == mask[:, None, :]) & (mask[:, None, :] >= 0)
+    return (same & causal) | (queries[:, None] == keys[None])
 
 
 def core_attention(base: type, hf_config) -> type:
@@ -110,7 +120,10 @@ def core_attention(base: type, hf_config) -> type:
     layers share the selections of this forward (IndexShare) through it."""
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaRotaryEmbedding
 
+    from megatron.core import parallel_state as ps
+
     from kernels.dsa import selected_mask
+    from posttrain.engines import context_parallel
     from posttrain.models.dsa import indexer_loss
     from posttrain.models.glm5 import patch_indexer
     patch_indexer()
@@ -129,27 +142,43 @@ def core_attention(base: type, hf_config) -> type:
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None, x=None, qr=None):
             s, b = query.shape[:2]
+            cp = context_parallel.size()
+            length = s * cp  # with context parallelism this rank's queries see the whole sequence's keys
             topk = self.indexer.index_topk if self.indexer is not None else hf_config.index_topk
             st = self.dsa_state
-            if s <= topk and st is None:  # every key kept: dense
+            if length <= topk and st is None:  # every key kept: dense
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
-            allowed = allowed_keys(attention_mask, b, s, query.device)
-            if self.indexer is not None:
-                positions = torch.arange(s, device=query.device)[None].expand(b, s)
+            queries = torch.arange(s, device=query.device) if cp == 1 else context_parallel.positions(
+                length, cp, ps.get_context_parallel_rank(), query.device)
+            allowed = allowed_keys(attention_mask, queries, length).expand(b, -1, -1)
+            if self.indexer is not None:  # its keys computed here, at this rank's positions, then gathered
+                gather = None if cp == 1 else \
+                    lambda k: context_parallel.GatherKV.apply(k.transpose(0, 1)).transpose(0, 1)
                 selections[self.index] = self.indexer(x.transpose(0, 1), qr.transpose(0, 1),
-                                                      rope.to(x.device)(x, positions), allowed)
-            chosen = allowed & selected_mask(selections[self.group], s)
+                                                      rope.to(x.device)(x, queries[None].expand(b, s)), allowed,
+                                                      gather_keys=gather)
+            chosen = allowed & selected_mask(selections[self.group], length)
             chosen |= ~chosen.any(-1, keepdim=True)  # a padding query that selects nothing: no NaN
             out = super().forward(query, key, value, ~chosen[:, None], attn_mask_type, attention_bias,
                                   packed_seq_params)
             if st is not None and st.collect and torch.is_grad_enabled():  # shared layers train their group's too
-                scores = st.scores[self.group]
-                q, k = (t.detach().permute(1, 2, 0, 3) for t in (query, key))  # [s, b, n, d] -> [b, n, s, d]
-                indexer_loss(st, q, k, self.softmax_scale, lambda rows: scores[:, rows], allowed,
-                             selections[self.group])
+                self._indexer_loss(st, query, key, queries, allowed)
                 out = _Attach.apply(out, st.losses[-1], st.weight)
             return out
+
+        def _indexer_loss(self, st, query, key, queries: torch.Tensor, allowed: torch.Tensor) -> None:
+            """The torch ramp's indexer loss on the same strided queries of the whole sequence: with context
+            parallelism each rank scores those it holds, against the whole sequence's keys, as its share."""
+            scores, key, total = st.scores[self.group], key.detach(), None
+            length = st.length or allowed.shape[-1]  # the rows' own length: not the tail padded for the cp chunks
+            rows = torch.linspace(0, length - 1, min(length, st.kl_queries), device=queries.device).long()
+            if context_parallel.size() > 1:
+                key, total = context_parallel._gather(key), _sum_over_context
+                rows = torch.nonzero(torch.isin(queries, rows)).flatten()
+            q, k = (t.detach().permute(1, 2, 0, 3) for t in (query, key))  # [s, b, n, d] -> [b, n, s, d]
+            indexer_loss(st, q, k, self.softmax_scale, lambda r: scores[:, r], allowed, selections[self.group],
+                         rows, total)
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
             """The indexer too (Megatron's core attention saves only its own softmax offset): replicated over tp."""

@@ -57,18 +57,16 @@ def check(hf_config, par, where: str = "megatron") -> None:
                          f"{[d for d in range(1, heads + 1) if heads % d == 0]})")
 
 
-def check_rows(hf_config, length: int, checkpoint: str, sparse: bool, cp: int) -> None:
+def check_rows(hf_config, length: int, checkpoint: str, sparse: bool) -> None:
     """A row whose attention would differ from GLM-5's sparse one: longer than the keys its DSA indexer keeps, where
-    the engine's layers have no indexer (`sparse` false: Transformer Engine's) or the sequence is split over
-    context-parallel ranks (the indexer scores a rank's queries against every key: not built)."""
+    the engine's layers have no indexer (`sparse` false: Transformer Engine's)."""
     topk = getattr(hf_config, "index_topk", None)
-    if topk is None or length <= topk or (sparse and cp == 1):
+    if topk is None or length <= topk or sparse:
         return
-    why = (f"split over {cp} context-parallel ranks, where the engine's DSA indexer does not run (set megatron.cp 1)"
-           if sparse else "on Transformer Engine's layers, which have no DSA indexer here")
     raise ValueError(f"megatron: a {length}-token row is longer than {checkpoint}/config.json's index_topk ({topk}), "
-                     f"{why}: its attention would be dense where the checkpoint's is sparse; or use "
-                     f"runtime.train_engine torch for this model")
+                     f"on Transformer Engine's layers, which have no DSA indexer here: its attention would be dense "
+                     f"where the checkpoint's is sparse; use Megatron's local layers or runtime.train_engine torch "
+                     f"for this model")
 
 
 def bridge_class(base, local_spec: bool, sdpa_attention):

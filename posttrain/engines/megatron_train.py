@@ -175,10 +175,12 @@ class MegatronTrainEngine:
         b, T = ids.shape
         if self.glm5:
             megatron_glm5.check_rows(self.hf_config, int(position_ids.max()) + 1 if position_ids is not None else T,
-                                     self.checkpoint, self._sparse, context_parallel.size())
+                                     self.checkpoint, self._sparse)
             if padding is None and attention_mask is not None:
                 padding = attention_mask == 0
         cp = context_parallel.size()
+        if self._dsa is not None:  # the indexer loss samples its queries over the rows' own length
+            self._dsa.length = T
         causal = position_ids is None and attention_mask is None  # one sequence a row: no mask to build
         if position_ids is None:
             position_ids = torch.arange(T, device=ids.device)[None].expand(b, T)
@@ -254,17 +256,19 @@ class MegatronTrainEngine:
     def _head_weight(self) -> torch.Tensor:
         return self.gpt.shared_embedding_or_output_weight() if self.tied else self.gpt.output_layer.weight
 
-    def _logits(self, h: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """This rank's vocabulary slice of the logits for hidden states [n, h], and its first token id."""
+    def _logits(self, h: torch.Tensor, whole: bool = False) -> tuple[torch.Tensor, int]:
+        """This rank's vocabulary slice of the logits for hidden states [n, h], and its first token id. `whole`: `h`
+        is the whole sequence's, gathered over context-parallel ranks (`_completion_hidden`)."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-        local = F.linear(copy_to_tensor_model_parallel_region(h, group=ps.get_tensor_model_parallel_group()),
-                         self._head_weight())
+        w = context_parallel.shared(self._head_weight()) if whole else self._head_weight()
+        local = F.linear(copy_to_tensor_model_parallel_region(h, group=ps.get_tensor_model_parallel_group()), w)
         return local, ps.get_tensor_model_parallel_rank() * local.shape[-1]
 
     def _completion_hidden(self, samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(hidden state at each position predicting a completion token [n, h], those tokens [n], the [samples,
-        longest] mask of real completion cells they fill in order)."""
+        longest] mask of real completion cells they fill in order). With context parallelism the hidden states are
+        the whole sequence's on every rank: a weight applied to them takes `context_parallel.shared`."""
         from posttrain.models.prefix import pad_rows
         ids, row, pos = self._rows(samples)
         real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, self.device)
@@ -316,7 +320,7 @@ class MegatronTrainEngine:
         total = batch["loss_mask"][:, 1:].float().sum().to(self.device)
         if self.glm5:  # the whole batch's rows refused at once, on every stage, before any micro-batch is sent on
             megatron_glm5.check_rows(self.hf_config, int(positions.max()) + 1 if positions is not None
-                                     else ids.shape[1], self.checkpoint, self._sparse, context_parallel.size())
+                                     else ids.shape[1], self.checkpoint, self._sparse)
         rows = ids.shape[0]
         parts = torch.arange(rows).tensor_split(min(self.micro_batches, rows))
         if len(parts) == 1 or not bool(total):
@@ -352,9 +356,10 @@ class MegatronTrainEngine:
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
         h, _, real = self._completion_hidden(samples)
         if self.role == "critic":
-            v = self.value_head(h).squeeze(-1).float()
+            v = F.linear(h, *map(context_parallel.shared, (self.value_head.weight, self.value_head.bias)))
+            v = v.squeeze(-1).float()
             return v.new_zeros(real.shape).masked_scatter(real, v)
-        local, _ = self._logits(h)
+        local, _ = self._logits(h, whole=True)
         logits = gather_from_tensor_model_parallel_region(local, group=ps.get_tensor_model_parallel_group())
         out = logits.new_zeros(*real.shape, self.vocab_size)
         out[real] = logits[:, :self.vocab_size]
@@ -363,7 +368,8 @@ class MegatronTrainEngine:
     @staged
     def logprobs(self, samples: list, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         h, target, real = self._completion_hidden(samples)
-        logp, ent = vocab_parallel.token_scores(*self._logits(h), self.vocab_size, temperature, target=target)
+        logp, ent = vocab_parallel.token_scores(*self._logits(h, whole=True), self.vocab_size, temperature,
+                                                target=target)
         return (logp.new_zeros(real.shape).masked_scatter(real, logp),
                 ent.new_zeros(real.shape).masked_scatter(real, ent))
 
@@ -404,7 +410,8 @@ class MegatronTrainEngine:
         h, _, real = self._completion_hidden(samples)
         gen = pad_rows([s.gen_mask for s in samples], 0, device=self.device) > 0
         teacher = torch.cat([t.float() for t in teacher]).to(self.device)
-        kl = vocab_parallel.reverse_kl(*self._logits(h[gen[real]]), self.vocab_size, temperature, teacher=teacher)
+        kl = vocab_parallel.reverse_kl(*self._logits(h[gen[real]], whole=True), self.vocab_size, temperature,
+                                       teacher=teacher)
         w = token_weights.to(self.device)[gen].float()
         return (kl * w).sum(), kl.detach().new_zeros(gen.shape).masked_scatter(gen, kl.detach())
 
@@ -501,7 +508,7 @@ class MegatronTrainEngine:
 
     def _pop_indexer_stats(self) -> dict[str, float]:
         """The step's indexer KL (mean over its layers' losses, as the torch ramp's) and top-k recall of the dense
-        attention mass, over every pipeline stage's layers."""
+        attention mass, over every pipeline stage's layers and context-parallel rank's queries."""
         from megatron.core import parallel_state as ps
         st = self._dsa
         losses, recalls = st.losses, st.recalls
@@ -511,6 +518,10 @@ class MegatronTrainEngine:
                              float(sum(x.item() for x in recalls)), len(recalls)], dtype=torch.float64)
         if self.pipe.size > 1:
             dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
+        if context_parallel.size() > 1:  # each rank's losses are its share of its queries' (counts: the same)
+            shares = sums[[0, 2]].clone()
+            dist.all_reduce(shares, group=context_parallel.group())
+            sums[[0, 2]] = shares
         if not sums[1]:
             return {}
         return {"indexer_kl": (sums[0] / sums[1]).item(), "topk_recall": (sums[2] / sums[3]).item()}

@@ -95,11 +95,14 @@ def allowed_keys(mask: torch.Tensor | None, b: int, lq: int, lk: int, device) ->
     return mask if mask.dtype == torch.bool else mask == 0
 
 
-def indexer_loss(st: DSAState, query, key, scaling, scores_at, allowed, idx) -> None:
-    """KL(attention || indexer) and the top-k recall of the dense attention mass, on a strided subset of queries;
-    `scores_at(rows)`: the indexer's scores [B, n, Lk] of those queries."""
+def indexer_loss(st: DSAState, query, key, scaling, scores_at, allowed, idx, rows=None, total=None) -> None:
+    """KL(attention || indexer) and the top-k recall of the dense attention mass, on a strided subset of queries
+    (or `rows`); `scores_at(rows)`: the indexer's scores [B, n, Lk] of those queries. `total(n)`: the count of the
+    queries scored over every rank that holds some (the megatron engine's context parallelism), so that each rank
+    adds its share of the mean."""
     lq = query.shape[2]
-    rows = torch.linspace(0, lq - 1, min(lq, st.kl_queries), device=query.device).long()
+    if rows is None:
+        rows = torch.linspace(0, lq - 1, min(lq, st.kl_queries), device=query.device).long()
     ok = allowed[:, rows]                                                   # [B, n, Lk]
     g = query.shape[1] // key.shape[1]
     with torch.no_grad():
@@ -110,11 +113,13 @@ def indexer_loss(st: DSAState, query, key, scaling, scores_at, allowed, idx) -> 
             torch.softmax(s.masked_fill(~chosen[:, None], float("-inf")), -1).nan_to_num(0.0).mean(1)
         on = (target > 0) & ok
         live = ok.any(-1)
-        recall = (dense * chosen).sum(-1)[live].mean()
+        n = live.sum().float()
+        n = (total(n) if total is not None else n).clamp(min=1)
+        recall = (dense * chosen).sum(-1)[live].sum() / n
     scores = scores_at(rows)
     logq = torch.log_softmax(scores.masked_fill(~(ok if st.mode == "warmup" else chosen), float("-inf")), -1)
     kl = torch.where(on, target * (target.clamp(min=1e-30).log() - logq), 0.0).sum(-1)
-    st.losses.append(kl[live].mean())
+    st.losses.append(kl[live].sum() / n)
     st.recalls.append(recall)
 
 

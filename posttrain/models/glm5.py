@@ -49,9 +49,10 @@ def config_errors(config) -> list[str]:
 
 
 def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
-                     past_key_values=None, train: bool = False):
+                     past_key_values=None, train: bool = False, gather_keys=None):
     # transformers 5.23's GlmMoeDsaIndexer.forward (Apache-2.0) with the selection made stable; `train`: the scores
-    # keep their graph (from detached inputs: the indexer learns only from its own loss) for `install_dsa`'s KL
+    # keep their graph (from detached inputs: the indexer learns only from its own loss) for `install_dsa`'s KL;
+    # `gather_keys`: the whole sequence's keys from this rank's [b, s, d] (the megatron engine's context parallelism)
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
     if train:
         hidden_states, q_resid = hidden_states.detach(), q_resid.detach()
@@ -64,6 +65,8 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
     q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q_pass], dim=-1)
     k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    if gather_keys is not None:
+        k = gather_keys(k)
     if past_key_values is not None:
         k = past_key_values.update_indexer(k, self.layer_idx)
     scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale)
