@@ -628,7 +628,9 @@ class PipelineConfig(_Strict):
                 errors.append(f"ramp.attention: must be sdpa, eager or dsa with model.arch glm5 (got "
                               f"{self.ramp.attention!r}): GLM-5 brings its own DSA indexer, which reads the full "
                               f"mask only those build")
-            mine = {"index_share", "heads", "own_indexer"} & self.ramp.dsa.model_fields_set
+            # against the defaults, not `model_fields_set`: a run's saved config, reloaded, sets every field
+            mine = {k for k in ("index_share", "heads", "own_indexer")
+                    if getattr(self.ramp.dsa, k) != DSAConfig().model_dump()[k]}
             if m.arch == "glm5" and self.ramp.attention == "dsa" and mine:
                 errors.append(f"ramp.dsa.{sorted(mine)[0]}: GLM-5's own indexers are laid out by model.indexer_types "
                               f"(full / shared per layer), not by ramp.dsa's {', '.join(sorted(mine))}; drop them")
