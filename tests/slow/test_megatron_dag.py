@@ -12,7 +12,8 @@ from mlflow import MlflowClient
 from tests.test_pipeline_smoke import posttrain, stage_runs
 
 MEGATRON = ("--set", "runtime.train_engine=megatron", "--set", "rl.domains=[reasoning]")
-GLM5 = ("--set", "model.arch=glm5", "--set", "ramp.attention=sdpa", "--set", "model.num_layers=2",
+GLM5 = ("--set", "model.arch=glm5", "--set", "ramp.attention=dsa",
+        "--set", "ramp.dsa={top_k: 64, warmup_steps: 2, kl_queries: 16}", "--set", "model.num_layers=2",
         "--set", "model.indexer_types=[full, shared]", "--set", "megatron.ep=2", "--set", "sft.workers=2",
         "--set", "rl.routing_replay=true", "--set", "megatron.distributed_optimizer=true",
         "--set", "megatron.micro_batches=2")
@@ -101,7 +102,8 @@ def test_the_glm5_preset_trains_through_megatron_with_its_experts_split(tmp_path
     training stage (the ramp's and sft's Ray Train workers, RL's and OPD's actors), the dense layers' AdamW state split
     over those ranks (the distributed optimizer), sft's batches in two micro-batches, RL under routing replay: the DAG
     publishes, sft logs its expert load and plots it, the bias each step moves leaves sft's checkpoint different from
-    the ramp's, and the RL specialist replays its rollouts' routes."""
+    the ramp's, and the RL specialist replays its rollouts' routes. The ramp adopts DSA on the model's own indexers
+    (a warm-up, then sparse at 64 keys: the 96- and 128-token rungs, and sft's 128-token rows, attend sparsely)."""
     from safetensors.torch import load_file
     posttrain(tmp_path, "run", "--profile", "smoke", *MEGATRON, *GLM5)
     report = json.loads((tmp_path / "latest" / "report.json").read_text())
@@ -115,5 +117,9 @@ def test_the_glm5_preset_trains_through_megatron_with_its_experts_split(tmp_path
     assert (sft / "expert_load.png").is_file()
     assert c.get_run(report["stages"]["rl-reasoning"]["mlflow_run_id"]).data.metrics["curve/routes_replayed"] > 0
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-    before = load_file(Path(report["stages"]["ramp"]["artifact"]) / "model.safetensors")[bias]
+    ramp, base = (Path(report["stages"][s]["artifact"]) for s in ("ramp", "base"))
+    before = load_file(ramp / "model.safetensors")[bias]
     assert (load_file(sft / "model.safetensors")[bias] - before).abs().max() > 0
+    assert json.loads((ramp / "config.json").read_text())["index_topk"] == 64  # the indexers trained, then kept
+    indexer = "model.layers.0.self_attn.indexer.wq_b.weight"
+    assert (load_file(ramp / "model.safetensors")[indexer] - load_file(base / "model.safetensors")[indexer]).abs().max() > 0
