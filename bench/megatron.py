@@ -11,6 +11,10 @@
   and a shared one, the first layer dense) in Megatron's own MLA and MoE layers (posttrain.engines.megatron_glm5),
   and `ep2_loss_max_abs_diff`: its experts over two expert-parallel ranks against one rank, beside
   `glm5_dp2_loss_max_abs_diff` (the same two data-parallel ranks with every expert on each).
+- `glm5_dsa_*`: the same GLM-5 with DSA adopted (`index_topk` a quarter of the rows' length, so every layer attends
+  to its indexer's selection: transformers' sparse attention against the engine's `engines.megatron_dsa`), and
+  `glm5_dsa_cp2_loss_max_abs_diff`: over two context-parallel ranks, each rank's queries selecting among the whole
+  sequence's keys.
 - `*_distributed_optimizer_*`: dp 2 (GLM-5: ep 2) with `megatron.distributed_optimizer`: the loss against one rank,
   rank 0's AdamW state in bytes over the same split without it (`..._state_ratio`), and its steps' time over theirs
   (`..._time_ratio`: the parameters' broadcast after each step). Timed splits run REPEATS times, alternating; best
@@ -87,6 +91,15 @@ def glm5_checkpoint(where: Path, vocab: int = 4096) -> Path:
                                                                                unk_token="t0")),
                                   pad_token="t0", eos_token="t1", bos_token="t2", chat_template=CHAT_TEMPLATE)
     save_checkpoint(build_model(ModelConfig(**GLM5_SHAPE), tok), tok, where)
+    return where
+
+
+def adopted(glm5: Path, where: Path, top_k: int) -> Path:
+    """`glm5`'s weights with DSA adopted at `top_k` keys (its indexers as they are: random, they still select)."""
+    import shutil
+    shutil.copytree(glm5, where)
+    config = json.loads((where / "config.json").read_text())
+    (where / "config.json").write_text(json.dumps({**config, "index_topk": top_k}))
     return where
 
 
@@ -180,14 +193,16 @@ def main(argv: list[str] | None = None) -> None:
         data = batches(SHAPES[shape]["vocab_size"], STEPS)
         fig = {"device": device, "shape": shape, "steps": STEPS, "batch": BATCH, "seq_len": SEQ, "repeats": REPEATS,
                "dtype": "float32" if not torch.cuda.is_available() else "bf16 autocast (torch) / fp32 (megatron)",
-               "glm5_shape": GLM5_SHAPE}
+               "glm5_shape": GLM5_SHAPE, "glm5_dsa_index_topk": SEQ // 4}
         glm5 = glm5_checkpoint(Path(d) / "glm5")
         zero = {"distributed_optimizer": True}
         for prefix, at, splits in (("", path, (("tp2", {"tp": 2}), ("dp2", {}), ("cp2", {"cp": 2}),
                                                ("dp2_distributed_optimizer", zero), ("pp2", {"pp": 2}),
                                                ("pp2_1f1b", {"pp": 2, "micro_batches": MICRO}))),
                                    ("glm5_", glm5, (("glm5_dp2", {}), ("ep2", {"ep": 2}),
-                                                    ("glm5_ep2_distributed_optimizer", {"ep": 2, **zero})))):
+                                                    ("glm5_ep2_distributed_optimizer", {"ep": 2, **zero}))),
+                                   ("glm5_dsa_", adopted(glm5, Path(d) / "glm5_dsa", SEQ // 4),
+                                    (("glm5_dsa_cp2", {"cp": 2}),))):
             times = {"torch": [], "megatron": []}
             curves = {}
             for _ in range(REPEATS):  # alternating, so drift in the machine's speed hits both
@@ -215,9 +230,9 @@ def main(argv: list[str] | None = None) -> None:
                     runs[name] = got
                     fig[f"{name}_loss_max_abs_diff"] = None if got is None else max(
                         abs(a - b) for a, b in zip(got["losses"], curves["megatron"]))
-            zero_run, plain = (("glm5_ep2_distributed_optimizer", "ep2") if prefix else
+            zero_run, plain = (("glm5_ep2_distributed_optimizer", "ep2") if prefix == "glm5_" else
                                ("dp2_distributed_optimizer", "dp2"))  # the same split with and without it
-            if runs[zero_run] and runs[plain]:
+            if runs.get(zero_run) and runs.get(plain):
                 fig[f"{zero_run}_state_ratio"] = round(runs[zero_run]["optimizer_bytes"] /
                                                        runs[plain]["optimizer_bytes"], 3)
                 fig[f"{zero_run}_time_ratio"] = round(runs[zero_run]["seconds"] / runs[plain]["seconds"], 3)
