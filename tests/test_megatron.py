@@ -286,6 +286,49 @@ def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, l
     assert got["schedules"] == ([2] * 4 if par.get("micro_batches") or par.get("pp") and not lm else [])
 
 
+def _critic_steps(engine) -> tuple[list[float], torch.Tensor]:
+    """Three value-regression steps on `_samples` (the PPO critic's call: values, a masked squared error), and the
+    value head's weight after them."""
+    samples = _samples(engine.vocab_size)
+    mask = torch.zeros(len(samples), max(len(s.ids) for s in samples))
+    for i, s in enumerate(samples):
+        mask[i, :len(s.ids)] = 1
+    losses = []
+    engine.train()
+    for _ in range(3):
+        v = engine.forward(samples)
+        loss = ((v - 1.0) ** 2 * mask).sum() / mask.sum()
+        engine.backward(loss)
+        engine.step(1.0)
+        losses.append(loss.item())
+    return losses, engine.value_head.weight.detach().clone()
+
+
+def _critic_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    got = _critic_steps(MegatronTrainEngine(path, "critic", lr=1e-2, parallel=Parallel(cp=2)))
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_critic_over_two_context_parallel_ranks_learns_as_one_rank(ckpts, tmp_path):
+    """Its values come from the whole sequence gathered on both ranks: the value head's gradient is shared between
+    them, not counted twice."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    out = str(tmp_path / "critic.pt")
+    mp.spawn(_critic_rank, args=(2, _free_port(), ckpts["llama"], out), nprocs=2)
+    losses, head = torch.load(out)
+    want, want_head = _critic_steps(MegatronTrainEngine(ckpts["llama"], "critic", lr=1e-2))
+    assert want[-1] < want[0] and max(abs(a - b) for a, b in zip(want, losses)) < 1e-5
+    assert (head - want_head).abs().max().item() < 1e-5
+
+
 def test_attention_per_document_equals_the_whole_mask(ckpts, monkeypatch):
     """Long rows attend document by document (no [T, T] mask): the same losses and gradients as the mask on padded
     rows and on packed documents, one rank."""
