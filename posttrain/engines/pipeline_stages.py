@@ -53,8 +53,14 @@ class Pipeline:
     def _send(self, t: torch.Tensor, peer: int) -> None:
         if self.pending is None:
             dist.send(t, peer)
-        else:
-            self.pending.append((dist.isend(t, peer), t))
+            return
+        kept = []  # a send the peer took lets its tensor go (a micro-batch's activations): not held to the end
+        for req, sent in self.pending:
+            if req.is_completed():
+                req.wait()  # returns at once; raises what the send met
+            else:
+                kept.append((req, sent))
+        self.pending = kept + [(dist.isend(t, peer), t)]
 
     def send(self, h: torch.Tensor, grad: bool) -> None:
         self._send(h.detach().contiguous(), self.next)
