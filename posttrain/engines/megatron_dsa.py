@@ -174,7 +174,7 @@ def core_attention(base: type, hf_config) -> type:
             length = st.length or allowed.shape[-1]  # the rows' own length: not the tail padded for the cp chunks
             rows = torch.linspace(0, length - 1, min(length, st.kl_queries), device=queries.device).long()
             if context_parallel.size() > 1:
-                key, total = context_parallel._gather(key), _sum_over_context
+                key, total = context_parallel.GatherOutput.apply(key), _sum_over_context
                 rows = torch.nonzero(torch.isin(queries, rows)).flatten()
             q, k = (t.detach().permute(1, 2, 0, 3) for t in (query, key))  # [s, b, n, d] -> [b, n, s, d]
             indexer_loss(st, q, k, self.softmax_scale, lambda r: scores[:, r], allowed, selections[self.group],
