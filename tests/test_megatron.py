@@ -264,11 +264,12 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
                               "dp2-distributed-optimizer"])
 def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm, dense_max):
     """Against one rank with its whole [T, T] masks; `cp2-rl`: the RL losses on the whole sequence gathered on both
-    context-parallel ranks (the output weights' gradient shared, not doubled); `cp2-per-document`: the long rows' path, attention per document
-    with no mask, over the two context-parallel ranks' query chunks; `pp2`: a layer on each pipeline stage, the tied
-    embeddings on both ends (every stage returns the last stage's answer), RL's two micro-batches in the 1F1B order;
-    `pp2-1f1b`: sft's batches in two micro-batches through the stages in the 1F1B order; `dp2-distributed-optimizer`: each rank
-    steps about half the parameters, the update still the whole batch's."""
+    context-parallel ranks (the output weights' gradient shared, not doubled); `cp2-per-document`: the long rows'
+    path, attention per document with no mask, over the two context-parallel ranks' query chunks; `pp2`: a layer on
+    each pipeline stage, the tied embeddings on both ends (every stage returns the last stage's answer), RL's two
+    micro-batches in the 1F1B order; `pp2-1f1b`: sft's batches in two micro-batches through the stages in the 1F1B
+    order; `dp2-distributed-optimizer`: each rank steps about half the parameters, the update still the whole
+    batch's."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_rank, args=(2, _free_port(), par, ckpts["llama"], out, lm, dense_max), nprocs=2)

@@ -93,7 +93,8 @@ def test_the_ramps_dsa_adoption_trains_the_indexers_as_the_torch_engines(adopted
         want = _indexer_warmup(cfg, model, next_batch, "warm-up")
     else:
         want = {"indexer_kl": [], "topk_recall": []}
-        want["loss"] = train(model, next_batch, steps=3, lr=1e-2, warmup=1, loss_fn=_with_indexer_loss(0.5, want))["loss"]
+        want["loss"] = train(model, next_batch, steps=3, lr=1e-2, warmup=1,
+                             loss_fn=_with_indexer_loss(0.5, want))["loss"]
     engine = MegatronTrainEngine(adopted, lr=1e-2, train_indexers=(mode, 8, 1.0 if mode == "warmup" else 0.5),
                                  recompute=mode == "sparse")  # the ramp recomputes with activation_checkpointing
     got = train(engine, next_batch, steps=3, lr=1e-2, warmup=1)
