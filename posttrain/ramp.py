@@ -206,7 +206,8 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
         loss_fn = _with_indexer_loss(r.dsa.kl_weight, curves) if dsa.state(model) else masked_lm_loss
         kw = dict(steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
                   weight_decay=r.weight_decay, desc=name)
-        if megatron:  # the config refuses what only the torch path has (MTP, RoPE scaling, DSA on a dense model)
+        if megatron:  # the config refuses what only the torch path has (RoPE scaling, DSA on a dense model)
+            curves |= {"mtp_loss": [], "mtp_acc1": []}  # the engine logs them in its history
             if adopt and r.dsa.warmup_steps and not adopted:  # GLM-5's indexers alone, toward the dense attention
                 d = r.dsa
                 warm, model = train_rung(cfg, model, tok, warm_batch, dict(

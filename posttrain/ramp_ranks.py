@@ -22,7 +22,7 @@ from posttrain.train import train
 
 def _engine(cfg: PipelineConfig, path: str, kw: dict, cp: int, indexers: tuple | None):
     """`indexers`: (mode, kl_queries, kl_weight) while DSA's indexers train; the warm-up trains nothing else, so
-    the experts' bias stays too."""
+    the experts' bias and the draft (MTP) layer stay too."""
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
     g = cfg.megatron
@@ -31,7 +31,8 @@ def _engine(cfg: PipelineConfig, path: str, kw: dict, cp: int, indexers: tuple |
                                weight_decay=kw.get("weight_decay", 0.0), seed=cfg.seed,
                                recompute=g.recompute or cfg.ramp.activation_checkpointing,
                                moe=None if warmup else cfg.moe, distributed_optimizer=g.distributed_optimizer,
-                               micro_batches=g.micro_batches, train_indexers=indexers)
+                               micro_batches=g.micro_batches, train_indexers=indexers,
+                               mtp_weight=0.0 if warmup else cfg.mtp.loss_weight)
 
 
 def _worker(c: dict) -> None:

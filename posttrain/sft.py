@@ -167,7 +167,7 @@ def _train_rank(config: dict, rank: int, world: int, state: dict | None, report:
         from posttrain.engines import train_options
         from posttrain.engines.megatron_train import MegatronTrainEngine
         model = MegatronTrainEngine(config["init"], lr=s.lr, weight_decay=s.weight_decay, seed=cfg.seed,
-                                    moe=cfg.moe, **train_options(cfg))
+                                    moe=cfg.moe, mtp_weight=cfg.mtp.loss_weight, **train_options(cfg))
         shard, shards = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         evaluate = model.lm_loss
     else:
@@ -243,7 +243,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     `scratch` after a crash), save."""
     seed_all(cfg.seed)
     s = cfg.sft
-    model, tok = with_mtp(cfg, *load_checkpoint(inputs["ramp"]))
+    model, tok = load_checkpoint(inputs["ramp"])
+    new_draft = cfg.mtp.depth and mtp.get(model) is None
+    model, tok = with_mtp(cfg, model, tok)
     domains = environments.names(cfg.world.environments)
     train_tasks = [t for d in domains for t in load_tasks(inputs["curate"], "sft", d)]
     long_tasks = _long_tasks(tok, "train", len(train_tasks) // 6, cfg.seed, s.seq_len)
@@ -262,10 +264,14 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     val = build_examples(cfg, tok, val_tasks, cfg.seed + 1)
     config = {"cfg": cfg, "init": inputs["ramp"], "examples": examples, "val": val,
               "threads": max(1, cfg.runtime.torch_threads // s.workers)}
-    if cfg.sft_in_process():
-        state = _in_process(config, Path(scratch or tempfile.mkdtemp(prefix="sft-")))
-    else:
-        state = _over_workers(cfg, config, scratch)
+    with tempfile.TemporaryDirectory(prefix="posttrain-sft-init-") as init:
+        if new_draft and cfg.runtime.train_engine == "megatron":  # the engine loads a draft layer from its checkpoint
+            save_checkpoint(model, tok, init)
+            config["init"] = init
+        if cfg.sft_in_process():
+            state = _in_process(config, Path(scratch or tempfile.mkdtemp(prefix="sft-")))
+        else:
+            state = _over_workers(cfg, config, scratch)
     model.load_state_dict(state["model"])
     save_checkpoint(model, tok, out)
     hist = state["hist"]

@@ -213,13 +213,14 @@ def _steps(engine, samples: list, lm: bool) -> list[float]:
 
 
 def _engine(path, par: dict):
-    """A policy split as `par` says (Parallel's fields, `distributed_optimizer`, `micro_batches`, and
-    `train_indexers`)."""
+    """A policy split as `par` says (Parallel's fields, `distributed_optimizer`, `micro_batches`, `train_indexers`,
+    `mtp_weight` and `moe`)."""
     from posttrain.engines.megatron_setup import Parallel
     from posttrain.engines.megatron_train import MegatronTrainEngine
     par = dict(par)
     return MegatronTrainEngine(path, lr=1e-3, distributed_optimizer=par.pop("distributed_optimizer", False),
-                               micro_batches=par.pop("micro_batches", 1),
+                               micro_batches=par.pop("micro_batches", 1), mtp_weight=par.pop("mtp_weight", 0.0),
+                               moe=par.pop("moe", None),
                                train_indexers=par.pop("train_indexers", None), parallel=Parallel(**par))
 
 
@@ -250,6 +251,7 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
     owned = sum(p.numel() for g in engine.opt.param_groups for p in g["params"])  # the parameters this rank steps
     if rank == 0:
         torch.save({"losses": losses, "weights": weights, "schedules": schedules, "indexer": engine.indexer_stats,
+                    "mtp": engine.mtp_stats, "moe": engine.moe_stats,
                     "owned": owned / sum(p.numel() for p in engine.model.parameters() if p.requires_grad)}, out)
     dist.barrier()
     dist.destroy_process_group()
@@ -365,7 +367,7 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
         check_layout(GPT2Config(), Parallel())
     with pytest.raises(ConfigError) as e:
         load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "mtp.depth=1", "megatron.pp=2"])
-    for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks", "mtp.depth: must be 0",
+    for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks", "mtp.depth: the megatron engine trains the draft (MTP) layer with megatron.pp 1",
                  "megatron.pp: must divide model.num_layers 1"):
         assert rule in str(e.value)
     with pytest.raises(ConfigError) as e:
@@ -386,8 +388,8 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
 
 def test_a_ramp_stage_through_megatron_follows_the_torch_ramp(ckpts, tok):
     """One rung of the context ladder (its RoPE theta and length set, packed documents with restarting positions,
-    long rows mixed in) trained through the megatron engine: the torch path's loss curve, and the model that comes
-    back carries the stage's RoPE."""
+    long rows mixed in, a draft (MTP) layer installed at it) trained through the megatron engine: the torch path's
+    loss and MTP curves, and the model that comes back carries the stage's RoPE and the trained draft layer."""
     from posttrain import ramp
     from posttrain.models.preset import load_checkpoint
     from posttrain.packing import collate, pack
@@ -395,16 +397,20 @@ def test_a_ramp_stage_through_megatron_follows_the_torch_ramp(ckpts, tok):
     docs = [[rng.randrange(3, len(tok)) for _ in range(rng.randrange(8, 40))] for _ in range(64)]
     short_val = collate(pack([(d, [1] * len(d)) for d in docs[:4]], 96), tok.pad_token_id)
     sets = ["ramp.stages=[{seq_len: 256, tokens: 6144, lr: 0.01, warmup: 2, rope_theta: 40000.0, long_share: 0.5}]",
-            "ramp.batch_size=2", "ramp.long_docs=4"]
+            "ramp.batch_size=2", "ramp.long_docs=4", "mtp.depth=2"]
     got = {}
     for engine in ("torch", "megatron"):
         cfg = load_config("smoke", [*sets, f"runtime.train_engine={engine}"])
         model, _ = load_checkpoint(ckpts["llama"])
+        torch.manual_seed(0)  # the same new draft layer
         got[engine] = ramp.train_stage(cfg, 0, cfg.ramp.stages[0], model, tok, docs, {}, short_val)
     (_, want), (model, child) = got["torch"], got["megatron"]
     loss, ref = child["history"]["loss"], want["history"]["loss"]
-    assert len(loss) == 12 and ref[-1] < ref[0] - 0.5  # it learned
+    assert len(loss) == 12 and ref[-1] < ref[0] - 0.4  # it learned (5.99 -> 5.50, the draft layer trained beside)
     assert max(abs(a - b) for a, b in zip(loss, ref)) < 1e-4
+    mtp_loss = child["history"]["mtp_loss"]
+    assert len(mtp_loss) == 12 and max(abs(a - b) for a, b in zip(mtp_loss, want["history"]["mtp_loss"])) < 1e-4
+    assert {"mtp_loss_first", "mtp_loss_last", "mtp_acc1_last"} <= set(child["metrics"])
     assert model.config.rope_parameters["rope_theta"] == 40000.0 and model.config.max_position_embeddings == 256
     assert abs(child["metrics"]["short_val_loss"] - want["metrics"]["short_val_loss"]) < 1e-3
 

@@ -112,8 +112,9 @@ def test_the_ramps_dsa_adoption_trains_the_indexers_as_the_torch_engines(adopted
 
 
 def test_a_draft_layer_passes_through_every_export(glm5, tmp_path):
-    """A GLM-5 checkpoint with its MTP layer (layer num_hidden_layers): Megatron does not hold it, the export carries
-    it as the checkpoint has it, and the transformers model the engine saves from loads it."""
+    """A GLM-5 checkpoint with its MTP layer (layer num_hidden_layers), in an engine that does not train it (RL and
+    OPD): the export carries it as the checkpoint has it, and the transformers model the engine saves from loads it
+    (`tests/test_megatron_mtp.py` trains it)."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     from posttrain.models import mtp
     model, tok = load_checkpoint(glm5)

@@ -14,9 +14,9 @@ only); and the latent norms' epsilon (transformers builds them at 1e-6 whatever 
 DeepSeek sparse attention's indexer is `engines.megatron_dsa`'s (transformers' own indexer inside each layer's core
 attention: megatron-core's `DSAttention` computes something else, that module says what). It needs Megatron's local
 layers: with Transformer Engine's, the indexers' weights pass through from the checkpoint unchanged into every export,
-which is exact only while the indexer selects every key of a row, and `check_rows` refuses longer rows. Nor is GLM-5's
-MTP draft layer mapped: a checkpoint's passes through unchanged too (the config refuses `mtp.depth`, training one,
-with this engine).
+which is exact only while the indexer selects every key of a row, and `check_rows` refuses longer rows. GLM-5's MTP
+draft layer is `engines.megatron_mtp`'s (transformers' layer beside the Megatron model); with pipeline stages it passes
+through unchanged.
 """
 from __future__ import annotations
 
@@ -265,10 +265,10 @@ def sparse_layers(gpt) -> bool:
     return any(hasattr(layer.self_attention.core_attention, "indexer") for layer in gpt.decoder.layers)
 
 
-def passthrough(checkpoint: str, hf_config, indexers: bool) -> dict[str, torch.Tensor]:
+def passthrough(checkpoint: str, hf_config, indexers: bool, draft: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors no Megatron module holds, for every export under transformers' in-memory names: the
     DSA indexers where the layers have none (`indexers`), and a GLM-5 draft (MTP) layer (stored as layer
-    num_hidden_layers; the config keeps this engine from training one)."""
+    num_hidden_layers) where the engine does not hold it (`draft`: pipeline stages; `engines.megatron_mtp`)."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -281,7 +281,7 @@ def passthrough(checkpoint: str, hf_config, indexers: bool) -> dict[str, torch.T
         with safe_open(str(f), "pt") as st:
             out |= {k: st.get_tensor(k) for k in st.keys()
                     if indexers and ".self_attn.indexer." in k and not k.startswith(f"model.layers.{n}.")}
-    if getattr(hf_config, "num_nextn_predict_layers", 0):
+    if draft and getattr(hf_config, "num_nextn_predict_layers", 0):
         out |= mtp.glm5_layer_state(SimpleNamespace(config=hf_config), checkpoint)
     return out
 

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from posttrain.engines import context_parallel, megatron_dsa, megatron_glm5, vocab_parallel, zero_optimizer
+from posttrain.engines import (context_parallel, megatron_dsa, megatron_glm5, megatron_mtp, vocab_parallel,
+                               zero_optimizer)
 from posttrain.engines.base import one_by_one
 from posttrain.engines.megatron_setup import (Parallel, bridge, check_layout, init_parallel, local_spec, quiet,
                                               recompute_layers)
@@ -37,6 +38,7 @@ from posttrain.engines.pipeline_stages import Pipeline, StageDone, one_f_one_b, 
 # through one [T, T] mask: at 2k tokens a mask is 4 MB a row, at 128k 16 GB, and on CUDA a mask keeps SDPA off its
 # flash kernel. Transformer Engine's layers (cp 1 where it is installed) still take the mask.
 DENSE_MASK_MAX = 2048
+DRAFT = "draft."  # the draft (MTP) layer's keys in the distributed checkpoint
 
 
 def _without_rng(common: dict) -> dict:
@@ -53,7 +55,7 @@ class MegatronTrainEngine:
     def __init__(self, checkpoint: str | Path, role: str = "policy", *, lr: float | None = None,
                  parallel: Parallel = Parallel(), weight_decay: float = 0.0, seed: int = 0, recompute: bool = False,
                  moe=None, routing_replay: bool = False, distributed_optimizer: bool = False, micro_batches: int = 1,
-                 train_indexers: tuple[str, int, float] | None = None):
+                 train_indexers: tuple[str, int, float] | None = None, mtp_weight: float = 0.0):
         from transformers import AutoConfig, AutoTokenizer
 
         from posttrain.chat import pad_id
@@ -82,10 +84,19 @@ class MegatronTrainEngine:
         self.hf_config = hf_config
         self.glm5 = hf_config.model_type in megatron_glm5.MODEL_TYPES
         self._passthrough, self._sparse, self._dsa = {}, False, None
+        draft_steps = megatron_mtp.depth(hf_config, checkpoint)
+        if mtp_weight and draft_steps and (self.pipe.size > 1 or micro_batches > 1):
+            # a pipeline's last stage would need the embedding its first holds; micro-batches would each take the
+            # mean of their own draft losses
+            raise ValueError(f"mtp: {checkpoint} carries a draft (MTP) layer, which the megatron engine trains with "
+                             f"megatron.pp 1 and megatron.micro_batches 1 only (got {self.pipe.size} and "
+                             f"{micro_batches}); set mtp.loss_weight 0 to carry it untrained, or use "
+                             f"runtime.train_engine torch")
         if self.glm5:
             megatron_glm5.finish(self.gpt)
             self._sparse = megatron_glm5.sparse_layers(self.gpt)
-            self._passthrough = megatron_glm5.passthrough(checkpoint, hf_config, indexers=not self._sparse)
+            self._passthrough = megatron_glm5.passthrough(checkpoint, hf_config, indexers=not self._sparse,
+                                                          draft=self.pipe.size > 1)
         if train_indexers:  # (mode, kl_queries, kl_weight): the ramp's DSA adoption
             if not self._sparse:
                 raise ValueError(f"ramp.attention dsa: {checkpoint} has no DSA indexer this engine runs (a GLM-5 "
@@ -98,6 +109,12 @@ class MegatronTrainEngine:
         self.vocab_size = hf_config.vocab_size
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         modules = {"gpt": self.gpt}
+        # the checkpoint's draft layer, trained by sft's and the ramp's LM loss at `mtp_weight` (a pipeline passes it
+        # through untrained, above); `mtp_stats`: the last step's MTP loss and first-step accuracy
+        self.draft, self._mtp_weight, self._mtp_seen, self.mtp_stats = None, mtp_weight, [], {}
+        if draft_steps and self.pipe.size == 1:
+            self.draft = megatron_mtp.Draft(self, checkpoint, draft_steps)
+            modules["mtp"] = self.draft.module
         if role == "critic":
             self.value_head = torch.nn.Linear(hf_config.hidden_size, 1).to(self.device)
             torch.nn.init.zeros_(self.value_head.weight)  # predicts 0 everywhere at first, as the torch critic
@@ -294,9 +311,9 @@ class MegatronTrainEngine:
             total = weight[:, 1:].float().sum()
         if not bool(total):  # no scored token: a zero loss every rank can still backward
             return next(self.gpt.parameters()).sum() * 0.0
-        h, where = self._hidden(ids, batch.get("position_ids"), batch.get("attention_mask"), local=True)
+        hidden, where = self._hidden(ids, batch.get("position_ids"), batch.get("attention_mask"), local=True)
         scored = where < ids.shape[1] - 1  # positions with a next token (not the last, not padding)
-        h, nxt = h[:, scored], where[scored] + 1
+        h, nxt = hidden[:, scored], where[scored] + 1
         w = weight[:, nxt]
         sel = w != 0
         if bool(sel.any()):
@@ -305,11 +322,22 @@ class MegatronTrainEngine:
             loss = -(logp * w[sel].float()).sum() / total
         else:  # nothing scored in this rank's slice: still part of the graph, for the backward's collectives
             loss = h.sum() * 0.0
+        if self.draft is not None and self._mtp_weight and torch.is_grad_enabled():
+            loss = loss + self._mtp_weight * self._draft_loss(hidden, batch)
         if context_parallel.size() > 1:
             whole = loss.detach().clone()
             dist.all_reduce(whole, group=context_parallel.group())
             loss = loss + (whole - loss.detach())
         return loss
+
+    def _draft_loss(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The draft layer's loss on this rank's final hidden states [b, s, h], as a gradient only (its value 0:
+        the LM loss stays comparable with a run without MTP, as `models.mtp.with_loss` has it)."""
+        if context_parallel.size() > 1:  # the layer attends over the whole sequence
+            hidden = context_parallel.GatherOutput.apply(hidden.transpose(0, 1).contiguous()).transpose(0, 1)
+        aux, acc = self.draft.loss(hidden[:, :batch["input_ids"].shape[1]], batch)
+        self._mtp_seen.append((aux.item(), acc))
+        return aux - aux.detach()
 
     def forward_backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """`lm_loss(batch)` times `scale`, backpropagated (one micro-batch of posttrain.train's loop); its value.
@@ -504,6 +532,10 @@ class MegatronTrainEngine:
             self.moe_stats = self._balance_experts()
         if self._dsa is not None:
             self.indexer_stats = self._pop_indexer_stats()
+        seen, self._mtp_seen = self._mtp_seen, []  # the torch engine logs each forward's; a step's mean here
+        accs = [a for _, a in seen if a is not None]
+        self.mtp_stats = ({"mtp_loss": sum(x for x, _ in seen) / len(seen)} if seen else {}) | (
+            {"mtp_acc1": sum(accs) / len(accs)} if accs else {})
         return norm.item()
 
     def _pop_indexer_stats(self) -> dict[str, float]:
@@ -546,6 +578,10 @@ class MegatronTrainEngine:
             stats[i] = load_stats(load)
             with torch.no_grad():
                 router.expert_bias += self.moe.bias_update_rate * torch.sign(load.mean() - load)
+        if self.draft is not None and (draft := self.draft.balance(self.moe.bias_update_rate)) is not None:
+            # after the model's routers, as the torch engine counts the draft layer's
+            stats[self.hf_config.num_hidden_layers - min(self.hf_config.first_k_dense_replace,
+                                                         self.hf_config.num_hidden_layers)] = draft
         if self.pipe.size > 1:  # each stage routed its own layers
             every = [None] * self.pipe.size
             dist.all_gather_object(every, stats, group=ps.get_pipeline_model_parallel_group())
@@ -577,6 +613,8 @@ class MegatronTrainEngine:
             out = megatron_glm5.to_transformers(out, self._passthrough)
         if self.tied and "lm_head.weight" not in out:  # transformers lists the tied head in its state dict
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        if self.draft is not None:  # under transformers' in-memory names (models.mtp's module)
+            out |= {f"mtp.{k}": v.detach().cpu().clone() for k, v in self.draft.module.state_dict().items()}
         return out
 
     def hf_model(self) -> torch.nn.Module:
@@ -606,7 +644,11 @@ class MegatronTrainEngine:
         """`save_sharded`'s checkpoint into this engine, whatever split it was saved at (every rank calls it)."""
         from megatron.core import dist_checkpointing
         got = dist_checkpointing.load(self._sharded(), str(folder))
-        self.gpt.load_state_dict(got["model"])
+        model = got["model"]
+        if self.draft is not None:
+            self.draft.module.load_state_dict({k.removeprefix(DRAFT): model.pop(k) for k in list(model)
+                                               if k.startswith(DRAFT)})
+        self.gpt.load_state_dict(model)
         opt = got["optimizer"]
         for st in opt["state"].values():
             st["step"] = torch.tensor(float(got["common"]["opt_step"]))
@@ -628,6 +670,8 @@ class MegatronTrainEngine:
                 self.opt.state[p] = {"step": torch.zeros((), device=p.device), "exp_avg": torch.zeros_like(p),
                                      "exp_avg_sq": torch.zeros_like(p)}
         model = self.gpt.sharded_state_dict()
+        if self.draft is not None:
+            model |= self.draft.sharded_state_dict(DRAFT)
         opt = self.opt.state_dict()
         step = float(next(iter(opt["state"].values()))["step"]) if opt["state"] else 0.0
         optim_state_to_sharding_state(opt, get_param_id_to_sharded_param_map(model, params), exclude_keys=("step",))

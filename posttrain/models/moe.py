@@ -220,10 +220,11 @@ SUMMARY = ("moe_cv", "moe_max_mean", "moe_dead", "routes_differ")  # a step's fi
 
 def step_summary(engine) -> dict[str, float]:
     """The last optimizer step's expert-load figures of a train engine, per layer and across layers, under routing
-    replay the routes replayed since the last call, and while the megatron engine trains DSA's indexers their KL and
-    recall ({} for a dense model)."""
+    replay the routes replayed since the last call, and while the megatron engine trains DSA's indexers or a draft
+    (MTP) layer their KL and recall, or its loss and accuracy ({} for a dense model)."""
     replayed = engine.replay_stats() if hasattr(engine, "replay_stats") else {}
-    return dict(getattr(engine, "moe_stats", {})) | getattr(engine, "indexer_stats", {}) | replayed
+    return (dict(getattr(engine, "moe_stats", {})) | getattr(engine, "indexer_stats", {}) | replayed
+            | getattr(engine, "mtp_stats", {}))
 
 
 PLOT = "expert_load.png"

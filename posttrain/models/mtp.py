@@ -89,11 +89,12 @@ class MTP(nn.Module):
             # saved as layer num_hidden_layers); a last layer sharing its indexer leaves the new one at its init
             for key, kind in (("mlp_layer_types", config.mlp_layer_types[-1]), ("indexer_types", "full")):
                 setattr(config, key, [kind] + list(getattr(config, key))[1:])
-            self.layer = type(last)(config, layer_idx=0)
-            self.layer.load_state_dict(last.state_dict(), strict=False)
-        else:  # posttrain's own DSA indexers belong to the model's layers
-            self.layer = type(last)(config, layer_idx=0)
-            self.layer.load_state_dict({k: v for k, v in last.state_dict().items() if ".indexer." not in k},
+        self.layer = type(last)(config, layer_idx=0)
+        # posttrain's own DSA indexers belong to the model's layers. A last layer on the meta device has nothing to
+        # copy: the megatron engine's host (`engines.megatron_mtp`), which loads the layer from a checkpoint
+        if not any(p.is_meta for p in last.parameters()):
+            own = is_glm5(model)
+            self.layer.load_state_dict({k: v for k, v in last.state_dict().items() if own or ".indexer." not in k},
                                        strict=False)
         _fuse_norms(self)
         self.to(next(model.parameters()).device, next(model.parameters()).dtype)

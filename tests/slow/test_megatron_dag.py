@@ -1,8 +1,8 @@
 """The smoke DAG with `runtime.train_engine: megatron`: the ramp, sft, the RL specialist and OPD train through
 megatron-core; sft's Ray Train workers are its ranks (tensor parallel over two of them gives one rank's curve) and
 resume exactly after a SIGKILL from their own per-rank state; the ramp's rungs run over context-parallel ranks;
-RL and OPD train over tensor-parallel ranks as Ray actors; the glm5 preset trains with its experts over two
-expert-parallel ranks."""
+RL and OPD train over tensor-parallel ranks as Ray actors; a draft (MTP) layer trains beside the ramp's and sft's LM
+loss throughout; the glm5 preset trains with its experts over two expert-parallel ranks."""
 import json
 from pathlib import Path
 
@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from tests.test_pipeline_smoke import posttrain, stage_runs
 
-MEGATRON = ("--set", "runtime.train_engine=megatron", "--set", "rl.domains=[reasoning]")
+MEGATRON = ("--set", "runtime.train_engine=megatron", "--set", "rl.domains=[reasoning]", "--set", "mtp.depth=1")
 GLM5 = ("--set", "model.arch=glm5", "--set", "ramp.attention=dsa",
         "--set", "ramp.dsa={top_k: 64, warmup_steps: 2, kl_queries: 16}", "--set", "model.num_layers=2",
         "--set", "model.indexer_types=[full, shared]", "--set", "megatron.ep=2", "--set", "sft.workers=2",
@@ -38,6 +38,9 @@ def test_the_smoke_dag_trains_through_megatron_and_lineage_says_so(run):
     for stage in ("ramp", "sft", "rl-reasoning", "opd"):
         params = c.get_run(report["stages"][stage]["mlflow_run_id"]).data.params
         assert json.loads(params["runtime.train_engine"]) == "megatron", stage
+    for stage in ("ramp", "sft"):  # the draft (MTP) layer trained beside the LM loss (the ramp's: per rung)
+        metrics = c.get_run(report["stages"][stage]["mlflow_run_id"]).data.metrics
+        assert any(k.endswith("mtp_loss_last") for k in metrics), stage
 
 
 def test_sft_on_two_ray_train_workers_at_tp2_gives_one_ranks_curve(run):
@@ -112,6 +115,9 @@ def test_the_glm5_preset_trains_through_megatron_with_its_experts_split(tmp_path
     for stage in ("ramp", "sft", "rl-reasoning", "opd"):
         params = c.get_run(report["stages"][stage]["mlflow_run_id"]).data.params
         assert json.loads(params["runtime.train_engine"]) == "megatron", stage
+    for stage in ("ramp", "sft"):  # the draft (MTP) layer trained beside the LM loss (the ramp's: per rung)
+        metrics = c.get_run(report["stages"][stage]["mlflow_run_id"]).data.metrics
+        assert any(k.endswith("mtp_loss_last") for k in metrics), stage
     sft = Path(report["stages"]["sft"]["artifact"])
     assert "moe_cv_last" in c.get_run(report["stages"]["sft"]["mlflow_run_id"]).data.metrics
     assert (sft / "expert_load.png").is_file()

@@ -1,0 +1,196 @@
+"""The multi-token prediction (MTP) draft layer a checkpoint carries (GLM-5's own, stored as layer
+`num_hidden_layers`, or posttrain's on any model), trained by the megatron engine beside its LM loss (sft and the
+ramp) as the torch engine trains it (`posttrain.models.mtp`): the same module, one transformers decoder layer
+shared across `depth` draft steps, fed the engine's final hidden states, with the Megatron model's own embedding and
+output head, and the same loss.
+
+Why not megatron-core's `MultiTokenPredictionBlock`: it gives each draft step a layer of its own where GLM-5 shares
+one across steps, and a Megatron module of our own would have to be held to what the torch engine computes.
+transformers' layer is that computation by construction (the tests hold the two engines' losses and weights to 1e-5).
+
+How it splits: the draft layer (its experts too: one layer) is replicated on every rank, a dense parameter for the
+engine (its gradient averaged over data-parallel replicas). With context parallelism each rank runs it over the whole
+sequence (hidden states gathered), so its gradient is the whole one on every rank and each keeps 1/cp, as the
+embedding and head do for it. With pipeline stages the last one would need the embedding the first holds: the layer
+then passes through the export untrained, and training it is refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from posttrain.engines import context_parallel, vocab_parallel
+from posttrain.models import mtp
+
+
+def depth(hf_config, checkpoint: str | Path) -> int:
+    """The draft steps of the layer `checkpoint` carries (`models.mtp.restore`'s rule); 0: none."""
+    settings = getattr(hf_config, mtp.CONFIG_KEY, None)
+    if settings:
+        return int(settings["depth"])
+    host = SimpleNamespace(config=hf_config)
+    glm5 = hf_config.model_type in ("glm_moe_dsa", "deepseek_v32")
+    if glm5 and getattr(hf_config, "num_nextn_predict_layers", 0) and mtp._glm5_layer(host, checkpoint, keys_only=True):
+        return 1
+    return 0
+
+
+class _Host(nn.Module):
+    """What `models.mtp.MTP` reads of a transformers causal LM: the config, a final norm to copy, the last layer's
+    class (on the meta device: the weights come from the checkpoint), RoPE, and the embedding (Megatron's)."""
+
+    def __init__(self, hf_config, embed, device):
+        super().__init__()
+        with torch.device("meta"):
+            from transformers import AutoModelForCausalLM
+            meta = AutoModelForCausalLM.from_config(hf_config).base_model
+        self.config = hf_config
+        self.base_model = nn.Module()
+        self.base_model.norm = type(meta.norm)(hf_config.hidden_size, eps=hf_config.rms_norm_eps).to(device)
+        self.base_model.rotary_emb = type(meta.rotary_emb)(config=hf_config).to(device)
+        self.base_model.layers = nn.ModuleList([meta.layers[-1]])
+        self.__dict__["_embed"] = embed  # Megatron's embedding: not a submodule of this host
+
+    def parameters(self, recurse: bool = True):  # the device and dtype `MTP` takes: the norm's (the layer is meta)
+        return self.base_model.norm.parameters(recurse)
+
+    def get_input_embeddings(self):
+        return self._embed
+
+
+class Draft:
+    """The draft layer of a megatron engine's checkpoint: `module` (a `models.mtp.MTP`), `loss` over an LM batch,
+    `balance` (GLM-5: its router's expert bias, as the torch engine's `RouterHooks` moves it)."""
+
+    def __init__(self, engine, checkpoint: str | Path, steps: int):
+        from megatron.core import parallel_state as ps
+        self.engine, self.tp = engine, ps.get_tensor_model_parallel_world_size()
+        self.host = _Host(engine.hf_config, self._embed, engine.device)
+        self.module = mtp.MTP(self.host, steps)
+        self.module.load_state_dict(_stored(engine.hf_config, checkpoint, self.module))
+        cp = context_parallel.size()
+        if cp > 1:  # every context-parallel rank computes the whole gradient (the module docstring)
+            for p in self.module.parameters():
+                p.register_hook(lambda g: g / cp)
+        self.router = next((m for n, m in self.module.named_modules() if hasattr(m, "e_score_correction_bias")), None)
+        self.load, self._valid = None, None
+        if self.router is not None:
+            self.load = torch.zeros(self.router.e_score_correction_bias.numel())
+            self.router.register_forward_hook(self._count)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Megatron's word embeddings of `ids` (vocab-parallel over tp), the weight shared over cp ranks."""
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+        emb = self.engine.gpt.embedding.word_embeddings
+        w = context_parallel.shared(emb.weight)
+        if self.tp == 1:
+            return F.embedding(ids, w)
+        outside = (ids < emb.vocab_start_index) | (ids >= emb.vocab_end_index)
+        local = F.embedding((ids - emb.vocab_start_index).masked_fill(outside, 0), w).masked_fill(outside[..., None], 0)
+        return reduce_from_tensor_model_parallel_region(local)
+
+    def _count(self, router, args, out) -> None:
+        if torch.is_grad_enabled():
+            idx = out[2] if self._valid is None else out[2][self._valid]
+            self.load += torch.bincount(idx.reshape(-1).cpu(), minlength=self.load.numel()).float()
+
+    def loss(self, h: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float | None]:
+        """`models.mtp.loss` on the engine's final hidden states `h` [b, T, h] (the whole sequence): the mean over
+        draft steps of the cross-entropy of token i + k + 1 where the loss mask trains it, in token i's document; and
+        the first step's top-1 accuracy."""
+        m, engine = self.module, self.engine
+        ids, lmask = batch["input_ids"], batch["loss_mask"]
+        B, T = ids.shape
+        pos = batch.get("position_ids")
+        pos = pos if pos is not None else torch.arange(T, device=ids.device).expand(B, T)
+        allowed = ~engine._document_mask(pos, batch.get("attention_mask"))  # [b, 1, T, T]: True may attend
+        mask = batch.get("attention_mask")
+        self._valid = None if mask is None else mask.reshape(-1).bool()
+        state, losses, acc = h, [], None
+        for k in range(1, m.depth + 1):
+            if T <= k + 1:
+                break
+            nxt = F.pad(ids[:, k:], (0, k))
+            target, tmask = F.pad(ids[:, k + 1:], (0, k + 1)), F.pad(lmask[:, k + 1:], (0, k + 1)) != 0
+            tmask &= F.pad(pos[:, k + 1:] - pos[:, :-k - 1], (0, k + 1)) == k + 1
+            state = m.step(self.host, state, nxt, pos, allowed)
+            if not tmask.any():
+                continue
+            logits, first = engine._logits(m.norm_out(state[tmask]), whole=True)
+            logp, _ = vocab_parallel.token_scores(logits, first, engine.vocab_size, 1.0, target=target[tmask],
+                                                  entropy=False)
+            losses.append(-logp.mean())
+            if acc is None:
+                acc = _top1(logits, first, target[tmask], engine.vocab_size)
+        self._valid = None
+        if not losses:
+            return h.sum() * 0.0, acc
+        return torch.stack(losses).mean(), acc
+
+    def balance(self, rate: float) -> dict[str, float] | None:
+        """After an optimizer step: its router's load over every replica's tokens (load_stats), the bias moved `rate`
+        toward uniform load; None when it routed nothing (a dense draft layer, or a step without its loss)."""
+        from megatron.core import parallel_state as ps
+
+        from posttrain.models.moe import load_stats
+        if self.router is None:
+            return None
+        load, self.load = self.load, torch.zeros_like(self.load)
+        if dist.get_world_size(group := ps.get_data_parallel_group()) > 1:  # not over cp: each rank saw every token
+            load = load.to(self.engine.device)
+            dist.all_reduce(load, group=group)
+            load = load.cpu()
+        if not float(load.sum()):
+            return None
+        with torch.no_grad():
+            b = self.router.e_score_correction_bias
+            b += (rate * torch.sign(load.mean() - load)).to(b.device, b.dtype)
+        return load_stats(load)
+
+    def sharded_state_dict(self, prefix: str) -> dict:
+        """For Megatron's distributed checkpoint: the layer replicated over every rank, under `prefix`."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+        return make_sharded_tensors_for_checkpoint(self.module.state_dict(keep_vars=True), prefix)
+
+
+def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) -> float:
+    """The share of `target` that is the argmax of the (vocab-parallel) logits."""
+    from megatron.core import parallel_state as ps
+    z = logits.detach().float()
+    if first + z.shape[-1] > vocab:  # the padding to a multiple of tp is never the answer
+        z[:, vocab - first:] = float("-inf")
+    top = z.max(-1).values
+    local = target - first
+    here = (local >= 0) & (local < z.shape[-1])
+    picked = torch.where(here, z.gather(-1, local.clamp(0, z.shape[-1] - 1)[:, None]).squeeze(-1),
+                         torch.full_like(top, float("-inf")))
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        group = ps.get_tensor_model_parallel_group()
+        dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(picked, dist.ReduceOp.MAX, group=group)
+    return (picked >= top).float().mean().item()
+
+
+def _stored(hf_config, checkpoint: str | Path, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The draft layer's weights under the module's own names: GLM-5's layer num_hidden_layers, or posttrain's
+    `mtp.` tensors; all of them or a loud error naming the checkpoint."""
+    from safetensors import safe_open
+    host = SimpleNamespace(config=hf_config)
+    if mtp.is_glm5(host):
+        got = mtp.glm5_layer_state(host, checkpoint)
+    else:
+        got = {}
+        for f in sorted(Path(checkpoint).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                got |= {k: st.get_tensor(k) for k in st.keys() if k.startswith("mtp.")}
+    got = {k.removeprefix("mtp."): v for k, v in got.items() if k.startswith("mtp.")}
+    want = set(module.state_dict())
+    if set(got) != want:
+        raise ValueError(f"{checkpoint}: config.json names a draft (MTP) layer, but its weights hold "
+                         f"{len(set(got) & want)} of its {len(want)} tensors (missing e.g. {sorted(want - set(got))[:3]})")
+    return got

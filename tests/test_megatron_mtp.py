@@ -1,0 +1,128 @@
+"""The draft (MTP) layer through the megatron train engine: sft's loop trains it as the torch engine does (the same
+losses, MTP losses and accuracies, weights and, on GLM-5, the draft router's expert balancing), over two gloo ranks as
+on one, and it resumes from Megatron's distributed checkpoint."""
+import random
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from posttrain.config import MoEConfig, ModelConfig
+from posttrain.models import mtp
+from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
+from tests.test_glm5_model import GLM5
+from tests.test_megatron import _free_port, _lm_batches, _rank, _steps
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+MOE = MoEConfig(bias_update_rate=0.01)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_groups(megatron_groups):
+    """The engine opens a world of one in this process; later tests open their own (conftest)."""
+
+
+@pytest.fixture(scope="module")
+def drafts(tok, tmp_path_factory):
+    """The tiny Llama preset and a two-layer GLM-5 (its draft layer routed: GLM-5's own, stored as layer 2), each
+    with a new draft layer of two steps."""
+    torch.manual_seed(0)
+    shapes = {"llama": dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+              "glm5": {**GLM5, "num_layers": 2, "num_heads": 4, "qk_rope_head_dim": 4,
+                       "indexer_types": ["full", "shared"]}}
+    out = {}
+    for name, shape in shapes.items():
+        model = mtp.install(build_model(ModelConfig(**{**shape, "max_position_embeddings": 256}), tok), 2)
+        out[name] = str(tmp_path_factory.mktemp(name))
+        save_checkpoint(model, tok, out[name])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm5"])
+def test_sft_trains_the_draft_layer_as_the_torch_engine(drafts, tok, arch):
+    """posttrain.train's loop over packed and padded conversations, the MTP loss at weight 0.3 beside the LM loss:
+    the torch engine's losses, MTP losses and first-step accuracies, and weights (the draft layer's included), and on
+    GLM-5 the draft router's load figures and bias moves."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.train import flat_examples, masked_lm_loss, pad_examples, train
+    rng = random.Random(0)
+    data = [([rng.randrange(3, len(tok)) for _ in range(n)], [0] * (n // 2) + [1] * (n - n // 2))
+            for n in (rng.randrange(6, 20) for _ in range(6))]
+    batches = [(flat_examples if i % 2 else pad_examples)(rng.sample(data, 3), tok.pad_token_id, 64) for i in range(6)]
+    kw = dict(steps=6, lr=1e-2, warmup=1, desc="sft", moe=MOE)
+    model, _ = load_checkpoint(drafts[arch])
+    start = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("mtp.")}
+    curves = {}
+    want = train(model, lambda i: batches[i], **kw, loss_fn=mtp.with_loss(masked_lm_loss, 0.3, curves))
+    engine = MegatronTrainEngine(drafts[arch], lr=1.0, mtp_weight=0.3, moe=MOE)
+    got = train(engine, lambda i: batches[i], **kw)
+    assert curves["mtp_loss"][-1] < curves["mtp_loss"][0] - 0.3  # the draft learned (6.0 -> 4.9 / 5.6 measured)
+    assert max(abs(a - b) for a, b in zip(want["loss"], got["loss"])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(curves["mtp_loss"], got["mtp_loss"])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(curves["mtp_acc1"], got["mtp_acc1"])) < 1e-6
+    for key in [k for k in want if k.startswith("moe_")]:  # the draft's router is the last one (moe_cv_1)
+        assert max(abs(a - b) for a, b in zip(want[key], got[key])) < 1e-6, key
+    assert ("moe_cv_1" in got) == (arch == "glm5")
+    moved, own = engine.weights(), model.state_dict()
+    assert set(moved) == set(own) and max((moved[k] - own[k]).abs().max().item() for k in own) < 1e-4
+    # every draft tensor trained but GLM-5's indexer (it learns from the ramp's indexer loss only)
+    assert {k for k, v in start.items() if torch.equal(moved[k], v)} == {k for k in start if ".indexer." in k}
+
+
+@pytest.mark.parametrize("arch,par", [("llama", {"cp": 2}), ("llama", {"tp": 2}), ("glm5", {"ep": 2})],
+                         ids=["cp2", "tp2", "glm5-ep2"])
+def test_two_gloo_ranks_train_the_draft_layer_as_one_rank(drafts, tmp_path, arch, par):
+    """cp2: each rank runs the draft layer over the whole sequence, its gradient (and the embedding's and head's for
+    it) a share; tp2: the draft reads the vocabulary-parallel embedding and head; ep2: two replicas, the draft's
+    experts whole on each, its router's load summed over both."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    path, out = drafts[arch], str(tmp_path / "rank0.pt")
+    par = {**par, "mtp_weight": 0.3, "moe": MOE}
+    mp.spawn(_rank, args=(2, _free_port(), par, path, out, True, 2048), nprocs=2)
+    got = torch.load(out)
+    one = MegatronTrainEngine(path, lr=1e-3, mtp_weight=0.3, moe=MOE)
+    want = [x.item() for x in _steps(one, [], lm=True)]
+    assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
+    assert set(one.mtp_stats) == set(got["mtp"]) and all(abs(one.mtp_stats[k] - got["mtp"][k]) < 1e-5
+                                                          for k in got["mtp"])
+    assert set(one.moe_stats) == set(got["moe"]) and all(abs(one.moe_stats[k] - got["moe"][k]) < 1e-6
+                                                          for k in got["moe"])
+    w = one.weights()
+    assert set(w) == set(got["weights"]) and max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
+    assert any(k.startswith("mtp.") for k in w)
+
+
+def test_the_draft_layer_resumes_from_a_distributed_checkpoint(drafts, tmp_path):
+    """Saved after two steps (the draft's weights and AdamW moments with the model's), a new engine continues as the
+    first did."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    batches = _lm_batches(load_checkpoint(drafts["glm5"])[0].config.vocab_size)
+
+    def steps(engine, n):
+        out = []
+        for i in range(n):
+            out.append(engine.forward_backward(batches[i % 2]).item())
+            engine.step(1.0)
+        return out
+    first = MegatronTrainEngine(drafts["glm5"], lr=1e-3, mtp_weight=0.3, moe=MOE)
+    first.train()
+    steps(first, 2)
+    first.save_sharded(tmp_path / "dist")
+    want = steps(first, 2)
+    second = MegatronTrainEngine(drafts["glm5"], lr=1e-3, mtp_weight=0.3, moe=MOE)
+    second.train()
+    second.load_sharded(tmp_path / "dist")
+    assert steps(second, 2) == pytest.approx(want, abs=1e-6)
+    a, b = first.weights(), second.weights()
+    assert max((a[k] - b[k]).abs().max().item() for k in a if k.startswith("mtp.")) < 1e-6
+
+
+def test_what_would_train_the_draft_differently_fails_before_any_work(drafts):
+    """Micro-batches would each average their own draft losses (and pipeline stages lack the embedding at the end):
+    refused, naming the way out; with mtp.loss_weight 0 the layer is carried untrained."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    with pytest.raises(ValueError, match="megatron.pp 1 and megatron.micro_batches 1 only .got 1 and 2.; set "
+                                         "mtp.loss_weight 0 to carry it untrained"):
+        MegatronTrainEngine(drafts["llama"], lr=1e-3, mtp_weight=0.3, micro_batches=2)
+    assert MegatronTrainEngine(drafts["llama"], lr=1e-3, micro_batches=2).draft is not None
