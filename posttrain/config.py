@@ -721,9 +721,6 @@ class PipelineConfig(_Strict):
             errors.append("ramp.attention: dsa on a dense model adds posttrain's own indexers, which train through the "
                           "torch engine only (the megatron engine trains GLM-5's, model.arch glm5). Use sdpa, "
                           "packed_sdpa or flash_attention_2 with runtime.train_engine megatron")
-        if self.moe.aux_loss_weight:
-            errors.append("moe.aux_loss_weight: the megatron engine balances experts through their bias only "
-                          "(moe.bias_update_rate); set it to 0 or use runtime.train_engine torch")
         if g.recompute and (self.rl.routing_replay or any(d.get("routing_replay") for d in self.rl.per_domain.values())):
             errors.append("rl.routing_replay: not with megatron.recompute (the recomputed forward would route by "
                           "itself); set one of them off")

@@ -156,26 +156,36 @@ def test_policy_updates_and_expert_balancing_equal_the_torch_engines(request, ck
     assert all(torch.equal(moved[k], start[k]) for k in start if ".indexer." in k)
 
 
+AUX = MoEConfig(bias_update_rate=0.01, aux_loss_weight=0.1)
+
+
 @pytest.mark.parametrize("ckpt,par,lm", [("glm5", {"ep": 2}, True), ("glm5", {"ep": 2}, False),
                                          ("glm5", {"pp": 2}, False),
                                          ("glm5", {"ep": 2, "distributed_optimizer": True}, False),
                                          ("adopted", {"ep": 2}, True), ("adopted", {"cp": 2}, False),
-                                         ("adopted", {"cp": 2, "train_indexers": ("sparse", 8, 0.5)}, True)],
+                                         ("adopted", {"cp": 2, "train_indexers": ("sparse", 8, 0.5)}, True),
+                                         ("glm5", {"cp": 2, "moe": AUX}, True),
+                                         ("glm5", {"pp": 2, "micro_batches": 2, "moe": AUX}, True)],
                          ids=["ep2-lm", "ep2", "pp2", "ep2-distributed-optimizer", "ep2-dsa-lm", "cp2-dsa",
-                              "cp2-dsa-adoption-lm"])
+                              "cp2-dsa-adoption-lm", "cp2-balance-loss", "pp2-1f1b-balance-loss"])
 def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(request, tmp_path, ckpt, par, lm):
     """ep2: four experts on each rank, tokens sent to them all-to-all; pp2: the dense layer on one stage, the MoE
     layer on the other; with the distributed optimizer each rank steps its own experts and about half the dense
     layers (which repeat over the two ranks); with DSA adopted each rank's indexers select the same keys, and over
     two context-parallel ranks each rank's queries select among the whole sequence's keys; the indexers train
-    there as on one rank (each rank's indexer loss the share of its queries)."""
+    there as on one rank (each rank's indexer loss the share of its queries). With the balance loss each
+    context-parallel rank adds its tokens' share of every row's, and two micro-batches on two stages each their
+    rows' share of the batch's."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     glm5 = request.getfixturevalue(ckpt)
     out = str(tmp_path / "rank0.pt")
     mp.spawn(_rank, args=(2, _free_port(), par, glm5, out, lm, 2048), nprocs=2)
     got = torch.load(out)
-    one = MegatronTrainEngine(glm5, lr=1e-3, train_indexers=par.get("train_indexers"))
+    one = MegatronTrainEngine(glm5, lr=1e-3, train_indexers=par.get("train_indexers"), moe=par.get("moe"))
     want = [x.item() for x in _steps(one, _samples(one.vocab_size), lm)]
+    assert set(one.moe_stats) == set(got["moe"]) and all(abs(one.moe_stats[k] - got["moe"][k]) < 1e-5
+                                                          for k in got["moe"])
+    assert ("moe_aux_loss" in got["moe"]) == ("moe" in par)
     assert set(one.indexer_stats) == set(got["indexer"]) and all(  # the last step's: KL ~1e-5, recall ~0.7
         abs(one.indexer_stats[k] - got["indexer"][k]) < 1e-3 * one.indexer_stats[k] for k in got["indexer"])
     assert max(abs(a - b) for a, b in zip(want, got["losses"])) < 1e-5
@@ -183,6 +193,31 @@ def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(request, tmp
     assert set(w) == set(got["weights"]) and max((w[k] - got["weights"][k]).abs().max().item() for k in w) < 1e-5
     assert got["owned"] < 0.9 if par.get("distributed_optimizer") else got["owned"] == 1  # the share it steps
     assert got["schedules"] == ([2] * 4 if par.get("pp") else [])  # RL's two micro-batches over the stages in 1F1B
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_balance_loss_trains_the_routers_as_the_torch_engines(glm5, recompute):
+    """DeepSeek-V3's sequence-wise balance loss beside sft's LM loss (moe.aux_loss_weight), over padded rows and
+    packed documents: the torch engine's `moe_aux_loss` curve, losses and weights; under recompute each value is
+    counted once. The loss is no no-op: the routers end elsewhere than without it."""
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.train import train
+    from tests.test_megatron import _lm_batches
+    batches = _lm_batches(load_checkpoint(glm5)[0].config.vocab_size)
+    kw = dict(steps=4, lr=1e-2, warmup=1, desc="sft")
+    model, _ = load_checkpoint(glm5)
+    want = train(model, lambda i: batches[i % 2], **kw, moe=AUX)
+    engine = MegatronTrainEngine(glm5, lr=1.0, moe=AUX, recompute=recompute)
+    got = train(engine, lambda i: batches[i % 2], **kw)
+    assert len(got["moe_aux_loss"]) == 4 and max(abs(a - b) for a, b in zip(want["moe_aux_loss"],
+                                                                           got["moe_aux_loss"])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(want["loss"], got["loss"])) < 1e-5
+    moved, own = engine.weights(), model.state_dict()
+    assert max((moved[k] - own[k]).abs().max().item() for k in own) < 1e-5
+    plain = MegatronTrainEngine(glm5, lr=1.0, moe=MoEConfig(bias_update_rate=0.01))
+    train(plain, lambda i: batches[i % 2], **kw)
+    gate = "model.layers.1.mlp.gate.weight"
+    assert (plain.weights()[gate] - moved[gate]).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("par", [{"ep": 2}, {"ep": 2, "distributed_optimizer": True}],

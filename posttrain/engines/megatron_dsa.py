@@ -101,6 +101,16 @@ class _Attach(torch.autograd.Function):
         return grad, grad.new_full((), ctx.weight), None
 
 
+def attach(out: torch.Tensor, loss: torch.Tensor, weight: float) -> torch.Tensor:
+    """`out`, whose backward also backpropagates `loss` times `weight` (`_Attach`)."""
+    return _Attach.apply(out, loss, weight)
+
+
+def recomputing() -> bool:
+    """Whether this forward is activation recomputation inside a backward (its figures were counted in the first)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def allowed_keys(mask: torch.Tensor | None, queries: torch.Tensor, length: int) -> torch.Tensor:
     """[b, s, length] True where this rank's queries (at sequence positions `queries` [s]) may see a key, from the
     engine's mask: None (causal), Megatron's bool [b, 1, s, length] (True = masked) or document ids [b, length] (-1 on
@@ -164,7 +174,9 @@ def core_attention(base: type, hf_config) -> type:
                                   packed_seq_params)
             if st is not None and st.collect and torch.is_grad_enabled():  # shared layers train their group's too
                 self._indexer_loss(st, query, key, queries, allowed)
-                out = _Attach.apply(out, st.losses[-1], st.weight)
+                out = attach(out, st.losses[-1], st.weight)
+                if recomputing():  # computed again for the checkpoint's saved tensors, counted once
+                    st.losses.pop(), st.recalls.pop()
             return out
 
         def _indexer_loss(self, st, query, key, queries: torch.Tensor, allowed: torch.Tensor) -> None:

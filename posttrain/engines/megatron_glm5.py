@@ -180,17 +180,86 @@ def _replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_t
     return scores.gather(1, idx), idx
 
 
-_MEGATRON_REPLAY_TOPK = None
+class SeqAux:
+    """DeepSeek-V3's sequence-wise balance loss on Megatron's routers, as the torch engine computes it
+    (`models.moe.RouterHooks.aux_loss`): per row, `sum_i f_i P_i` over the row's real tokens with `f_i` from the
+    experts each token was routed to (the expert bias and a replayed route included), averaged over the model's
+    routers and the batch's rows. megatron-core's own `seq_aux_loss` counts `f_i` from the top-k without the bias.
+    Each router attaches its share to its output (`_routing`), with the weight the engine sets per micro-batch;
+    with context parallelism each rank adds its tokens' share of every row's `P_i` (the counts summed over ranks)."""
+
+    def __init__(self, routers: int):
+        self.model_routers = routers  # the model's MoE layers, every pipeline stage's
+        self.routers = routers  # router calls per forward: the model's, and a training draft layer's steps
+        self.weight = 0.0       # moe.aux_loss_weight x the micro-batch's scale; 0: no loss (RL, evaluation)
+        self.rows = 1           # rows with a real token in the whole batch (micro-batches share its mean)
+        self.values: list[float] = []  # this rank's shares of the batches' losses, for the step's figure
+        self.batches = 0
+
+    def loss(self, logits: torch.Tensor, routing_map: torch.Tensor, padding: torch.Tensor | None, topk: int
+             ) -> torch.Tensor:
+        """This rank's share of the batch's loss from one router call: logits [s, b, E], routing_map [s * b, E]
+        (sequence-major, as Megatron flattens), padding [s, b] (True: padding) or None."""
+        from posttrain.engines import context_parallel
+        s, b, n_exp = logits.shape
+        scores = _DenseGrad.apply(logits).float().sigmoid()
+        probs = scores / scores.sum(-1, keepdim=True)
+        real = torch.ones(s, b, dtype=torch.bool, device=logits.device) if padding is None else ~padding.reshape(s, b)
+        counts = (routing_map.view(s, b, n_exp) & real[..., None]).sum(0).float()  # [b, E]
+        tokens = real.sum(0).float()  # [b]
+        if context_parallel.size() > 1:  # a row's counts over every rank's tokens; its P_i gradient stays local
+            both = torch.cat([counts, tokens[:, None]], 1)
+            dist.all_reduce(both, group=context_parallel.group())
+            counts, tokens = both[:, :-1], both[:, -1]
+        f = counts * n_exp / (topk * tokens.clamp_min(1))[:, None]
+        share = (f * (probs * real[..., None]).sum(0)).sum(-1) / tokens.clamp_min(1)
+        return share[tokens > 0].sum() / (self.routers * self.rows)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose gradient is contiguous: Megatron's router gating backward `view`s the one it gets."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+    """Megatron's `TopKRouter.routing`, with `SeqAux`'s loss attached to the probabilities while the engine sets a
+    weight."""
+    probs, routing_map = _MEGATRON_ROUTING(self, logits, padding_mask)
+    aux = getattr(self, "seq_aux", None)
+    if aux is not None and aux.weight and torch.is_grad_enabled():
+        loss = aux.loss(logits, routing_map, padding_mask, self.topk)
+        if not megatron_dsa.recomputing():  # a recomputed forward's value was counted in the first
+            aux.values.append(loss.item())
+        probs = megatron_dsa.attach(probs, loss, aux.weight)
+    return probs, routing_map
+
+
+_MEGATRON_REPLAY_TOPK = _MEGATRON_ROUTING = None
 
 
 def patch_router() -> None:
-    global _MEGATRON_REPLAY_TOPK
+    global _MEGATRON_REPLAY_TOPK, _MEGATRON_ROUTING
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplay
     TopKRouter._apply_expert_bias = _count_load
     if _MEGATRON_REPLAY_TOPK is None:
         _MEGATRON_REPLAY_TOPK = RouterReplay.get_replay_topk
         RouterReplay.get_replay_topk = _replay_topk
+    if _MEGATRON_ROUTING is None:
+        _MEGATRON_ROUTING = TopKRouter.routing
+        TopKRouter.routing = _routing
+
+
+def n_routers(hf_config) -> int:
+    """The model's MoE layers (every pipeline stage's): its layers after the first dense ones."""
+    return hf_config.num_hidden_layers - min(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)
 
 
 def moe_layers(gpt, hf_config) -> list[tuple[int, torch.nn.Module]]:
@@ -205,9 +274,8 @@ def replay_targets(samples: list, length: int, hf_config) -> torch.Tensor:
     """The samples' routes (posttrain.routing_replay) laid out as the engine's rows, prompt + completion from
     position 0, right-padded to `length`: [routers, samples, length, k], -1 where a position has no route."""
     from posttrain.routing_replay import check_routes
-    n_routers = hf_config.num_hidden_layers - min(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)
-    k = check_routes(samples, n_routers)
-    out = torch.full((n_routers, len(samples), length, k), -1, dtype=torch.long)
+    k = check_routes(samples, n_routers(hf_config))
+    out = torch.full((n_routers(hf_config), len(samples), length, k), -1, dtype=torch.long)
     for b, s in enumerate(samples):
         if getattr(s, "routes", None) is not None:
             n = min(length, s.routes.shape[1])

@@ -54,6 +54,7 @@ class _Host(nn.Module):
         self.base_model.norm = type(meta.norm)(hf_config.hidden_size, eps=hf_config.rms_norm_eps).to(device)
         self.base_model.rotary_emb = type(meta.rotary_emb)(config=hf_config).to(device)
         self.base_model.layers = nn.ModuleList([meta.layers[-1]])
+        self.padding_idx = meta.embed_tokens.padding_idx
         self.__dict__["_embed"] = embed  # Megatron's embedding: not a submodule of this host
 
     def parameters(self, recurse: bool = True):  # the device and dtype `MTP` takes: the norm's (the layer is meta)
@@ -78,26 +79,38 @@ class Draft:
             for p in self.module.parameters():
                 p.register_hook(lambda g: g / cp)
         self.router = next((m for n, m in self.module.named_modules() if hasattr(m, "e_score_correction_bias")), None)
-        self.load, self._valid = None, None
+        self.load, self._valid, self._rows = None, None, 1
+        # (logits, experts) of each router call while `collect_aux` is set: the sequence-wise balance loss's terms
+        self.collect_aux, self.aux_terms = False, []
         if self.router is not None:
             self.load = torch.zeros(self.router.e_score_correction_bias.numel())
             self.router.register_forward_hook(self._count)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Megatron's word embeddings of `ids` (vocab-parallel over tp), the weight shared over cp ranks."""
+        """Megatron's word embeddings of `ids` (vocab-parallel over tp), the weight shared over cp ranks; as
+        transformers' embedding, the padding id's row gets no gradient (the draft reads the pad tokens past a row's
+        end, and its balance loss would move that row)."""
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-        emb = self.engine.gpt.embedding.word_embeddings
+        emb, pad = self.engine.gpt.embedding.word_embeddings, self.host.padding_idx
         w = context_parallel.shared(emb.weight)
         if self.tp == 1:
-            return F.embedding(ids, w)
-        outside = (ids < emb.vocab_start_index) | (ids >= emb.vocab_end_index)
-        local = F.embedding((ids - emb.vocab_start_index).masked_fill(outside, 0), w).masked_fill(outside[..., None], 0)
-        return reduce_from_tensor_model_parallel_region(local)
+            return F.embedding(ids, w, padding_idx=pad)
+        start, end = emb.vocab_start_index, emb.vocab_end_index
+        outside = (ids < start) | (ids >= end)
+        local = F.embedding((ids - start).masked_fill(outside, 0), w,
+                            padding_idx=pad - start if pad is not None and start <= pad < end else None)
+        return reduce_from_tensor_model_parallel_region(local.masked_fill(outside[..., None], 0))
 
     def _count(self, router, args, out) -> None:
         if torch.is_grad_enabled():
             idx = out[2] if self._valid is None else out[2][self._valid]
             self.load += torch.bincount(idx.reshape(-1).cpu(), minlength=self.load.numel()).float()
+            if self.collect_aux:
+                self.aux_terms.append((out[0], out[2], self._valid, self._rows))
+
+    def calls(self, length: int) -> int:
+        """The draft steps (each a call of its router) `loss` runs on rows of `length` tokens."""
+        return min(self.module.depth, max(0, length - 2))
 
     def loss(self, h: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float | None]:
         """`models.mtp.loss` on the engine's final hidden states `h` [b, T, h] (the whole sequence): the mean over
@@ -110,7 +123,7 @@ class Draft:
         pos = pos if pos is not None else torch.arange(T, device=ids.device).expand(B, T)
         allowed = ~engine._document_mask(pos, batch.get("attention_mask"))  # [b, 1, T, T]: True may attend
         mask = batch.get("attention_mask")
-        self._valid = None if mask is None else mask.reshape(-1).bool()
+        self._valid, self._rows = None if mask is None else mask.reshape(-1).bool(), B
         state, losses, acc = h, [], None
         for k in range(1, m.depth + 1):
             if T <= k + 1:

@@ -135,6 +135,12 @@ class MegatronTrainEngine:
         from posttrain.config import MoEConfig
         self.moe = moe or MoEConfig()
         self._balance = self.glm5 and moe is not None and self.opt is not None
+        # DeepSeek-V3's sequence-wise balance loss beside sft's and the ramp's LM loss (`megatron_glm5.SeqAux`)
+        self._aux = megatron_glm5.SeqAux(megatron_glm5.n_routers(hf_config)) \
+            if self._balance and self.moe.aux_loss_weight else None
+        if self._aux is not None:
+            for _, router in megatron_glm5.moe_layers(self.gpt, hf_config):
+                router.seq_aux = self._aux
         if routing_replay and not self.glm5:
             raise ValueError(f"rl.routing_replay: needs a mixture-of-experts policy; {checkpoint} is a dense "
                              f"{hf_config.model_type}")
@@ -149,9 +155,6 @@ class MegatronTrainEngine:
                         routing_replay: bool = False, parallel: Parallel = Parallel(),
                         recompute: bool = False, distributed_optimizer: bool = False,
                         micro_batches: int = 1) -> "MegatronTrainEngine":
-        if moe is not None and moe.aux_loss_weight:
-            raise ValueError("moe.aux_loss_weight: the megatron train engine balances experts through their bias only "
-                             "(moe.bias_update_rate); set it to 0 or use runtime.train_engine torch")
         return cls(path, role, lr=lr, parallel=parallel, recompute=recompute, moe=moe, routing_replay=routing_replay,
                    distributed_optimizer=distributed_optimizer, micro_batches=micro_batches)
 
@@ -207,8 +210,9 @@ class MegatronTrainEngine:
             ids, position_ids = F.pad(ids, (0, pad), value=self.pad_id), F.pad(position_ids, (0, pad))
             if attention_mask is not None:
                 attention_mask = F.pad(attention_mask, (0, pad))
-            if padding is not None:
-                padding = F.pad(padding, (0, pad), value=True)
+            if padding is not None or self.glm5:  # the tail added for the chunks is no token the experts count
+                padding = F.pad(padding if padding is not None else torch.zeros_like(ids[:, :T], dtype=torch.bool),
+                                (0, pad), value=True)
         targets = self._targets
         if targets is not None and pad:
             targets = F.pad(targets, (0, 0, 0, pad), value=-1)
@@ -323,7 +327,7 @@ class MegatronTrainEngine:
         else:  # nothing scored in this rank's slice: still part of the graph, for the backward's collectives
             loss = h.sum() * 0.0
         if self.draft is not None and self._mtp_weight and torch.is_grad_enabled():
-            loss = loss + self._mtp_weight * self._draft_loss(hidden, batch)
+            loss = loss + self._draft_loss(hidden, batch)
         if context_parallel.size() > 1:
             whole = loss.detach().clone()
             dist.all_reduce(whole, group=context_parallel.group())
@@ -331,13 +335,26 @@ class MegatronTrainEngine:
         return loss
 
     def _draft_loss(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The draft layer's loss on this rank's final hidden states [b, s, h], as a gradient only (its value 0:
-        the LM loss stays comparable with a run without MTP, as `models.mtp.with_loss` has it)."""
+        """The draft layer's loss on this rank's final hidden states [b, s, h] times `mtp_weight`, and its router's
+        terms of the balance loss, as gradients only (the value 0: the LM loss stays comparable with a run without
+        them, as `models.mtp.with_loss` and `models.moe.with_aux_loss` have it)."""
+        from posttrain.models.moe import sequence_balance
         if context_parallel.size() > 1:  # the layer attends over the whole sequence
             hidden = context_parallel.GatherOutput.apply(hidden.transpose(0, 1).contiguous()).transpose(0, 1)
-        aux, acc = self.draft.loss(hidden[:, :batch["input_ids"].shape[1]], batch)
-        self._mtp_seen.append((aux.item(), acc))
-        return aux - aux.detach()
+        aux = self._aux if self._aux is not None and self._aux.weight else None
+        self.draft.collect_aux = aux is not None
+        try:
+            draft, acc = self.draft.loss(hidden[:, :batch["input_ids"].shape[1]], batch)
+        finally:
+            self.draft.collect_aux = False
+        self._mtp_seen.append((draft.item(), acc))
+        out = self._mtp_weight * (draft - draft.detach())
+        terms, self.draft.aux_terms = self.draft.aux_terms, []
+        if aux is not None and terms:  # the whole value on every context-parallel rank: a share of it counted
+            balance = sum(x for t in terms for x in sequence_balance(*t)) / (aux.routers * aux.rows)
+            aux.values.append(balance.item() / context_parallel.size())
+            out = out + self.moe.aux_loss_weight * (balance - balance.detach())
+        return out
 
     def forward_backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """`lm_loss(batch)` times `scale`, backpropagated (one micro-batch of posttrain.train's loop); its value.
@@ -351,12 +368,30 @@ class MegatronTrainEngine:
                                      else ids.shape[1], self.checkpoint, self._sparse)
         rows = ids.shape[0]
         parts = torch.arange(rows).tensor_split(min(self.micro_batches, rows))
-        if len(parts) == 1 or not bool(total):
-            self._indexer_weight(scale)
-            loss = self.lm_loss(batch) * scale
-            self.backward(loss)
-            return loss.detach()
-        return self._one_f_one_b([{k: v[i] for k, v in batch.items() if v is not None} for i in parts], total, scale)
+        self._balance_loss(batch, scale)
+        try:
+            if len(parts) == 1 or not bool(total):
+                self._indexer_weight(scale)
+                loss = self.lm_loss(batch) * scale
+                self.backward(loss)
+                return loss.detach()
+            return self._one_f_one_b([{k: v[i] for k, v in batch.items() if v is not None} for i in parts], total,
+                                     scale)
+        finally:
+            if self._aux is not None:
+                self._aux.weight = 0.0  # RL's and evaluation's forwards add none
+
+    def _balance_loss(self, batch: dict[str, torch.Tensor], scale: float) -> None:
+        """With `moe.aux_loss_weight`: the balance loss of the batch's forwards, over its rows with a real token and
+        every router call (the model's, and the draft layer's steps)."""
+        if self._aux is None:
+            return
+        mask, ids = batch.get("attention_mask"), batch["input_ids"]
+        self._aux.rows = int((mask != 0).any(-1).sum()) if mask is not None else ids.shape[0]
+        drafting = self.draft is not None and self._mtp_weight and self.draft.router is not None
+        self._aux.routers = self._aux.model_routers + (self.draft.calls(ids.shape[1]) if drafting else 0)
+        self._aux.weight = self.moe.aux_loss_weight * scale
+        self._aux.batches += 1
 
     @staged
     def _one_f_one_b(self, micro: list[dict], total: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -529,7 +564,7 @@ class MegatronTrainEngine:
         self.model.zero_grad(set_to_none=True)  # the distributed optimizer's holds only its own parameters
         self.pipe.forget()
         if self._balance:
-            self.moe_stats = self._balance_experts()
+            self.moe_stats = self._balance_experts() | self._pop_balance_loss()
         if self._dsa is not None:
             self.indexer_stats = self._pop_indexer_stats()
         seen, self._mtp_seen = self._mtp_seen, []  # the torch engine logs each forward's; a step's mean here
@@ -558,6 +593,21 @@ class MegatronTrainEngine:
             return {}
         return {"indexer_kl": (sums[0] / sums[1]).item(), "topk_recall": (sums[2] / sums[3]).item()}
 
+    def _pop_balance_loss(self) -> dict[str, float]:
+        """The step's balance loss (`moe_aux_loss`, the torch engine's curve): per batch, over every pipeline stage's
+        routers and context-parallel rank's shares."""
+        from megatron.core import parallel_state as ps
+        if self._aux is None or not self._aux.batches:
+            return {}
+        aux = self._aux
+        total = torch.tensor(sum(aux.values), dtype=torch.float64)
+        for size, group in ((self.pipe.size, ps.get_pipeline_model_parallel_group),
+                            (context_parallel.size(), context_parallel.group)):
+            if size > 1:
+                dist.all_reduce(total, group=group())
+        aux.values, batches, aux.batches = [], aux.batches, 0
+        return {"moe_aux_loss": total.item() / batches}
+
     def _balance_experts(self) -> dict[str, float]:
         """The torch engine's aux-loss-free balancing (`models.moe.RouterHooks.after_step`) on Megatron's routers:
         the step's expert load per MoE layer over every replica's tokens, its figures under the same names, and
@@ -580,8 +630,7 @@ class MegatronTrainEngine:
                 router.expert_bias += self.moe.bias_update_rate * torch.sign(load.mean() - load)
         if self.draft is not None and (draft := self.draft.balance(self.moe.bias_update_rate)) is not None:
             # after the model's routers, as the torch engine counts the draft layer's
-            stats[self.hf_config.num_hidden_layers - min(self.hf_config.first_k_dense_replace,
-                                                         self.hf_config.num_hidden_layers)] = draft
+            stats[megatron_glm5.n_routers(self.hf_config)] = draft
         if self.pipe.size > 1:  # each stage routed its own layers
             every = [None] * self.pipe.size
             dist.all_gather_object(every, stats, group=ps.get_pipeline_model_parallel_group())

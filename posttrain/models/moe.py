@@ -199,19 +199,26 @@ class RouterHooks:
         `sum_i f_i P_i` with `f_i = E / (k T) * #tokens routed to i` and `P_i` the mean of the normalised sigmoid
         scores. 1.0 at perfect balance. None when nothing was kept (aux off, or a dense model)."""
         terms, self._aux_terms = self._aux_terms, []
-        losses = []
-        for logits, idx, valid, rows in terms:
-            n_exp, k = logits.shape[-1], idx.shape[-1]
-            scores = logits.sigmoid()
-            probs = scores / scores.sum(-1, keepdim=True)
-            hits = torch.zeros_like(probs).scatter_(1, idx, 1.0)
-            keep = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device) if valid is None else valid
-            rows = rows if idx.shape[0] % rows == 0 else 1
-            for r, (p, h, v) in enumerate(zip(probs.chunk(rows), hits.chunk(rows), keep.chunk(rows))):
-                if v.any():
-                    f = h[v].sum(0) * n_exp / (k * v.sum())
-                    losses.append((f * p[v].mean(0)).sum())
+        losses = [x for term in terms for x in sequence_balance(*term)]
         return torch.stack(losses).mean() if losses else None
+
+
+def sequence_balance(logits: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor | None, rows: int
+                     ) -> list[torch.Tensor]:
+    """One router call's `sum_i f_i P_i` for each of its `rows` sequences (tokens [N] row-major) that has a real
+    token (`valid` [N]; None: all real): `RouterHooks.aux_loss`'s terms."""
+    n_exp, k = logits.shape[-1], idx.shape[-1]
+    scores = logits.sigmoid()
+    probs = scores / scores.sum(-1, keepdim=True)
+    hits = torch.zeros_like(probs).scatter_(1, idx, 1.0)
+    keep = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device) if valid is None else valid
+    rows = rows if idx.shape[0] % rows == 0 else 1
+    out = []
+    for p, h, v in zip(probs.chunk(rows), hits.chunk(rows), keep.chunk(rows)):
+        if v.any():
+            f = h[v].sum(0) * n_exp / (k * v.sum())
+            out.append((f * p[v].mean(0)).sum())
+    return out
 
 
 SUMMARY = ("moe_cv", "moe_max_mean", "moe_dead", "routes_differ")  # a step's figures across layers (and what routing
