@@ -10,9 +10,11 @@ backend is one module and one line in ROLLOUT / TRAIN below.
 - torch (both): the model in this process (CPU or one GPU; DDP under Ray Train for sft).
 - megatron (train, `engines/megatron_train.py`): megatron-core, weights through mbridge, split over tp x pp x cp x ep
   ranks (sft's Ray Train workers, a ramp rung's, RL and OPD's Ray actors: `rl/ranks.py`); GLM-5 in Megatron's latent
-  attention and MoE layers (`megatron_glm5`), its DSA indexers in the core attention (`megatron_dsa`); sft resumes from `dist_checkpointing`; `megatron_memory` says what a
-  layout holds per GPU; a distributed optimizer of its own (`zero_optimizer`) and the 1F1B schedule for sft's and the
-  ramp's LM loss and RL's micro-batches (`pipeline_stages`). Still to come: Megatron's DDP on CUDA (docs/megatron.md).
+  attention and MoE layers (`megatron_glm5`), its DSA indexers in the core attention (`megatron_dsa`), a draft
+  (MTP) layer beside the LM loss (`megatron_mtp`); sft resumes from `dist_checkpointing`; `megatron_memory` says what
+  a layout holds per GPU; a distributed optimizer of its own (`zero_optimizer`) and the 1F1B schedule for sft's and
+  the ramp's LM loss and RL's micro-batches (`pipeline_stages`). Still to come: Megatron's DDP on CUDA
+  (docs/megatron.md).
 - sglang (rollout, `engines/sglang_rollout.py`): each worker, teacher and evaluated checkpoint served by its own
   SGLang server process (`engines/sglang_server.py`; SGLang's environment from `make sglang`); updates that reach
   generations in flight (rl.partial_rollouts) and the trainer's broadcast to every server (`engines/weight_group.py`).
