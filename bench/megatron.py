@@ -15,6 +15,10 @@
   to its indexer's selection: transformers' sparse attention against the engine's `engines.megatron_dsa`), and
   `glm5_dsa_cp2_loss_max_abs_diff`: over two context-parallel ranks, each rank's queries selecting among the whole
   sequence's keys.
+- `glm5_mtp_*`: the same GLM-5 with a draft (MTP) layer of DRAFT steps trained beside the LM loss at weight 0.3
+  (transformers' layer on each engine's embedding and head: `posttrain.models.mtp`, `engines.megatron_mtp`), and
+  `glm5_mtp_cp2_loss_max_abs_diff` over two context-parallel ranks (each running the draft layer over the whole
+  sequence).
 - `*_distributed_optimizer_*`: dp 2 (GLM-5: ep 2) with `megatron.distributed_optimizer`: the loss against one rank,
   rank 0's AdamW state in bytes over the same split without it (`..._state_ratio`), and its steps' time over theirs
   (`..._time_ratio`: the parameters' broadcast after each step). Timed splits run REPEATS times, alternating; best
@@ -49,6 +53,7 @@ REPEATS = size(3, 1)
 STEPS = size(10, 2)
 BATCH, SEQ = size(8, 2), size(256, 32)
 MICRO = size(4, 2)
+DRAFT = 2  # the draft layer's steps
 TIMED = {"dp2", "dp2_distributed_optimizer", "pp2", "pp2_1f1b", "ep2", "glm5_ep2_distributed_optimizer"}
 SHAPES = {"tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        intermediate_size=768, vocab_size=4096),
@@ -94,6 +99,16 @@ def glm5_checkpoint(where: Path, vocab: int = 4096) -> Path:
     return where
 
 
+def with_draft(glm5: Path, where: Path) -> Path:
+    """`glm5` with a new draft (MTP) layer of DRAFT steps (GLM-5's: stored as layer num_hidden_layers)."""
+    from posttrain.models import mtp
+    from posttrain.models.preset import load_checkpoint, save_checkpoint
+    model, tok = load_checkpoint(glm5)
+    torch.manual_seed(0)
+    save_checkpoint(mtp.install(model, DRAFT), tok, where)
+    return where
+
+
 def adopted(glm5: Path, where: Path, top_k: int) -> Path:
     """`glm5`'s weights with DSA adopted at `top_k` keys (its indexers as they are: random, they still select)."""
     import shutil
@@ -113,10 +128,13 @@ def batches(vocab: int, n: int, seed: int = 0) -> list[dict]:
 
 
 def steps(engine_or_model, data: list[dict]) -> tuple[list[float], float]:
-    """(losses, seconds) of posttrain.train's loop over `data`."""
-    from posttrain.train import train
+    """(losses, seconds) of posttrain.train's loop over `data` (a model's draft layer, if any, trained beside the LM
+    loss at weight 0.3, as the megatron engine's `mtp_weight`)."""
+    from posttrain.models import mtp
+    from posttrain.train import masked_lm_loss, train
     t = time.perf_counter()
-    hist = train(engine_or_model, lambda i: data[i], steps=len(data), lr=1e-3, warmup=1, desc="bench")
+    hist = train(engine_or_model, lambda i: data[i], steps=len(data), lr=1e-3, warmup=1, desc="bench",
+                 loss_fn=mtp.with_loss(masked_lm_loss, 0.3, {}))
     return hist["loss"], time.perf_counter() - t
 
 
@@ -138,7 +156,7 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, data: list[dic
     from posttrain.engines.megatron_train import MegatronTrainEngine
     par = dict(par)
     engine = MegatronTrainEngine(path, lr=1e-3, distributed_optimizer=par.pop("distributed_optimizer", False),
-                                 micro_batches=par.pop("micro_batches", 1), parallel=Parallel(**par))
+                                 micro_batches=par.pop("micro_batches", 1), mtp_weight=0.3, parallel=Parallel(**par))
     dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = [{k: v[shard::dp] for k, v in b.items()} for b in data]  # equal shares: the mean of means is the mean
     losses, seconds = steps(engine, mine)
@@ -193,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         data = batches(SHAPES[shape]["vocab_size"], STEPS)
         fig = {"device": device, "shape": shape, "steps": STEPS, "batch": BATCH, "seq_len": SEQ, "repeats": REPEATS,
                "dtype": "float32" if not torch.cuda.is_available() else "bf16 autocast (torch) / fp32 (megatron)",
-               "glm5_shape": GLM5_SHAPE, "glm5_dsa_index_topk": SEQ // 4}
+               "glm5_shape": GLM5_SHAPE, "glm5_dsa_index_topk": SEQ // 4, "glm5_mtp_steps": DRAFT,
+               "glm5_mtp_loss_weight": 0.3}
         glm5 = glm5_checkpoint(Path(d) / "glm5")
         zero = {"distributed_optimizer": True}
         for prefix, at, splits in (("", path, (("tp2", {"tp": 2}), ("dp2", {}), ("cp2", {"cp": 2}),
@@ -202,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
                                    ("glm5_", glm5, (("glm5_dp2", {}), ("ep2", {"ep": 2}),
                                                     ("glm5_ep2_distributed_optimizer", {"ep": 2, **zero}))),
                                    ("glm5_dsa_", adopted(glm5, Path(d) / "glm5_dsa", SEQ // 4),
-                                    (("glm5_dsa_cp2", {"cp": 2}),))):
+                                    (("glm5_dsa_cp2", {"cp": 2}),)),
+                                   ("glm5_mtp_", with_draft(glm5, Path(d) / "glm5_mtp"),
+                                    (("glm5_mtp_cp2", {"cp": 2}),))):
             times = {"torch": [], "megatron": []}
             curves = {}
             for _ in range(REPEATS):  # alternating, so drift in the machine's speed hits both
@@ -210,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                 curves["torch"], s = steps(model, data)
                 times["torch"].append(s)
                 del model
-                curves["megatron"], s = steps(MegatronTrainEngine(at, lr=1e-3), data)
+                curves["megatron"], s = steps(MegatronTrainEngine(at, lr=1e-3, mtp_weight=0.3), data)
                 times["megatron"].append(s)
             tokens = STEPS * BATCH * SEQ
             torch_tps, mega_tps = (round(tokens / min(times[k]), 1) for k in ("torch", "megatron"))

@@ -202,3 +202,27 @@ def core_attention(base: type, hf_config) -> type:
                     tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]))
             return out
     return DsaAttention
+
+
+def pop_stats(st, stages: int) -> dict[str, float]:
+    """The step's indexer KL (mean over its layers' losses, as the torch ramp's) and top-k recall of the dense
+    attention mass in `st` (`train_indexers`' state), over every pipeline stage's layers and context-parallel rank's
+    queries; {} without one."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from posttrain.engines import context_parallel
+    losses, recalls = st.losses, st.recalls
+    st.losses, st.recalls = [], []
+    st.scores.clear()
+    sums = torch.tensor([float(sum(x.item() for x in losses)), len(losses),
+                         float(sum(x.item() for x in recalls)), len(recalls)], dtype=torch.float64)
+    if stages > 1:
+        dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
+    if context_parallel.size() > 1:  # each rank's losses are its share of its queries' (counts: the same)
+        shares = sums[[0, 2]].clone()
+        dist.all_reduce(shares, group=context_parallel.group())
+        sums[[0, 2]] = shares
+    if not sums[1]:
+        return {}
+    return {"indexer_kl": (sums[0] / sums[1]).item(), "topk_recall": (sums[2] / sums[3]).item()}

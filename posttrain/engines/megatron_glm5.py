@@ -99,7 +99,7 @@ def bridge_class(base, local_spec: bool, sdpa_attention):
                 moe_router_topk_scaling_factor=hf.routed_scaling_factor,
                 moe_router_num_groups=groups if groups > 1 else None,
                 moe_router_group_topk=hf.topk_group if groups > 1 else None,
-                # the bias is a buffer the engine moves itself (`MegatronTrainEngine._balance_experts`), as the torch one
+                # the bias is a buffer the engine moves itself (`balance_experts`), as the torch one
                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_enable_routing_replay=True,
                 moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
@@ -196,6 +196,31 @@ class SeqAux:
         self.values: list[float] = []  # this rank's shares of the batches' losses, for the step's figure
         self.batches = 0
 
+    def start(self, batch: dict[str, torch.Tensor], weight: float, draft_calls: int) -> None:
+        """The next forwards are `batch`'s (its micro-batches'): the loss over its rows with a real token and every
+        router call (the model's, and a training draft layer's steps), at `weight`."""
+        mask = batch.get("attention_mask")
+        self.rows = int((mask != 0).any(-1).sum()) if mask is not None else batch["input_ids"].shape[0]
+        self.routers = self.model_routers + draft_calls
+        self.weight = weight
+        self.batches += 1
+
+    def pop(self, stages: int) -> dict[str, float]:
+        """The step's loss per batch (`moe_aux_loss`, the torch engine's curve), over every pipeline stage's routers
+        and context-parallel rank's shares; {} without a batch."""
+        from megatron.core import parallel_state as ps
+
+        from posttrain.engines import context_parallel
+        if not self.batches:
+            return {}
+        total = torch.tensor(sum(self.values), dtype=torch.float64)
+        for size, group in ((stages, ps.get_pipeline_model_parallel_group),
+                            (context_parallel.size(), context_parallel.group)):
+            if size > 1:
+                dist.all_reduce(total, group=group())
+        self.values, batches, self.batches = [], self.batches, 0
+        return {"moe_aux_loss": total.item() / batches}
+
     def loss(self, logits: torch.Tensor, routing_map: torch.Tensor, padding: torch.Tensor | None, topk: int
              ) -> torch.Tensor:
         """This rank's share of the batch's loss from one router call: logits [s, b, E], routing_map [s * b, E]
@@ -268,6 +293,37 @@ def moe_layers(gpt, hf_config) -> list[tuple[int, torch.nn.Module]]:
     dense = min(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)
     return [(layer.layer_number - 1 - dense, layer.mlp.router) for layer in gpt.decoder.layers
             if getattr(layer.mlp, "router", None) is not None]
+
+
+def balance_experts(gpt, hf_config, rate: float, sequence_parallel: bool, stages: int, draft=None
+                    ) -> dict[str, float]:
+    """The torch engine's aux-loss-free balancing (`models.moe.RouterHooks.after_step`) on this stage's Megatron
+    routers, after an optimizer step: the step's expert load per MoE layer over every replica's tokens, its figures
+    under the same names (every stage's), and each router's bias moved `rate` toward uniform load; the draft (MTP)
+    layer's router after the model's, as the torch engine counts it."""
+    from megatron.core import parallel_state as ps
+
+    from posttrain.models.moe import load_stats, load_summary
+    stats = {}
+    for i, router in moe_layers(gpt, hf_config):
+        load = router.local_tokens_per_expert.detach().float().clone()
+        router.local_tokens_per_expert.zero_()
+        if dist.get_world_size(group := ps.get_data_parallel_group(with_context_parallel=True)) > 1:
+            dist.all_reduce(load, group=group)
+        if sequence_parallel:  # each tensor-parallel rank routed its slice of the sequence
+            dist.all_reduce(load, group=ps.get_tensor_model_parallel_group())
+        if not float(load.sum()):
+            continue
+        stats[i] = load_stats(load)
+        with torch.no_grad():
+            router.expert_bias += rate * torch.sign(load.mean() - load)
+    if draft is not None and (own := draft.balance(rate)) is not None:
+        stats[n_routers(hf_config)] = own
+    if stages > 1:  # each stage routed its own layers
+        every = [None] * stages
+        dist.all_gather_object(every, stats, group=ps.get_pipeline_model_parallel_group())
+        stats = {k: v for part in every for k, v in part.items()}
+    return load_summary(stats) if stats else {}
 
 
 def replay_targets(samples: list, length: int, hf_config) -> torch.Tensor:

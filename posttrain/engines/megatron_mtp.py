@@ -80,6 +80,7 @@ class Draft:
                 p.register_hook(lambda g: g / cp)
         self.router = next((m for n, m in self.module.named_modules() if hasattr(m, "e_score_correction_bias")), None)
         self.load, self._valid, self._rows = None, None, 1
+        self._seen: list[tuple[float, float | None]] = []  # (MTP loss, first-step accuracy) of the step's forwards
         # (logits, experts) of each router call while `collect_aux` is set: the sequence-wise balance loss's terms
         self.collect_aux, self.aux_terms = False, []
         if self.router is not None:
@@ -144,6 +145,36 @@ class Draft:
         if not losses:
             return h.sum() * 0.0, acc
         return torch.stack(losses).mean(), acc
+
+    def train_loss(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], weight: float, aux,
+                   aux_weight: float) -> torch.Tensor:
+        """`loss` on this rank's final hidden states [b, s, h] times `weight`, and its router's terms of the balance
+        loss (`aux`, `megatron_glm5.SeqAux`, while it has a weight), as gradients only: the value 0, so the LM loss
+        stays comparable with a run without them (as `models.mtp.with_loss` and `models.moe.with_aux_loss` have it)."""
+        from posttrain.models.moe import sequence_balance
+        if context_parallel.size() > 1:  # the layer attends over the whole sequence
+            hidden = context_parallel.GatherOutput.apply(hidden.transpose(0, 1).contiguous()).transpose(0, 1)
+        aux = aux if aux is not None and aux.weight else None
+        self.collect_aux = aux is not None
+        try:
+            draft, acc = self.loss(hidden[:, :batch["input_ids"].shape[1]], batch)
+        finally:
+            self.collect_aux = False
+        self._seen.append((draft.item(), acc))
+        out = weight * (draft - draft.detach())
+        terms, self.aux_terms = self.aux_terms, []
+        if aux is not None and terms:  # the whole value on every context-parallel rank: a share of it counted
+            balance = sum(x for t in terms for x in sequence_balance(*t)) / (aux.routers * aux.rows)
+            aux.values.append(balance.item() / context_parallel.size())
+            out = out + aux_weight * (balance - balance.detach())
+        return out
+
+    def pop_stats(self) -> dict[str, float]:
+        """The step's mean MTP loss and first-step accuracy (the torch engine logs each forward's); {} without one."""
+        seen, self._seen = self._seen, []
+        accs = [a for _, a in seen if a is not None]
+        return ({"mtp_loss": sum(x for x, _ in seen) / len(seen)} if seen else {}) | (
+            {"mtp_acc1": sum(accs) / len(accs)} if accs else {})
 
     def balance(self, rate: float) -> dict[str, float] | None:
         """After an optimizer step: its router's load over every replica's tokens (load_stats), the bias moved `rate`

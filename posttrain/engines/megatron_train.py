@@ -111,7 +111,7 @@ class MegatronTrainEngine:
         modules = {"gpt": self.gpt}
         # the checkpoint's draft layer, trained by sft's and the ramp's LM loss at `mtp_weight` (a pipeline passes it
         # through untrained, above); `mtp_stats`: the last step's MTP loss and first-step accuracy
-        self.draft, self._mtp_weight, self._mtp_seen, self.mtp_stats = None, mtp_weight, [], {}
+        self.draft, self._mtp_weight, self.mtp_stats = None, mtp_weight, {}
         if draft_steps and self.pipe.size == 1:
             self.draft = megatron_mtp.Draft(self, checkpoint, draft_steps)
             modules["mtp"] = self.draft.module
@@ -327,34 +327,12 @@ class MegatronTrainEngine:
         else:  # nothing scored in this rank's slice: still part of the graph, for the backward's collectives
             loss = h.sum() * 0.0
         if self.draft is not None and self._mtp_weight and torch.is_grad_enabled():
-            loss = loss + self._draft_loss(hidden, batch)
+            loss = loss + self.draft.train_loss(hidden, batch, self._mtp_weight, self._aux, self.moe.aux_loss_weight)
         if context_parallel.size() > 1:
             whole = loss.detach().clone()
             dist.all_reduce(whole, group=context_parallel.group())
             loss = loss + (whole - loss.detach())
         return loss
-
-    def _draft_loss(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The draft layer's loss on this rank's final hidden states [b, s, h] times `mtp_weight`, and its router's
-        terms of the balance loss, as gradients only (the value 0: the LM loss stays comparable with a run without
-        them, as `models.mtp.with_loss` and `models.moe.with_aux_loss` have it)."""
-        from posttrain.models.moe import sequence_balance
-        if context_parallel.size() > 1:  # the layer attends over the whole sequence
-            hidden = context_parallel.GatherOutput.apply(hidden.transpose(0, 1).contiguous()).transpose(0, 1)
-        aux = self._aux if self._aux is not None and self._aux.weight else None
-        self.draft.collect_aux = aux is not None
-        try:
-            draft, acc = self.draft.loss(hidden[:, :batch["input_ids"].shape[1]], batch)
-        finally:
-            self.draft.collect_aux = False
-        self._mtp_seen.append((draft.item(), acc))
-        out = self._mtp_weight * (draft - draft.detach())
-        terms, self.draft.aux_terms = self.draft.aux_terms, []
-        if aux is not None and terms:  # the whole value on every context-parallel rank: a share of it counted
-            balance = sum(x for t in terms for x in sequence_balance(*t)) / (aux.routers * aux.rows)
-            aux.values.append(balance.item() / context_parallel.size())
-            out = out + self.moe.aux_loss_weight * (balance - balance.detach())
-        return out
 
     def forward_backward(self, batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         """`lm_loss(batch)` times `scale`, backpropagated (one micro-batch of posttrain.train's loop); its value.
@@ -368,7 +346,10 @@ class MegatronTrainEngine:
                                      else ids.shape[1], self.checkpoint, self._sparse)
         rows = ids.shape[0]
         parts = torch.arange(rows).tensor_split(min(self.micro_batches, rows))
-        self._balance_loss(batch, scale)
+        if self._aux is not None:
+            drafting = self.draft is not None and self._mtp_weight and self.draft.router is not None
+            self._aux.start(batch, self.moe.aux_loss_weight * scale,
+                            self.draft.calls(ids.shape[1]) if drafting else 0)
         try:
             if len(parts) == 1 or not bool(total):
                 self._indexer_weight(scale)
@@ -380,18 +361,6 @@ class MegatronTrainEngine:
         finally:
             if self._aux is not None:
                 self._aux.weight = 0.0  # RL's and evaluation's forwards add none
-
-    def _balance_loss(self, batch: dict[str, torch.Tensor], scale: float) -> None:
-        """With `moe.aux_loss_weight`: the balance loss of the batch's forwards, over its rows with a real token and
-        every router call (the model's, and the draft layer's steps)."""
-        if self._aux is None:
-            return
-        mask, ids = batch.get("attention_mask"), batch["input_ids"]
-        self._aux.rows = int((mask != 0).any(-1).sum()) if mask is not None else ids.shape[0]
-        drafting = self.draft is not None and self._mtp_weight and self.draft.router is not None
-        self._aux.routers = self._aux.model_routers + (self.draft.calls(ids.shape[1]) if drafting else 0)
-        self._aux.weight = self.moe.aux_loss_weight * scale
-        self._aux.batches += 1
 
     @staged
     def _one_f_one_b(self, micro: list[dict], total: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -564,78 +533,15 @@ class MegatronTrainEngine:
         self.model.zero_grad(set_to_none=True)  # the distributed optimizer's holds only its own parameters
         self.pipe.forget()
         if self._balance:
-            self.moe_stats = self._balance_experts() | self._pop_balance_loss()
+            self.moe_stats = megatron_glm5.balance_experts(self.gpt, self.hf_config, self.moe.bias_update_rate,
+                                                           self.parallel.sequence_parallel, self.pipe.size,
+                                                           self.draft)
+            self.moe_stats |= self._aux.pop(self.pipe.size) if self._aux else {}
         if self._dsa is not None:
-            self.indexer_stats = self._pop_indexer_stats()
-        seen, self._mtp_seen = self._mtp_seen, []  # the torch engine logs each forward's; a step's mean here
-        accs = [a for _, a in seen if a is not None]
-        self.mtp_stats = ({"mtp_loss": sum(x for x, _ in seen) / len(seen)} if seen else {}) | (
-            {"mtp_acc1": sum(accs) / len(accs)} if accs else {})
+            self.indexer_stats = megatron_dsa.pop_stats(self._dsa, self.pipe.size)
+        if self.draft is not None:
+            self.mtp_stats = self.draft.pop_stats()
         return norm.item()
-
-    def _pop_indexer_stats(self) -> dict[str, float]:
-        """The step's indexer KL (mean over its layers' losses, as the torch ramp's) and top-k recall of the dense
-        attention mass, over every pipeline stage's layers and context-parallel rank's queries."""
-        from megatron.core import parallel_state as ps
-        st = self._dsa
-        losses, recalls = st.losses, st.recalls
-        st.losses, st.recalls = [], []
-        st.scores.clear()
-        sums = torch.tensor([float(sum(x.item() for x in losses)), len(losses),
-                             float(sum(x.item() for x in recalls)), len(recalls)], dtype=torch.float64)
-        if self.pipe.size > 1:
-            dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
-        if context_parallel.size() > 1:  # each rank's losses are its share of its queries' (counts: the same)
-            shares = sums[[0, 2]].clone()
-            dist.all_reduce(shares, group=context_parallel.group())
-            sums[[0, 2]] = shares
-        if not sums[1]:
-            return {}
-        return {"indexer_kl": (sums[0] / sums[1]).item(), "topk_recall": (sums[2] / sums[3]).item()}
-
-    def _pop_balance_loss(self) -> dict[str, float]:
-        """The step's balance loss (`moe_aux_loss`, the torch engine's curve): per batch, over every pipeline stage's
-        routers and context-parallel rank's shares."""
-        from megatron.core import parallel_state as ps
-        if self._aux is None or not self._aux.batches:
-            return {}
-        aux = self._aux
-        total = torch.tensor(sum(aux.values), dtype=torch.float64)
-        for size, group in ((self.pipe.size, ps.get_pipeline_model_parallel_group),
-                            (context_parallel.size(), context_parallel.group)):
-            if size > 1:
-                dist.all_reduce(total, group=group())
-        aux.values, batches, aux.batches = [], aux.batches, 0
-        return {"moe_aux_loss": total.item() / batches}
-
-    def _balance_experts(self) -> dict[str, float]:
-        """The torch engine's aux-loss-free balancing (`models.moe.RouterHooks.after_step`) on Megatron's routers:
-        the step's expert load per MoE layer over every replica's tokens, its figures under the same names, and
-        each router's bias moved `moe.bias_update_rate` toward uniform load."""
-        from megatron.core import parallel_state as ps
-
-        from posttrain.models.moe import load_stats, load_summary
-        stats = {}
-        for i, router in megatron_glm5.moe_layers(self.gpt, self.hf_config):
-            load = router.local_tokens_per_expert.detach().float().clone()
-            router.local_tokens_per_expert.zero_()
-            if dist.get_world_size(group := ps.get_data_parallel_group(with_context_parallel=True)) > 1:
-                dist.all_reduce(load, group=group)
-            if self.parallel.sequence_parallel:  # each tensor-parallel rank routed its slice of the sequence
-                dist.all_reduce(load, group=ps.get_tensor_model_parallel_group())
-            if not float(load.sum()):
-                continue
-            stats[i] = load_stats(load)
-            with torch.no_grad():
-                router.expert_bias += self.moe.bias_update_rate * torch.sign(load.mean() - load)
-        if self.draft is not None and (draft := self.draft.balance(self.moe.bias_update_rate)) is not None:
-            # after the model's routers, as the torch engine counts the draft layer's
-            stats[megatron_glm5.n_routers(self.hf_config)] = draft
-        if self.pipe.size > 1:  # each stage routed its own layers
-            every = [None] * self.pipe.size
-            dist.all_gather_object(every, stats, group=ps.get_pipeline_model_parallel_group())
-            stats = {k: v for part in every for k, v in part.items()}
-        return load_summary(stats) if stats else {}
 
     def with_schedule(self, schedule: Callable[[int], float], lr: float) -> "MegatronTrainEngine":
         """`lr` times `schedule(step)` from now on (posttrain.train's warmup + cosine)."""
