@@ -55,3 +55,12 @@ def megatron_groups():
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def gloo_pair():
+    """Two warm processes for the two-rank tests (tests/gloo_pair.py): `gloo_pair.spawn(fn, args)`."""
+    from tests.gloo_pair import Pair
+    pair = Pair()
+    yield pair
+    pair.close()

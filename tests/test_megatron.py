@@ -8,7 +8,6 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from posttrain.config import ConfigError, ModelConfig, load_config
 from posttrain.models.preset import build_model, save_checkpoint
@@ -233,26 +232,29 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
     from megatron.core import parallel_state as ps
 
     from posttrain.engines import megatron_train
-    megatron_train.DENSE_MASK_MAX = dense_max
     schedules = []  # the micro-batches of each 1F1B schedule run
-    scheduled = megatron_train.one_f_one_b
+    scheduled, dense = megatron_train.one_f_one_b, megatron_train.DENSE_MASK_MAX
+    megatron_train.DENSE_MASK_MAX = dense_max
     megatron_train.one_f_one_b = lambda pipe, forward, m: schedules.append(m) or scheduled(pipe, forward, m)
-    engine = _engine(path, par)
-    dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    losses = []
-    for loss in _steps(engine, _samples(engine.vocab_size)[shard::dp], lm):
-        if not lm:  # the whole batch's loss (the LM loss is the whole batch's on every rank already)
-            dist.all_reduce(loss, group=ps.get_data_parallel_group())
-        losses.append(loss.item())
-    if par.get("pp"):  # a batch every stage refuses fails on each: none is left waiting for the last one's answer
-        with pytest.raises(KeyError, match="loss_mask"):
-            engine.lm_loss({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
-    weights = engine.weights()
-    owned = sum(p.numel() for g in engine.opt.param_groups for p in g["params"])  # the parameters this rank steps
-    if rank == 0:
-        torch.save({"losses": losses, "weights": weights, "schedules": schedules, "indexer": engine.indexer_stats,
-                    "mtp": engine.mtp_stats, "moe": engine.moe_stats,
-                    "owned": owned / sum(p.numel() for p in engine.model.parameters() if p.requires_grad)}, out)
+    try:  # the process may run other ranks' jobs next (tests/gloo_pair.py)
+        engine = _engine(path, par)
+        dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        losses = []
+        for loss in _steps(engine, _samples(engine.vocab_size)[shard::dp], lm):
+            if not lm:  # the whole batch's loss (the LM loss is the whole batch's on every rank already)
+                dist.all_reduce(loss, group=ps.get_data_parallel_group())
+            losses.append(loss.item())
+        if par.get("pp"):  # a batch every stage refuses fails on each: none is left waiting for the last one's answer
+            with pytest.raises(KeyError, match="loss_mask"):
+                engine.lm_loss({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+        weights = engine.weights()
+        owned = sum(p.numel() for g in engine.opt.param_groups for p in g["params"])  # the parameters this rank steps
+        if rank == 0:
+            torch.save({"losses": losses, "weights": weights, "schedules": schedules, "indexer": engine.indexer_stats,
+                        "mtp": engine.mtp_stats, "moe": engine.moe_stats,
+                        "owned": owned / sum(p.numel() for p in engine.model.parameters() if p.requires_grad)}, out)
+    finally:
+        megatron_train.one_f_one_b, megatron_train.DENSE_MASK_MAX = scheduled, dense
     dist.barrier()
     dist.destroy_process_group()
 
@@ -264,7 +266,7 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
                                               ({"distributed_optimizer": True}, False, 2048)],
                          ids=["tp2", "dp2", "cp2", "cp2-rl", "cp2-per-document", "pp2", "pp2-lm", "pp2-1f1b",
                               "dp2-distributed-optimizer"])
-def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, lm, dense_max):
+def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, gloo_pair, par, lm, dense_max):
     """Against one rank with its whole [T, T] masks; `cp2-rl`: the RL losses on the whole sequence gathered on both
     context-parallel ranks (the output weights' gradient shared, not doubled); `cp2-per-document`: the long rows'
     path, attention per document with no mask, over the two context-parallel ranks' query chunks; `pp2`: a layer on
@@ -274,7 +276,7 @@ def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, par, l
     batch's."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, _free_port(), par, ckpts["llama"], out, lm, dense_max), nprocs=2)
+    gloo_pair.spawn(_rank, (2, _free_port(), par, ckpts["llama"], out, lm, dense_max))
     got = torch.load(out)
     one = MegatronTrainEngine(ckpts["llama"], lr=1e-3)
     want = [x.item() for x in _steps(one, _samples(one.vocab_size), lm)]
@@ -320,12 +322,12 @@ def _critic_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_critic_over_two_context_parallel_ranks_learns_as_one_rank(ckpts, tmp_path):
+def test_a_critic_over_two_context_parallel_ranks_learns_as_one_rank(ckpts, tmp_path, gloo_pair):
     """Its values come from the whole sequence gathered on both ranks: the value head's gradient is shared between
     them, not counted twice."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     out = str(tmp_path / "critic.pt")
-    mp.spawn(_critic_rank, args=(2, _free_port(), ckpts["llama"], out), nprocs=2)
+    gloo_pair.spawn(_critic_rank, (2, _free_port(), ckpts["llama"], out))
     losses, head = torch.load(out)
     want, want_head = _critic_steps(MegatronTrainEngine(ckpts["llama"], "critic", lr=1e-2))
     assert want[-1] < want[0] and max(abs(a - b) for a, b in zip(want, losses)) < 1e-5
@@ -367,7 +369,8 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
         check_layout(GPT2Config(), Parallel())
     with pytest.raises(ConfigError) as e:
         load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "mtp.depth=1", "megatron.pp=2"])
-    for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks", "mtp.depth: the megatron engine trains the draft (MTP) layer with megatron.pp 1",
+    for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks",
+                 "mtp.depth: the megatron engine trains the draft (MTP) layer with megatron.pp 1",
                  "megatron.pp: must divide model.num_layers 1"):
         assert rule in str(e.value)
     with pytest.raises(ConfigError) as e:
@@ -485,13 +488,13 @@ def _sharded_rank(rank: int, world: int, port: int, path: str, folder: str, out:
 
 @pytest.mark.parametrize("par", [{"tp": 2}, {"pp": 2}, {"distributed_optimizer": True}],
                          ids=["tp2", "pp2", "dp2-distributed-optimizer"])
-def test_a_distributed_checkpoint_saved_over_two_ranks_resumes_on_one_rank(ckpts, tmp_path, par):
+def test_a_distributed_checkpoint_saved_over_two_ranks_resumes_on_one_rank(ckpts, tmp_path, gloo_pair, par):
     """Megatron's dist_checkpointing: weights and AdamW moments sharded over two tp ranks, split in two pipeline
     stages, or each data-parallel rank's moments for the parameters it steps, load into one rank (resharded on
     load), which then trains on as the two ranks did; a fresh engine alone does not."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
-    mp.spawn(_sharded_rank, args=(2, _free_port(), str(ckpts["llama"]), str(folder), out, par), nprocs=2)
+    gloo_pair.spawn(_sharded_rank, (2, _free_port(), str(ckpts["llama"]), str(folder), out, par))
     assert (folder / "metadata.json").exists() and list(folder.glob("*.distcp"))
     want = torch.load(out)
     one = MegatronTrainEngine(ckpts["llama"], lr=1e-3)

@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from posttrain.config import MoEConfig, ModelConfig
 from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
@@ -168,7 +167,7 @@ AUX = MoEConfig(bias_update_rate=0.01, aux_loss_weight=0.1)
                                          ("glm5", {"pp": 2, "micro_batches": 2, "moe": AUX}, True)],
                          ids=["ep2-lm", "ep2", "pp2", "ep2-distributed-optimizer", "ep2-dsa-lm", "cp2-dsa",
                               "cp2-dsa-adoption-lm", "cp2-balance-loss", "pp2-1f1b-balance-loss"])
-def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(request, tmp_path, ckpt, par, lm):
+def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(request, tmp_path, gloo_pair, ckpt, par, lm):
     """ep2: four experts on each rank, tokens sent to them all-to-all; pp2: the dense layer on one stage, the MoE
     layer on the other; with the distributed optimizer each rank steps its own experts and about half the dense
     layers (which repeat over the two ranks); with DSA adopted each rank's indexers select the same keys, and over
@@ -179,7 +178,7 @@ def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(request, tmp
     from posttrain.engines.megatron_train import MegatronTrainEngine
     glm5 = request.getfixturevalue(ckpt)
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_rank, args=(2, _free_port(), par, glm5, out, lm, 2048), nprocs=2)
+    gloo_pair.spawn(_rank, (2, _free_port(), par, glm5, out, lm, 2048))
     got = torch.load(out)
     one = MegatronTrainEngine(glm5, lr=1e-3, train_indexers=par.get("train_indexers"), moe=par.get("moe"))
     want = [x.item() for x in _steps(one, _samples(one.vocab_size), lm)]
@@ -222,13 +221,13 @@ def test_the_balance_loss_trains_the_routers_as_the_torch_engines(glm5, recomput
 
 @pytest.mark.parametrize("par", [{"ep": 2}, {"ep": 2, "distributed_optimizer": True}],
                          ids=["ep2", "ep2-distributed-optimizer"])
-def test_a_distributed_checkpoint_saved_over_two_expert_ranks_resumes_on_one_rank(glm5, tmp_path, par):
+def test_a_distributed_checkpoint_saved_over_two_expert_ranks_resumes_on_one_rank(glm5, tmp_path, gloo_pair, par):
     """Each expert-parallel rank writes its four experts and their AdamW moments (with the distributed optimizer
     also the dense layers' moments it owns); one rank holding all eight trains on from it as the two did (sft's
     resume after a SIGKILL goes through this checkpoint)."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
-    mp.spawn(_sharded_rank, args=(2, _free_port(), glm5, str(folder), out, par), nprocs=2)
+    gloo_pair.spawn(_sharded_rank, (2, _free_port(), glm5, str(folder), out, par))
     want = torch.load(out)
     one = MegatronTrainEngine(glm5, lr=1e-3)
     one.load_sharded(folder)

@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from posttrain.config import MoEConfig, ModelConfig
 from posttrain.models import mtp
@@ -77,7 +76,7 @@ def test_sft_trains_the_draft_layer_as_the_torch_engine(drafts, tok, arch, moe):
 @pytest.mark.parametrize("arch,par", [("llama", {"cp": 2}), ("llama", {"tp": 2}), ("glm5", {"ep": 2}),
                                       ("glm5", {"cp": 2, "moe": AUX})],
                          ids=["cp2", "tp2", "glm5-ep2", "glm5-cp2-aux"])
-def test_two_gloo_ranks_train_the_draft_layer_as_one_rank(drafts, tmp_path, arch, par):
+def test_two_gloo_ranks_train_the_draft_layer_as_one_rank(drafts, tmp_path, gloo_pair, arch, par):
     """cp2: each rank runs the draft layer over the whole sequence, its gradient (and the embedding's and head's for
     it) a share; tp2: the draft reads the vocabulary-parallel embedding and head; ep2: two replicas, the draft's
     experts whole on each, its router's load summed over both; with the balance loss the draft's terms (the whole
@@ -85,7 +84,7 @@ def test_two_gloo_ranks_train_the_draft_layer_as_one_rank(drafts, tmp_path, arch
     from posttrain.engines.megatron_train import MegatronTrainEngine
     path, out = drafts[arch], str(tmp_path / "rank0.pt")
     par = {"moe": MOE, **par, "mtp_weight": 0.3}
-    mp.spawn(_rank, args=(2, _free_port(), par, path, out, True, 2048), nprocs=2)
+    gloo_pair.spawn(_rank, (2, _free_port(), par, path, out, True, 2048))
     got = torch.load(out)
     one = MegatronTrainEngine(path, lr=1e-3, mtp_weight=0.3, moe=par["moe"])
     want = [x.item() for x in _steps(one, [], lm=True)]

@@ -236,5 +236,6 @@ def _stored(hf_config, checkpoint: str | Path, module: nn.Module) -> dict[str, t
     want = set(module.state_dict())
     if set(got) != want:
         raise ValueError(f"{checkpoint}: config.json names a draft (MTP) layer, but its weights hold "
-                         f"{len(set(got) & want)} of its {len(want)} tensors (missing e.g. {sorted(want - set(got))[:3]})")
+                         f"{len(set(got) & want)} of its {len(want)} tensors (missing e.g. "
+                         f"{sorted(want - set(got))[:3]})")
     return got
