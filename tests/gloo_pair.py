@@ -9,6 +9,7 @@ one), and the failure is raised with the rank's traceback, as `spawn` raises it.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import random
 import traceback
@@ -52,9 +53,12 @@ class Pair:
         ctx = mp.get_context("spawn")
         self.jobs = [ctx.Queue() for _ in range(2)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_serve, args=(r, self.jobs[r], self.results), daemon=True) for r in range(2)]
+        # not daemonic: Megatron's distributed checkpoint writes through processes of its own; ended at exit (atexit
+        # runs this before multiprocessing would wait for them)
+        self.procs = [ctx.Process(target=_serve, args=(r, self.jobs[r], self.results)) for r in range(2)]
         for p in self.procs:
             p.start()
+        atexit.register(self.close)
 
     def spawn(self, fn, args: tuple, timeout: float = 900) -> None:
         if not self.procs or not all(p.is_alive() for p in self.procs):

@@ -123,11 +123,45 @@ def test_the_draft_layer_resumes_from_a_distributed_checkpoint(drafts, tmp_path)
     assert max((a[k] - b[k]).abs().max().item() for k in a if k.startswith("mtp.")) < 1e-6
 
 
-def test_what_would_train_the_draft_differently_fails_before_any_work(drafts):
-    """Micro-batches would each average their own draft losses (and pipeline stages lack the embedding at the end):
-    refused, naming the way out; with mtp.loss_weight 0 the layer is carried untrained."""
+def test_micro_batches_train_the_draft_layer_as_the_whole_batch(drafts):
+    """sft's batch in two micro-batches (`megatron.micro_batches`, the 1F1B split): each adds its share of the
+    whole batch's draft loss and balance loss, so the losses, figures and weights are one forward's."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
-    with pytest.raises(ValueError, match="megatron.pp 1 and megatron.micro_batches 1 only .got 1 and 2.; set "
-                                         "mtp.loss_weight 0 to carry it untrained"):
-        MegatronTrainEngine(drafts["llama"], lr=1e-3, mtp_weight=0.3, micro_batches=2)
-    assert MegatronTrainEngine(drafts["llama"], lr=1e-3, micro_batches=2).draft is not None
+    runs = []
+    for micro in (1, 2):
+        engine = MegatronTrainEngine(drafts["glm5"], lr=1e-3, mtp_weight=0.3, moe=AUX, micro_batches=micro)
+        runs.append((_steps(engine, [], lm=True), engine.mtp_stats, engine.moe_stats, engine.weights()))
+    (losses, mtp_stats, moe_stats, w), (losses2, mtp_stats2, moe_stats2, w2) = runs
+    assert max(abs(a - b) for a, b in zip(losses, losses2)) < 1e-5
+    assert set(mtp_stats) == {"mtp_loss", "mtp_acc1"} and all(abs(mtp_stats[k] - mtp_stats2[k]) < 1e-5
+                                                                for k in mtp_stats)
+    assert "moe_aux_loss" in moe_stats and all(abs(moe_stats[k] - moe_stats2[k]) < 1e-5 for k in moe_stats)
+    assert max((w[k] - w2[k]).abs().max().item() for k in w) < 1e-5
+
+
+def _pipeline_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
+    """Two pipeline stages: training the draft layer is refused; carried untrained, it is in the export."""
+    import os
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron_train import MegatronTrainEngine
+    with pytest.raises(ValueError) as refused:
+        MegatronTrainEngine(path, lr=1e-3, mtp_weight=0.3, parallel=Parallel(pp=2))
+    weights = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(pp=2)).weights()
+    if rank == 0:
+        torch.save({"refused": str(refused.value), "weights": weights}, out)
+    dist.barrier()
+
+
+def test_pipeline_stages_refuse_to_train_the_draft_and_carry_it(drafts, tmp_path, gloo_pair):
+    """The last stage would need the embedding the first holds: refused, naming the way out (mtp.loss_weight 0),
+    which carries the layer untrained into every export, as the checkpoint holds it."""
+    out = str(tmp_path / "pp.pt")
+    gloo_pair.spawn(_pipeline_rank, (2, _free_port(), drafts["llama"], out))
+    got = torch.load(out)
+    assert "megatron.pp 1 only (got 2); set mtp.loss_weight 0 to carry it untrained" in got["refused"]
+    want = {k: v for k, v in load_checkpoint(drafts["llama"])[0].state_dict().items() if k.startswith("mtp.")}
+    assert want and all(torch.equal(got["weights"][k], v) for k, v in want.items())

@@ -389,31 +389,26 @@ def sparse_layers(gpt) -> bool:
     return any(hasattr(layer.self_attention.core_attention, "indexer") for layer in gpt.decoder.layers)
 
 
-def passthrough(checkpoint: str, hf_config, indexers: bool, draft: bool) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors no Megatron module holds, for every export under transformers' in-memory names: the
-    DSA indexers where the layers have none (`indexers`), and a GLM-5 draft (MTP) layer (stored as layer
-    num_hidden_layers) where the engine does not hold it (`draft`: pipeline stages; `engines.megatron_mtp`)."""
+def passthrough(checkpoint: str, hf_config, indexers: bool) -> dict[str, torch.Tensor]:
+    """The DSA indexers' tensors of the checkpoint where the engine's layers have none (`indexers`: Transformer
+    Engine's), for every export under transformers' names."""
     from pathlib import Path
-    from types import SimpleNamespace
 
     from safetensors import safe_open
-
-    from posttrain.models import mtp
-    n = hf_config.num_hidden_layers
-    out = {}
+    if not indexers:
+        return {}
+    n, out = hf_config.num_hidden_layers, {}
     for f in sorted(Path(checkpoint).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             out |= {k: st.get_tensor(k) for k in st.keys()
-                    if indexers and ".self_attn.indexer." in k and not k.startswith(f"model.layers.{n}.")}
-    if draft and getattr(hf_config, "num_nextn_predict_layers", 0):
-        out |= mtp.glm5_layer_state(SimpleNamespace(config=hf_config), checkpoint)
+                    if ".self_attn.indexer." in k and not k.startswith(f"model.layers.{n}.")}
     return out
 
 
-def to_transformers(weights: dict[str, torch.Tensor], extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_transformers(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert HF tensors (the checkpoint's on-disk names) as transformers 5 holds them in memory: one
-    `gate_up_proj` [E, 2I, H] and one `down_proj` [E, H, I] per layer; `extra` added."""
-    out, experts = dict(extra), {}
+    `gate_up_proj` [E, 2I, H] and one `down_proj` [E, H, I] per layer."""
+    out, experts = {}, {}
     for name, t in weights.items():
         if m := _HF_EXPERT.match(name):
             experts.setdefault(m[1], {})[(int(m[2]), m[3])] = t

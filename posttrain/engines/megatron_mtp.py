@@ -73,14 +73,23 @@ class Draft:
         self.engine, self.tp = engine, ps.get_tensor_model_parallel_world_size()
         self.host = _Host(engine.hf_config, self._embed, engine.device)
         self.module = mtp.MTP(self.host, steps)
-        self.module.load_state_dict(_stored(engine.hf_config, checkpoint, self.module))
+        got, want = stored(engine.hf_config, checkpoint), set(self.module.state_dict())
+        if set(got) != want:
+            raise ValueError(f"{checkpoint}: config.json names a draft (MTP) layer, but its weights hold "
+                             f"{len(set(got) & want)} of its {len(want)} tensors (missing e.g. "
+                             f"{sorted(want - set(got))[:3]})")
+        self.module.load_state_dict(got)
         cp = context_parallel.size()
         if cp > 1:  # every context-parallel rank computes the whole gradient (the module docstring)
             for p in self.module.parameters():
                 p.register_hook(lambda g: g / cp)
         self.router = next((m for n, m in self.module.named_modules() if hasattr(m, "e_score_correction_bias")), None)
         self.load, self._valid, self._rows = None, None, 1
-        self._seen: list[tuple[float, float | None]] = []  # (MTP loss, first-step accuracy) of the step's forwards
+        # the batch being trained (`start`): its targets per draft step, and [MTP loss, first-step hits] summed over
+        # its micro-batches; then each batch's (MTP loss, first-step accuracy) until the step's `pop_stats`
+        self._targets: list[int] | None = None
+        self._batch = [0.0, 0]
+        self._seen: list[tuple[float, float | None]] = []
         # (logits, experts) of each router call while `collect_aux` is set: the sequence-wise balance loss's terms
         self.collect_aux, self.aux_terms = False, []
         if self.router is not None:
@@ -113,38 +122,63 @@ class Draft:
         """The draft steps (each a call of its router) `loss` runs on rows of `length` tokens."""
         return min(self.module.depth, max(0, length - 2))
 
-    def loss(self, h: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float | None]:
-        """`models.mtp.loss` on the engine's final hidden states `h` [b, T, h] (the whole sequence): the mean over
-        draft steps of the cross-entropy of token i + k + 1 where the loss mask trains it, in token i's document; and
-        the first step's top-1 accuracy."""
+    @staticmethod
+    def _trained(ids: torch.Tensor, lmask: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
+        """[b, T]: where draft step k trains (token i + k + 1 is a target of the loss mask, in token i's document)."""
+        tmask = F.pad(lmask[:, k + 1:], (0, k + 1)) != 0
+        return tmask & (F.pad(pos[:, k + 1:] - pos[:, :-k - 1], (0, k + 1)) == k + 1)
+
+    @staticmethod
+    def _positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids, pos = batch["input_ids"], batch.get("position_ids")
+        return pos if pos is not None else torch.arange(ids.shape[1], device=ids.device).expand(*ids.shape)
+
+    def start(self, batch: dict[str, torch.Tensor]) -> None:
+        """The next forwards are `batch`'s micro-batches (the engine's 1F1B split): each step's mean is over the whole
+        batch's targets, as the torch engine's one forward of it has it."""
+        ids, pos = batch["input_ids"], self._positions(batch)
+        self._targets = [int(self._trained(ids, batch["loss_mask"], pos, k).sum())
+                         for k in range(1, self.calls(ids.shape[1]) + 1)]
+        self._batch = [0.0, 0]
+
+    def _first(self) -> int:
+        """The first draft step with a target in the batch (whose accuracy is logged, as the torch engine's); 0: none."""
+        return next((k for k, n in enumerate(self._targets, 1) if n), 0)
+
+    def finish(self) -> None:
+        """The batch's MTP loss and first-step accuracy, for the step's figures."""
+        if self._targets is not None:
+            first = self._first()
+            self._seen.append((self._batch[0], self._batch[1] / self._targets[first - 1] if first else None))
+        self._targets = None
+
+    def loss(self, h: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """`models.mtp.loss` on the engine's final hidden states `h` [b, T, h] (the whole sequence) of a micro-batch
+        of the batch `start` announced: the mean over draft steps of the cross-entropy of token i + k + 1 where the
+        loss mask trains it, in token i's document (its share of the batch's); and the first step's top-1 hits."""
         m, engine = self.module, self.engine
-        ids, lmask = batch["input_ids"], batch["loss_mask"]
+        ids, lmask, pos = batch["input_ids"], batch["loss_mask"], self._positions(batch)
         B, T = ids.shape
-        pos = batch.get("position_ids")
-        pos = pos if pos is not None else torch.arange(T, device=ids.device).expand(B, T)
         allowed = ~engine._document_mask(pos, batch.get("attention_mask"))  # [b, 1, T, T]: True may attend
         mask = batch.get("attention_mask")
         self._valid, self._rows = None if mask is None else mask.reshape(-1).bool(), B
-        state, losses, acc = h, [], None
-        for k in range(1, m.depth + 1):
-            if T <= k + 1:
-                break
-            nxt = F.pad(ids[:, k:], (0, k))
-            target, tmask = F.pad(ids[:, k + 1:], (0, k + 1)), F.pad(lmask[:, k + 1:], (0, k + 1)) != 0
-            tmask &= F.pad(pos[:, k + 1:] - pos[:, :-k - 1], (0, k + 1)) == k + 1
+        totals, first_step = self._targets, self._first()
+        state, losses, hits = h, [], 0
+        for k in range(1, self.calls(T) + 1):
+            nxt, target = F.pad(ids[:, k:], (0, k)), F.pad(ids[:, k + 1:], (0, k + 1))
+            tmask = self._trained(ids, lmask, pos, k)
             state = m.step(self.host, state, nxt, pos, allowed)
             if not tmask.any():
                 continue
             logits, first = engine._logits(m.norm_out(state[tmask]), whole=True)
             logp, _ = vocab_parallel.token_scores(logits, first, engine.vocab_size, 1.0, target=target[tmask],
                                                   entropy=False)
-            losses.append(-logp.mean())
-            if acc is None:
-                acc = _top1(logits, first, target[tmask], engine.vocab_size)
+            losses.append(-logp.sum() / totals[k - 1])
+            if k == first_step:
+                hits = _top1(logits, first, target[tmask], engine.vocab_size)
         self._valid = None
-        if not losses:
-            return h.sum() * 0.0, acc
-        return torch.stack(losses).mean(), acc
+        steps = sum(1 for n in totals if n)  # the batch's steps with a target
+        return (torch.stack(losses).sum() / steps if losses else h.sum() * 0.0), hits
 
     def train_loss(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], weight: float, aux,
                    aux_weight: float) -> torch.Tensor:
@@ -156,11 +190,17 @@ class Draft:
             hidden = context_parallel.GatherOutput.apply(hidden.transpose(0, 1).contiguous()).transpose(0, 1)
         aux = aux if aux is not None and aux.weight else None
         self.collect_aux = aux is not None
+        whole = self._targets is None  # a forward of its own: its batch is this one
+        if whole:
+            self.start(batch)
         try:
-            draft, acc = self.loss(hidden[:, :batch["input_ids"].shape[1]], batch)
+            draft, hits = self.loss(hidden[:, :batch["input_ids"].shape[1]], batch)
         finally:
             self.collect_aux = False
-        self._seen.append((draft.item(), acc))
+        self._batch[0] += draft.item()
+        self._batch[1] += hits
+        if whole:
+            self.finish()
         out = weight * (draft - draft.detach())
         terms, self.aux_terms = self.aux_terms, []
         if aux is not None and terms:  # the whole value on every context-parallel rank: a share of it counted
@@ -202,8 +242,8 @@ class Draft:
         return make_sharded_tensors_for_checkpoint(self.module.state_dict(keep_vars=True), prefix)
 
 
-def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) -> float:
-    """The share of `target` that is the argmax of the (vocab-parallel) logits."""
+def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) -> int:
+    """How many of `target` are the argmax of the (vocab-parallel) logits."""
     from megatron.core import parallel_state as ps
     z = logits.detach().float()
     if first + z.shape[-1] > vocab:  # the padding to a multiple of tp is never the answer
@@ -217,12 +257,12 @@ def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) ->
         group = ps.get_tensor_model_parallel_group()
         dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
         dist.all_reduce(picked, dist.ReduceOp.MAX, group=group)
-    return (picked >= top).float().mean().item()
+    return int((picked >= top).sum())
 
 
-def _stored(hf_config, checkpoint: str | Path, module: nn.Module) -> dict[str, torch.Tensor]:
-    """The draft layer's weights under the module's own names: GLM-5's layer num_hidden_layers, or posttrain's
-    `mtp.` tensors; all of them or a loud error naming the checkpoint."""
+def stored(hf_config, checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The draft layer's weights as `checkpoint` holds them (GLM-5's layer num_hidden_layers, or posttrain's `mtp.`
+    tensors) under the module's own names."""
     from safetensors import safe_open
     host = SimpleNamespace(config=hf_config)
     if mtp.is_glm5(host):
@@ -232,10 +272,4 @@ def _stored(hf_config, checkpoint: str | Path, module: nn.Module) -> dict[str, t
         for f in sorted(Path(checkpoint).glob("*.safetensors")):
             with safe_open(str(f), "pt") as st:
                 got |= {k: st.get_tensor(k) for k in st.keys() if k.startswith("mtp.")}
-    got = {k.removeprefix("mtp."): v for k, v in got.items() if k.startswith("mtp.")}
-    want = set(module.state_dict())
-    if set(got) != want:
-        raise ValueError(f"{checkpoint}: config.json names a draft (MTP) layer, but its weights hold "
-                         f"{len(set(got) & want)} of its {len(want)} tensors (missing e.g. "
-                         f"{sorted(want - set(got))[:3]})")
-    return got
+    return {k.removeprefix("mtp."): v for k, v in got.items() if k.startswith("mtp.")}

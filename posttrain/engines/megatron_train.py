@@ -85,18 +85,16 @@ class MegatronTrainEngine:
         self.glm5 = hf_config.model_type in megatron_glm5.MODEL_TYPES
         self._passthrough, self._sparse, self._dsa = {}, False, None
         draft_steps = megatron_mtp.depth(hf_config, checkpoint)
-        if mtp_weight and draft_steps and (self.pipe.size > 1 or micro_batches > 1):
-            # a pipeline's last stage would need the embedding its first holds; micro-batches would each take the
-            # mean of their own draft losses
+        if mtp_weight and draft_steps and self.pipe.size > 1:  # the last stage would need the first's embedding
             raise ValueError(f"mtp: {checkpoint} carries a draft (MTP) layer, which the megatron engine trains with "
-                             f"megatron.pp 1 and megatron.micro_batches 1 only (got {self.pipe.size} and "
-                             f"{micro_batches}); set mtp.loss_weight 0 to carry it untrained, or use "
-                             f"runtime.train_engine torch")
+                             f"megatron.pp 1 only (got {self.pipe.size}); set mtp.loss_weight 0 to carry it "
+                             f"untrained, or use runtime.train_engine torch")
         if self.glm5:
             megatron_glm5.finish(self.gpt)
             self._sparse = megatron_glm5.sparse_layers(self.gpt)
-            self._passthrough = megatron_glm5.passthrough(checkpoint, hf_config, indexers=not self._sparse,
-                                                          draft=self.pipe.size > 1)
+            self._passthrough = megatron_glm5.passthrough(checkpoint, hf_config, indexers=not self._sparse)
+        if draft_steps and self.pipe.size > 1:  # carried untrained into every export
+            self._passthrough |= {f"mtp.{k}": v for k, v in megatron_mtp.stored(hf_config, checkpoint).items()}
         if train_indexers:  # (mode, kl_queries, kl_weight): the ramp's DSA adoption
             if not self._sparse:
                 raise ValueError(f"ramp.attention dsa: {checkpoint} has no DSA indexer this engine runs (a GLM-5 "
@@ -346,10 +344,12 @@ class MegatronTrainEngine:
                                      else ids.shape[1], self.checkpoint, self._sparse)
         rows = ids.shape[0]
         parts = torch.arange(rows).tensor_split(min(self.micro_batches, rows))
+        drafting = self.draft is not None and self._mtp_weight
+        if drafting:  # its mean over the whole batch's targets, whatever the micro-batches
+            self.draft.start(batch)
         if self._aux is not None:
-            drafting = self.draft is not None and self._mtp_weight and self.draft.router is not None
             self._aux.start(batch, self.moe.aux_loss_weight * scale,
-                            self.draft.calls(ids.shape[1]) if drafting else 0)
+                            self.draft.calls(ids.shape[1]) if drafting and self.draft.router is not None else 0)
         try:
             if len(parts) == 1 or not bool(total):
                 self._indexer_weight(scale)
@@ -361,6 +361,8 @@ class MegatronTrainEngine:
         finally:
             if self._aux is not None:
                 self._aux.weight = 0.0  # RL's and evaluation's forwards add none
+            if drafting:
+                self.draft.finish()
 
     @staged
     def _one_f_one_b(self, micro: list[dict], total: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -564,8 +566,9 @@ class MegatronTrainEngine:
         returns them), on CPU for the rollout engines."""
         with torch.no_grad():  # mbridge broadcasts the parameters themselves over the pipeline group: not for autograd
             out = {name: t.detach().cpu().clone() for name, t in self.bridge.export_weights([self.gpt])}
-        if self.glm5:  # one tensor per layer's experts, as transformers holds them; what no Megatron module holds
-            out = megatron_glm5.to_transformers(out, self._passthrough)
+        if self.glm5:  # one tensor per layer's experts, as transformers holds them
+            out = megatron_glm5.to_transformers(out)
+        out |= self._passthrough  # what no module here holds
         if self.tied and "lm_head.weight" not in out:  # transformers lists the tied head in its state dict
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         if self.draft is not None:  # under transformers' in-memory names (models.mtp's module)
