@@ -713,9 +713,6 @@ class PipelineConfig(_Strict):
         if self.sft.workers % ranks:
             errors.append(f"sft.workers: the megatron ranks of sft, a multiple of tp x pp x cp x ep = {ranks} "
                           f"(got {self.sft.workers})")
-        if self.mtp.depth and self.mtp.loss_weight and g.pp > 1:
-            errors.append(f"mtp.depth: the megatron engine trains the draft (MTP) layer with megatron.pp 1 only (got "
-                          f"{g.pp}); set mtp.depth 0 or use runtime.train_engine torch")
         if self.ramp.attention == "dsa" and m.arch != "glm5" and not self.base.init_from:
             errors.append("ramp.attention: dsa on a dense model adds posttrain's own indexers, which train through the "
                           "torch engine only (the megatron engine trains GLM-5's, model.arch glm5). Use sdpa, "

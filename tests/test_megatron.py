@@ -368,9 +368,8 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
                                          r"qwen3, glm_moe_dsa\)"):
         check_layout(GPT2Config(), Parallel())
     with pytest.raises(ConfigError) as e:
-        load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "mtp.depth=1", "megatron.pp=2"])
+        load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "megatron.pp=2"])
     for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks",
-                 "mtp.depth: the megatron engine trains the draft (MTP) layer with megatron.pp 1",
                  "megatron.pp: must divide model.num_layers 1"):
         assert rule in str(e.value)
     with pytest.raises(ConfigError) as e:

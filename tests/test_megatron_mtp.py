@@ -11,7 +11,7 @@ from posttrain.config import MoEConfig, ModelConfig
 from posttrain.models import mtp
 from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
 from tests.test_glm5_model import GLM5
-from tests.test_megatron import _free_port, _lm_batches, _rank, _steps
+from tests.test_megatron import _free_port, _lm_batches, _rank, _sharded_rank, _steps
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 MOE = MoEConfig(bias_update_rate=0.01)
@@ -74,13 +74,16 @@ def test_sft_trains_the_draft_layer_as_the_torch_engine(drafts, tok, arch, moe):
 
 
 @pytest.mark.parametrize("arch,par", [("llama", {"cp": 2}), ("llama", {"tp": 2}), ("glm5", {"ep": 2}),
-                                      ("glm5", {"cp": 2, "moe": AUX})],
-                         ids=["cp2", "tp2", "glm5-ep2", "glm5-cp2-aux"])
+                                      ("glm5", {"cp": 2, "moe": AUX}), ("llama", {"pp": 2}),
+                                      ("glm5", {"pp": 2, "micro_batches": 2, "moe": AUX})],
+                         ids=["cp2", "tp2", "glm5-ep2", "glm5-cp2-aux", "pp2-tied", "glm5-pp2-1f1b-aux"])
 def test_two_gloo_ranks_train_the_draft_layer_as_one_rank(drafts, tmp_path, gloo_pair, arch, par):
     """cp2: each rank runs the draft layer over the whole sequence, its gradient (and the embedding's and head's for
     it) a share; tp2: the draft reads the vocabulary-parallel embedding and head; ep2: two replicas, the draft's
     experts whole on each, its router's load summed over both; with the balance loss the draft's terms (the whole
-    value on each context-parallel rank) count once."""
+    value on each context-parallel rank) count once. pp2: the draft on the last stage reads the embedding through
+    the tied output layer, or (GLM-5, untied) through a copy of the first stage's, whose gradients the two stages
+    sum; in two micro-batches in the 1F1B order each adds its share of the batch's draft and balance losses."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
     path, out = drafts[arch], str(tmp_path / "rank0.pt")
     par = {"moe": MOE, **par, "mtp_weight": 0.3}
@@ -139,29 +142,14 @@ def test_micro_batches_train_the_draft_layer_as_the_whole_batch(drafts):
     assert max((w[k] - w2[k]).abs().max().item() for k in w) < 1e-5
 
 
-def _pipeline_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
-    """Two pipeline stages: training the draft layer is refused; carried untrained, it is in the export."""
-    import os
-
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    from posttrain.engines.megatron_setup import Parallel
+def test_a_pipeline_checkpoint_with_a_draft_layer_resumes_on_one_rank(drafts, tmp_path, gloo_pair):
+    """Saved over two pipeline stages (the draft layer and the embedding's copy on the last, its moments a replica of
+    the first stage's), one rank trains on from it as the two did."""
     from posttrain.engines.megatron_train import MegatronTrainEngine
-    with pytest.raises(ValueError) as refused:
-        MegatronTrainEngine(path, lr=1e-3, mtp_weight=0.3, parallel=Parallel(pp=2))
-    weights = MegatronTrainEngine(path, lr=1e-3, parallel=Parallel(pp=2)).weights()
-    if rank == 0:
-        torch.save({"refused": str(refused.value), "weights": weights}, out)
-    dist.barrier()
-
-
-def test_pipeline_stages_refuse_to_train_the_draft_and_carry_it(drafts, tmp_path, gloo_pair):
-    """The last stage would need the embedding the first holds: refused, naming the way out (mtp.loss_weight 0),
-    which carries the layer untrained into every export, as the checkpoint holds it."""
-    out = str(tmp_path / "pp.pt")
-    gloo_pair.spawn(_pipeline_rank, (2, _free_port(), drafts["llama"], out))
-    got = torch.load(out)
-    assert "megatron.pp 1 only (got 2); set mtp.loss_weight 0 to carry it untrained" in got["refused"]
-    want = {k: v for k, v in load_checkpoint(drafts["llama"])[0].state_dict().items() if k.startswith("mtp.")}
-    assert want and all(torch.equal(got["weights"][k], v) for k, v in want.items())
+    folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
+    gloo_pair.spawn(_sharded_rank, (2, _free_port(), drafts["glm5"], str(folder), out,
+                                    {"pp": 2, "mtp_weight": 0.3, "moe": MOE}))
+    one = MegatronTrainEngine(drafts["glm5"], lr=1e-3, mtp_weight=0.3, moe=MOE)
+    one.load_sharded(folder)
+    got = [x.item() for x in _steps(one, [], lm=True)]
+    assert max(abs(a - b) for a, b in zip(got, torch.load(out))) < 1e-5

@@ -8,11 +8,13 @@ Why not megatron-core's `MultiTokenPredictionBlock`: it gives each draft step a 
 one across steps, and a Megatron module of our own would have to be held to what the torch engine computes.
 transformers' layer is that computation by construction (the tests hold the two engines' losses and weights to 1e-5).
 
-How it splits: the draft layer (its experts too: one layer) is replicated on every rank, a dense parameter for the
-engine (its gradient averaged over data-parallel replicas). With context parallelism each rank runs it over the whole
-sequence (hidden states gathered), so its gradient is the whole one on every rank and each keeps 1/cp, as the
-embedding and head do for it. With pipeline stages the last one would need the embedding the first holds: the layer
-then passes through the export untrained, and training it is refused.
+How it splits: the draft layer (its experts too: one layer) sits on the last pipeline stage, replicated on its
+ranks, a dense parameter for the engine (its gradient averaged over data-parallel replicas). With context parallelism
+each rank runs it over the whole sequence (hidden states gathered), so its gradient is the whole one on every rank
+and each keeps 1/cp, as the embedding and head do for it. With pipeline stages the last stage reads the embedding
+through its own copy, as Megatron's own MTP does: a tied model's output layer already is one, an untied model's is
+broadcast from the first stage (`embedding_copy`), and the two stages sum their gradients before each step, so the
+copy moves as the embedding does.
 """
 from __future__ import annotations
 
@@ -26,6 +28,60 @@ from torch import nn
 
 from posttrain.engines import context_parallel, vocab_parallel
 from posttrain.models import mtp
+
+
+def calls(steps: int, length: int) -> int:
+    """The draft steps (each a call of the layer's router) a draft layer of `steps` runs on rows of `length`."""
+    return min(steps, max(0, length - 2))
+
+
+def routed(hf_config) -> bool:
+    """Whether the draft layer has a router (GLM-5's, a copy of a routed last layer)."""
+    types = getattr(hf_config, "mlp_layer_types", None)
+    return hf_config.model_type in ("glm_moe_dsa", "deepseek_v32") and bool(types) and types[-1] == "sparse"
+
+
+def embedding_copy(engine) -> nn.Parameter | None:
+    """An untied model's word embedding on the last pipeline stage, broadcast from the first (on the last stage; None
+    elsewhere, and with one stage or tied embeddings, whose output layer there is the copy). Every first- and
+    last-stage rank calls it."""
+    from megatron.core import parallel_state as ps
+    if engine.pipe.size == 1 or engine.tied or not ps.is_rank_in_embedding_group():
+        return None
+    src, group = ps.get_pipeline_model_parallel_first_rank(), ps.get_embedding_group()
+    if engine.pipe.first:
+        dist.broadcast(engine.gpt.embedding.word_embeddings.weight.data, src=src, group=group)
+        return None
+    copy = nn.Parameter(torch.empty_like(engine.gpt.output_layer.weight))
+    dist.broadcast(copy.data, src=src, group=group)
+    copy.shared = True  # counted once in the gradient norm (the first stage's)
+    return copy
+
+
+def sharded_copy(copy: torch.Tensor, model: dict):
+    """The copy in Megatron's distributed checkpoint under the first stage's key, as a replica (Megatron's tied output
+    layer on the last stage): it is not written, and loads the embedding."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
+    return make_tp_sharded_tensor_for_checkpoint(
+        copy, "embedding.word_embeddings.weight", replica_id=(1, 0, ps.get_data_parallel_rank(with_context_parallel=True)),
+        allow_shape_mismatch=True)
+
+
+def export(draft: "Draft | None", pipe) -> dict[str, torch.Tensor]:
+    """The draft layer's tensors under transformers' in-memory names (`mtp.`), on every rank (from the last stage)."""
+    got = [{f"mtp.{k}": v.detach().cpu().clone() for k, v in draft.module.state_dict().items()} if draft else None]
+    if pipe.size > 1:
+        dist.broadcast_object_list(got, src=pipe.src, group=pipe.group)
+    return got[0]
+
+
+def pop_stats(draft: "Draft | None", pipe) -> dict[str, float]:
+    """The step's draft figures (`Draft.pop_stats`) on every pipeline stage, from the last."""
+    got = [draft.pop_stats() if draft else None]
+    if pipe.size > 1:
+        dist.broadcast_object_list(got, src=pipe.src, group=pipe.group)
+    return got[0]
 
 
 def depth(hf_config, checkpoint: str | Path) -> int:
@@ -100,12 +156,16 @@ class Draft:
         """Megatron's word embeddings of `ids` (vocab-parallel over tp), the weight shared over cp ranks; as
         transformers' embedding, the padding id's row gets no gradient (the draft reads the pad tokens past a row's
         end, and its balance loss would move that row)."""
+        from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-        emb, pad = self.engine.gpt.embedding.word_embeddings, self.host.padding_idx
-        w = context_parallel.shared(emb.weight)
+        engine, pad = self.engine, self.host.padding_idx
+        # the embedding on one stage; the last stage's copy with pipeline stages (tied: its output layer)
+        w = engine._draft_copy if engine._draft_copy is not None else engine.gpt.shared_embedding_or_output_weight()
+        w = context_parallel.shared(w)
         if self.tp == 1:
             return F.embedding(ids, w, padding_idx=pad)
-        start, end = emb.vocab_start_index, emb.vocab_end_index
+        start = ps.get_tensor_model_parallel_rank() * w.shape[0]  # Megatron's vocabulary split, embedding and head
+        end = start + w.shape[0]
         outside = (ids < start) | (ids >= end)
         local = F.embedding((ids - start).masked_fill(outside, 0), w,
                             padding_idx=pad - start if pad is not None and start <= pad < end else None)
@@ -120,7 +180,7 @@ class Draft:
 
     def calls(self, length: int) -> int:
         """The draft steps (each a call of its router) `loss` runs on rows of `length` tokens."""
-        return min(self.module.depth, max(0, length - 2))
+        return calls(self.module.depth, length)
 
     @staticmethod
     def _trained(ids: torch.Tensor, lmask: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ from posttrain.engines.pipeline_stages import Pipeline, StageDone, one_f_one_b, 
 # flash kernel. Transformer Engine's layers (cp 1 where it is installed) still take the mask.
 DENSE_MASK_MAX = 2048
 DRAFT = "draft."  # the draft (MTP) layer's keys in the distributed checkpoint
+DRAFT_EMBEDDING = "draft_embedding"  # the last stage's copy of an untied embedding (its key: the first stage's)
 
 
 def _without_rng(common: dict) -> dict:
@@ -84,17 +85,11 @@ class MegatronTrainEngine:
         self.hf_config = hf_config
         self.glm5 = hf_config.model_type in megatron_glm5.MODEL_TYPES
         self._passthrough, self._sparse, self._dsa = {}, False, None
-        draft_steps = megatron_mtp.depth(hf_config, checkpoint)
-        if mtp_weight and draft_steps and self.pipe.size > 1:  # the last stage would need the first's embedding
-            raise ValueError(f"mtp: {checkpoint} carries a draft (MTP) layer, which the megatron engine trains with "
-                             f"megatron.pp 1 only (got {self.pipe.size}); set mtp.loss_weight 0 to carry it "
-                             f"untrained, or use runtime.train_engine torch")
+        self._draft_depth = megatron_mtp.depth(hf_config, checkpoint)
         if self.glm5:
             megatron_glm5.finish(self.gpt)
             self._sparse = megatron_glm5.sparse_layers(self.gpt)
             self._passthrough = megatron_glm5.passthrough(checkpoint, hf_config, indexers=not self._sparse)
-        if draft_steps and self.pipe.size > 1:  # carried untrained into every export
-            self._passthrough |= {f"mtp.{k}": v for k, v in megatron_mtp.stored(hf_config, checkpoint).items()}
         if train_indexers:  # (mode, kl_queries, kl_weight): the ramp's DSA adoption
             if not self._sparse:
                 raise ValueError(f"ramp.attention dsa: {checkpoint} has no DSA indexer this engine runs (a GLM-5 "
@@ -107,11 +102,15 @@ class MegatronTrainEngine:
         self.vocab_size = hf_config.vocab_size
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         modules = {"gpt": self.gpt}
-        # the checkpoint's draft layer, trained by sft's and the ramp's LM loss at `mtp_weight` (a pipeline passes it
-        # through untrained, above); `mtp_stats`: the last step's MTP loss and first-step accuracy
+        # the checkpoint's draft layer, on the last pipeline stage, trained by sft's and the ramp's LM loss at
+        # `mtp_weight`; an untied embedding's copy there (`megatron_mtp.embedding_copy`); `mtp_stats`: the last step's
+        # MTP loss and first-step accuracy
         self.draft, self._mtp_weight, self.mtp_stats = None, mtp_weight, {}
-        if draft_steps and self.pipe.size == 1:
-            self.draft = megatron_mtp.Draft(self, checkpoint, draft_steps)
+        self._draft_copy = megatron_mtp.embedding_copy(self) if self._draft_depth else None
+        if self._draft_copy is not None:
+            modules["draft_embedding"] = torch.nn.ParameterDict({"weight": self._draft_copy})
+        if self._draft_depth and self.pipe.last:
+            self.draft = megatron_mtp.Draft(self, checkpoint, self._draft_depth)
             modules["mtp"] = self.draft.module
         if role == "critic":
             self.value_head = torch.nn.Linear(hf_config.hidden_size, 1).to(self.device)
@@ -347,9 +346,10 @@ class MegatronTrainEngine:
         drafting = self.draft is not None and self._mtp_weight
         if drafting:  # its mean over the whole batch's targets, whatever the micro-batches
             self.draft.start(batch)
-        if self._aux is not None:
+        if self._aux is not None:  # every stage: the draft's router calls count in the mean
+            routed = self._draft_depth and self._mtp_weight and megatron_mtp.routed(self.hf_config)
             self._aux.start(batch, self.moe.aux_loss_weight * scale,
-                            self.draft.calls(ids.shape[1]) if drafting and self.draft.router is not None else 0)
+                            megatron_mtp.calls(self._draft_depth, ids.shape[1]) if routed else 0)
         try:
             if len(parts) == 1 or not bool(total):
                 self._indexer_weight(scale)
@@ -467,10 +467,11 @@ class MegatronTrainEngine:
 
     def _sync_grads(self) -> None:
         from megatron.core import parallel_state as ps
-        if self.tied and self.pipe.size > 1 and ps.is_rank_in_embedding_group():
-            # the first stage's embeddings and the last stage's copy of them as its output layer: one weight, whose
-            # gradient is the sum of both uses
-            w = self.gpt.shared_embedding_or_output_weight()
+        if (self.tied or self._draft_copy is not None or self._draft_depth and self.pipe.first) and \
+                self.pipe.size > 1 and ps.is_rank_in_embedding_group():
+            # the first stage's embeddings and the last stage's copy of them (its output layer when tied, else the
+            # draft layer's): one weight, whose gradient is the sum of both uses
+            w = self.gpt.shared_embedding_or_output_weight() if self.tied or self.pipe.first else self._draft_copy
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
             dist.all_reduce(w.grad, group=ps.get_embedding_group())
@@ -541,8 +542,8 @@ class MegatronTrainEngine:
             self.moe_stats |= self._aux.pop(self.pipe.size) if self._aux else {}
         if self._dsa is not None:
             self.indexer_stats = megatron_dsa.pop_stats(self._dsa, self.pipe.size)
-        if self.draft is not None:
-            self.mtp_stats = self.draft.pop_stats()
+        if self._draft_depth:
+            self.mtp_stats = megatron_mtp.pop_stats(self.draft, self.pipe)
         return norm.item()
 
     def with_schedule(self, schedule: Callable[[int], float], lr: float) -> "MegatronTrainEngine":
@@ -571,8 +572,8 @@ class MegatronTrainEngine:
         out |= self._passthrough  # what no module here holds
         if self.tied and "lm_head.weight" not in out:  # transformers lists the tied head in its state dict
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
-        if self.draft is not None:  # under transformers' in-memory names (models.mtp's module)
-            out |= {f"mtp.{k}": v.detach().cpu().clone() for k, v in self.draft.module.state_dict().items()}
+        if self._draft_depth:  # under transformers' in-memory names (models.mtp's module), from the last stage
+            out |= megatron_mtp.export(self.draft, self.pipe)
         return out
 
     def hf_model(self) -> torch.nn.Module:
@@ -606,6 +607,8 @@ class MegatronTrainEngine:
         if self.draft is not None:
             self.draft.module.load_state_dict({k.removeprefix(DRAFT): model.pop(k) for k in list(model)
                                                if k.startswith(DRAFT)})
+        if self._draft_copy is not None:
+            self._draft_copy.data.copy_(model.pop(DRAFT_EMBEDDING))
         self.gpt.load_state_dict(model)
         opt = got["optimizer"]
         for st in opt["state"].values():
@@ -630,6 +633,8 @@ class MegatronTrainEngine:
         model = self.gpt.sharded_state_dict()
         if self.draft is not None:
             model |= self.draft.sharded_state_dict(DRAFT)
+        if self._draft_copy is not None:  # stage one's embedding, as Megatron saves a tied output layer
+            model[DRAFT_EMBEDDING] = megatron_mtp.sharded_copy(self._draft_copy, model)
         opt = self.opt.state_dict()
         step = float(next(iter(opt["state"].values()))["step"]) if opt["state"] else 0.0
         optim_state_to_sharding_state(opt, get_param_id_to_sharded_param_map(model, params), exclude_keys=("step",))
