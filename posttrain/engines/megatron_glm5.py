@@ -15,8 +15,7 @@ DeepSeek sparse attention's indexer is `engines.megatron_dsa`'s (transformers' o
 attention: megatron-core's `DSAttention` computes something else, that module says what). It needs Megatron's local
 layers: with Transformer Engine's, the indexers' weights pass through from the checkpoint unchanged into every export,
 which is exact only while the indexer selects every key of a row, and `check_rows` refuses longer rows. GLM-5's MTP
-draft layer is `engines.megatron_mtp`'s (transformers' layer beside the Megatron model); with pipeline stages it passes
-through unchanged.
+draft layer is `engines.megatron_mtp`'s (transformers' layer beside the Megatron model).
 """
 from __future__ import annotations
 
