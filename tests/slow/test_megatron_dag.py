@@ -106,7 +106,8 @@ def test_the_glm5_preset_trains_through_megatron_with_its_experts_split(tmp_path
     over those ranks (the distributed optimizer), sft's batches in two micro-batches, RL under routing replay: the DAG
     publishes, sft logs its expert load and plots it, the bias each step moves leaves sft's checkpoint different from
     the ramp's, and the RL specialist replays its rollouts' routes. The ramp adopts DSA on the model's own indexers
-    (a warm-up, then sparse at 64 keys: the 96- and 128-token rungs, and sft's 128-token rows, attend sparsely)."""
+    (a warm-up, then sparse at 64 keys: the 96- and 128-token rungs, and sft's 128-token rows, attend sparsely), and
+    its draft (MTP) layer trains beside the ramp's and sft's LM loss, over the micro-batches too."""
     from safetensors.torch import load_file
     posttrain(tmp_path, "run", "--profile", "smoke", *MEGATRON, *GLM5)
     report = json.loads((tmp_path / "latest" / "report.json").read_text())
