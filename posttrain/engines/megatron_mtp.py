@@ -6,7 +6,7 @@ output head, and the same loss.
 
 Why not megatron-core's `MultiTokenPredictionBlock`: it gives each draft step a layer of its own where GLM-5 shares
 one across steps, and a Megatron module of our own would have to be held to what the torch engine computes.
-transformers' layer is that computation by construction (the tests hold the two engines' losses and weights to 1e-5).
+transformers' layer is that computation by construction (the tests hold the two engines' losses to 1e-5).
 
 How it splits: the draft layer (its experts too: one layer) sits on the last pipeline stage, replicated on its
 ranks, a dense parameter for the engine (its gradient averaged over data-parallel replicas). With context parallelism
@@ -58,14 +58,14 @@ def embedding_copy(engine) -> nn.Parameter | None:
     return copy
 
 
-def sharded_copy(copy: torch.Tensor, model: dict):
+def sharded_copy(copy: torch.Tensor):
     """The copy in Megatron's distributed checkpoint under the first stage's key, as a replica (Megatron's tied output
     layer on the last stage): it is not written, and loads the embedding."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
-    return make_tp_sharded_tensor_for_checkpoint(
-        copy, "embedding.word_embeddings.weight", replica_id=(1, 0, ps.get_data_parallel_rank(with_context_parallel=True)),
-        allow_shape_mismatch=True)
+    replica = (1, 0, ps.get_data_parallel_rank(with_context_parallel=True))
+    return make_tp_sharded_tensor_for_checkpoint(copy, "embedding.word_embeddings.weight", replica_id=replica,
+                                                 allow_shape_mismatch=True)
 
 
 def export(draft: "Draft | None", pipe) -> dict[str, torch.Tensor]:
@@ -129,7 +129,7 @@ class Draft:
         self.engine, self.tp = engine, ps.get_tensor_model_parallel_world_size()
         self.host = _Host(engine.hf_config, self._embed, engine.device)
         self.module = mtp.MTP(self.host, steps)
-        got, want = stored(engine.hf_config, checkpoint), set(self.module.state_dict())
+        got, want = _stored(engine.hf_config, checkpoint), set(self.module.state_dict())
         if set(got) != want:
             raise ValueError(f"{checkpoint}: config.json names a draft (MTP) layer, but its weights hold "
                              f"{len(set(got) & want)} of its {len(want)} tensors (missing e.g. "
@@ -320,7 +320,7 @@ def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) ->
     return int((picked >= top).sum())
 
 
-def stored(hf_config, checkpoint: str | Path) -> dict[str, torch.Tensor]:
+def _stored(hf_config, checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """The draft layer's weights as `checkpoint` holds them (GLM-5's layer num_hidden_layers, or posttrain's `mtp.`
     tensors) under the module's own names."""
     from safetensors import safe_open

@@ -634,7 +634,7 @@ class MegatronTrainEngine:
         if self.draft is not None:
             model |= self.draft.sharded_state_dict(DRAFT)
         if self._draft_copy is not None:  # stage one's embedding, as Megatron saves a tied output layer
-            model[DRAFT_EMBEDDING] = megatron_mtp.sharded_copy(self._draft_copy, model)
+            model[DRAFT_EMBEDDING] = megatron_mtp.sharded_copy(self._draft_copy)
         opt = self.opt.state_dict()
         step = float(next(iter(opt["state"].values()))["step"]) if opt["state"] else 0.0
         optim_state_to_sharding_state(opt, get_param_id_to_sharded_param_map(model, params), exclude_keys=("step",))
