@@ -58,8 +58,10 @@ def test_sft_trains_the_draft_layer_as_the_torch_engine(drafts, tok, arch, moe):
     engine = MegatronTrainEngine(drafts[arch], lr=1.0, mtp_weight=0.3, moe=moe)
     got = train(engine, lambda i: batches[i], **kw)
     assert curves["mtp_loss"][-1] < curves["mtp_loss"][0] - 0.3  # the draft learned (6.0 -> 4.9 / 5.6 measured)
-    assert max(abs(a - b) for a, b in zip(want["loss"], got["loss"])) < 1e-5
-    assert max(abs(a - b) for a, b in zip(curves["mtp_loss"], got["mtp_loss"])) < 1e-5
+    # 1e-4: with the balance loss one router's near-tie breaks the other way in one engine at some thread counts (the
+    # losses then part by up to 2e-5); leaving the draft's balance terms out parts them by 3e-3 to 1e-2
+    assert max(abs(a - b) for a, b in zip(want["loss"], got["loss"])) < 1e-4
+    assert max(abs(a - b) for a, b in zip(curves["mtp_loss"], got["mtp_loss"])) < 1e-4
     assert max(abs(a - b) for a, b in zip(curves["mtp_acc1"], got["mtp_acc1"])) < 1e-6
     assert ("moe_aux_loss" in got) == bool(moe.aux_loss_weight)
     for key in [k for k in want if k.startswith("moe_")]:  # the draft's router is the last one (moe_cv_1)
