@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import queue
 import random
+import time
 import traceback
 
 import torch
@@ -66,16 +67,22 @@ class Pair:
             self._start()
         for q in self.jobs:
             q.put((fn, args))
-        errors = []
-        for _ in range(2):
+        errors, done = [], 0
+        deadline = time.monotonic() + timeout
+        while done < 2:
             try:
-                rank, error = self.results.get(timeout=PEER_GRACE_S if errors else timeout)
+                rank, error = self.results.get(timeout=5)
             except queue.Empty:
-                self.close()
-                errors.append("the other rank did not finish (ended with the pair)")
-                break
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    errors.append(f"rank {dead[0]} died" if dead else f"no answer in {timeout:.0f} s")
+                    self.close()
+                    break
+                continue
+            done += 1
             if error:
                 errors.append(f"rank {rank}:\n{error}")
+                deadline = min(deadline, time.monotonic() + PEER_GRACE_S)  # its peer may wait in a collective
         if errors:
             raise RuntimeError(f"{fn.__name__} failed on the gloo pair:\n" + "\n".join(errors))
 
