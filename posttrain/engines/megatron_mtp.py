@@ -35,10 +35,14 @@ def calls(steps: int, length: int) -> int:
     return min(steps, max(0, length - 2))
 
 
+def _glm5(hf_config) -> bool:
+    return mtp.is_glm5(SimpleNamespace(config=hf_config))
+
+
 def routed(hf_config) -> bool:
     """Whether the draft layer has a router (GLM-5's, a copy of a routed last layer)."""
     types = getattr(hf_config, "mlp_layer_types", None)
-    return hf_config.model_type in ("glm_moe_dsa", "deepseek_v32") and bool(types) and types[-1] == "sparse"
+    return _glm5(hf_config) and bool(types) and types[-1] == "sparse"
 
 
 def embedding_copy(engine) -> nn.Parameter | None:
@@ -89,9 +93,8 @@ def depth(hf_config, checkpoint: str | Path) -> int:
     settings = getattr(hf_config, mtp.CONFIG_KEY, None)
     if settings:
         return int(settings["depth"])
-    host = SimpleNamespace(config=hf_config)
-    glm5 = hf_config.model_type in ("glm_moe_dsa", "deepseek_v32")
-    if glm5 and getattr(hf_config, "num_nextn_predict_layers", 0) and mtp._glm5_layer(host, checkpoint, keys_only=True):
+    if _glm5(hf_config) and getattr(hf_config, "num_nextn_predict_layers", 0) and \
+            mtp._glm5_layer(SimpleNamespace(config=hf_config), checkpoint, keys_only=True):
         return 1
     return 0
 
@@ -324,9 +327,8 @@ def _stored(hf_config, checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """The draft layer's weights as `checkpoint` holds them (GLM-5's layer num_hidden_layers, or posttrain's `mtp.`
     tensors) under the module's own names."""
     from safetensors import safe_open
-    host = SimpleNamespace(config=hf_config)
-    if mtp.is_glm5(host):
-        got = mtp.glm5_layer_state(host, checkpoint)
+    if _glm5(hf_config):
+        got = mtp.glm5_layer_state(SimpleNamespace(config=hf_config), checkpoint)
     else:
         got = {}
         for f in sorted(Path(checkpoint).glob("*.safetensors")):
