@@ -205,7 +205,7 @@ class Draft:
         self._batch = [0.0, 0]
 
     def _first(self) -> int:
-        """The first draft step with a target in the batch (whose accuracy is logged, as the torch engine's); 0: none."""
+        """The first draft step with a target in the batch (its accuracy is logged, as the torch engine's); 0: none."""
         return next((k for k, n in enumerate(self._targets, 1) if n), 0)
 
     def finish(self) -> None:
