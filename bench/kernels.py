@@ -1,9 +1,11 @@
 """bench/kernels: each Triton kernel against its plain-torch reference and its peer on a GPU, in one run:
 
 - log-probability forward + backward at 16k tokens, hidden 4096, vocab 152k, bf16: the full logits (torch), our
-  any-loss form (`linear_logprob`: the backward recomputes the logits), our gradient-in-forward form
-  (`linear_logprob_loss`) and Liger-Kernel's fused linear cross-entropy, all on the mean NLL; time (median of REPS
-  after a warm-up) and peak memory above the inputs;
+  any-loss form (`linear_logprob`: the backward recomputes the logits), our gradient-in-forward forms (SFT's
+  `linear_weighted_logprob_loss`, one row kernel a chunk: the `logprob_*_vs_liger` keys; the RL step's
+  `linear_logprob_loss`, any per-token loss: `logprob_token_loss_speed_ratio_vs_liger`) and Liger-Kernel's fused
+  linear cross-entropy, all on the mean NLL; time (median of REPS after a warm-up) and peak memory above the
+  inputs;
 - the full-vocabulary reverse KL at 4k tokens, the same three ways of ours against torch;
 - the W4A8 GEMM at 4096 -> 14336 against the bf16 matmul at 1..256 rows, each timed by Triton's `do_bench` and
   inside a CUDA graph (`do_bench_cudagraph`, how a serving engine runs a decode step: launches cost nothing);
@@ -97,7 +99,8 @@ def _ratio(a, b):
 
 def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generator) -> dict:
     from kernels import logprob
-    from kernels.logprob import default_chunk, linear_logprob, linear_logprob_loss, linear_logprob_reference
+    from kernels.logprob import (default_chunk, linear_logprob, linear_logprob_loss, linear_logprob_reference,
+                                 linear_weighted_logprob_loss)
     from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_loss, linear_reverse_kl_reference
     n, d, v = s["tokens"], s["hidden"], s["vocab"]
     h = (torch.randn(n, d, device=device, generator=g, dtype=dtype) * 0.5).requires_grad_()
@@ -105,7 +108,7 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
     target = torch.randint(0, v, (n,), device=device, generator=g)
     rows_launch = None
     if device == "cuda" and not DEFAULTS_ONLY:  # the row kernels' block and warps, on one chunk of logits here
-        from kernels.logprob import _grad_in_place, _stats
+        from kernels.logprob import _grad_in_place, _stats, _stats_and_grad
         z = torch.randn(default_chunk(n, v, d), v, device=device, dtype=dtype)
         t = target[:z.size(0)]
         ones = torch.ones(z.size(0), device=device)
@@ -116,6 +119,7 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
             def rows_step():
                 logp, ent, lse = _stats(z, t, 1.0)
                 _grad_in_place(z.clone(), t, lse, ent, ones, ones * 0, 1.0)
+                _stats_and_grad(z.clone(), t, ones, ones * 0, 1.0)
             timed[json.dumps(cfg)] = _fast(rows_step, device)
         rows_launch = {"seconds": timed, "chosen": json.loads(min(timed, key=timed.get))}
         logprob.ROW_LAUNCH = rows_launch["chosen"]
@@ -129,12 +133,16 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
 
     def nll(lp, ent, rows):
         return -lp.sum() / n
+    mean = torch.full((n,), -1.0 / n, device=device)
     rows = {"torch": step(lambda: -linear_logprob_reference(h, w, target)[0].mean()),
             "fused": step(lambda: -linear_logprob(h, w, target)[0].mean()),
+            # SFT's form: the NLL's coefficients known beforehand, one row kernel a chunk (as Liger's)
+            "fused_nll": step(lambda: linear_weighted_logprob_loss(h, w, target, mean)[0]),
+            # the RL step's form: any per-token loss, differentiated between two row kernels a chunk
             "fused_loss": step(lambda: linear_logprob_loss(h, w, target, nll)[0]),
             # twice the chunk (twice the logits at the peak): half the passes over the head's weight gradient
-            "fused_loss_2x_chunk": step(lambda: linear_logprob_loss(h, w, target, nll,
-                                                                    chunk_tokens=2 * default_chunk(n, v, d))[0])}
+            "fused_nll_2x_chunk": step(lambda: linear_weighted_logprob_loss(
+                h, w, target, mean, chunk_tokens=2 * default_chunk(n, v, d))[0])}
     if peer("liger_kernel", "kernels"):
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -144,7 +152,7 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
         rows["liger"] = step(lambda: liger(w, h, target))
     lp = {k: _measure(f, device) for k, f in rows.items()}
     if device == "cuda" and "--profile" in sys.argv:  # where each side's time goes, by kernel
-        _profile({k: rows[k] for k in ("fused_loss", "liger") if k in rows})
+        _profile({k: rows[k] for k in ("fused_nll", "fused_loss", "liger") if k in rows})
     m = s["kl_tokens"]
     hk = h[:m].detach().clone().requires_grad_()
     teacher = torch.log_softmax(torch.randn(m, v, device=device, generator=g), -1)
@@ -159,10 +167,12 @@ def _logprob_figures(device: str, s: dict, dtype: torch.dtype, g: torch.Generato
           "fused_loss": _measure(kl_step(lambda: linear_reverse_kl_loss(hk, w, teacher,
                                                                          lambda k, r: k.sum() / m)[0]), device)}
     return {
-        "logprob_peak_mem_ratio_vs_torch": _ratio(lp["fused_loss"][1], lp["torch"][1]),
-        "logprob_peak_mem_ratio_vs_liger": _ratio(lp["fused_loss"][1], lp["liger"][1]) if "liger" in lp else None,
-        "logprob_speed_ratio_vs_liger": _ratio(lp["liger"][0], lp["fused_loss"][0]) if "liger" in lp else None,
-        "logprob_speed_ratio_vs_torch": _ratio(lp["torch"][0], lp["fused_loss"][0]),
+        "logprob_peak_mem_ratio_vs_torch": _ratio(lp["fused_nll"][1], lp["torch"][1]),
+        "logprob_peak_mem_ratio_vs_liger": _ratio(lp["fused_nll"][1], lp["liger"][1]) if "liger" in lp else None,
+        "logprob_speed_ratio_vs_liger": _ratio(lp["liger"][0], lp["fused_nll"][0]) if "liger" in lp else None,
+        "logprob_speed_ratio_vs_torch": _ratio(lp["torch"][0], lp["fused_nll"][0]),
+        "logprob_token_loss_speed_ratio_vs_liger": _ratio(lp["liger"][0], lp["fused_loss"][0]) if "liger" in lp
+        else None,
         "logprob_any_loss_speed_ratio_vs_liger": _ratio(lp["liger"][0], lp["fused"][0]) if "liger" in lp else None,
         "reverse_kl_peak_mem_ratio_vs_torch": _ratio(kl["fused_loss"][1], kl["torch"][1]),
         "reverse_kl_speed_ratio_vs_torch": _ratio(kl["torch"][0], kl["fused_loss"][0]),
@@ -356,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
             raise
         fig["interpret_failed"] = str(e)[-500:]
     null = dict.fromkeys(["logprob_peak_mem_ratio_vs_torch", "logprob_peak_mem_ratio_vs_liger",
-                          "logprob_speed_ratio_vs_liger", "reverse_kl_peak_mem_ratio_vs_torch",
+                          "logprob_speed_ratio_vs_liger", "logprob_token_loss_speed_ratio_vs_liger",
+                          "reverse_kl_peak_mem_ratio_vs_torch",
                           "reverse_kl_speed_ratio_vs_torch", "w4a8_speed_ratio_vs_bf16",
                           "w4a8_speed_ratio_vs_bf16_rows1", "w4a8_speed_ratio_vs_bf16_rows16",
                           "w4a8_speed_ratio_vs_bf16_rows64", "moe_grouped_speed_ratio_vs_loop"])

@@ -40,49 +40,8 @@ def default_chunk(n: int, vocab: int, dim: int) -> int:
 
 @jit_cache
 def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def stats(z_ptr, target_ptr, lse_ptr, logp_ptr, ent_ptr, V, stride, inv_t, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        base = z_ptr + row.to(tl.int64) * stride
-        m = -float("inf")
-        s = 0.0
-        t = 0.0  # sum of exp(z - m) * z, for the entropy
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            z = tl.load(base + cols, mask=cols < V, other=-float("inf")).to(tl.float32) * inv_t
-            m_new = tl.maximum(m, tl.max(z, 0))
-            e = tl.exp(z - m_new)
-            scale = tl.exp(m - m_new)
-            s = s * scale + tl.sum(e, 0)
-            t = t * scale + tl.sum(e * tl.where(cols < V, z, 0.0), 0)  # e is 0 off the end
-            m = m_new
-        lse = m + tl.log(s)
-        tgt = tl.load(target_ptr + row)
-        z_t = tl.load(base + tgt).to(tl.float32) * inv_t
-        tl.store(lse_ptr + row, lse)
-        tl.store(logp_ptr + row, z_t - lse)
-        tl.store(ent_ptr + row, lse - t / s)
-
-    @triton.jit
-    def grad(z_ptr, target_ptr, lse_ptr, ent_ptr, g_lp_ptr, g_ent_ptr, V, stride, inv_t, BLOCK: tl.constexpr):
-        # d logp_t / dz = onehot(t) - p ; d H / dz = -p (log p + H); times inv_t for the logits; in place
-        row = tl.program_id(0)
-        base = z_ptr + row.to(tl.int64) * stride
-        lse = tl.load(lse_ptr + row)
-        ent = tl.load(ent_ptr + row)
-        g_lp = tl.load(g_lp_ptr + row)
-        g_ent = tl.load(g_ent_ptr + row)
-        tgt = tl.load(target_ptr + row)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            logp = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32) * inv_t - lse
-            dz = -tl.exp(logp) * (g_lp + g_ent * (logp + ent)) + tl.where(cols == tgt, g_lp, 0.0)
-            tl.store(base + cols, (dz * inv_t).to(z_ptr.dtype.element_ty), mask=cols < V)
-
-    return stats, grad
+    from kernels import logprob_triton
+    return logprob_triton.stats, logprob_triton.grad, logprob_triton.stats_grad
 
 
 def _stats(z: torch.Tensor, target: torch.Tensor, inv_t: float):
@@ -108,6 +67,18 @@ def _grad_in_place(z: torch.Tensor, target: torch.Tensor, lse, ent, g_lp, g_ent,
     dz = -logp.exp() * (g_lp[:, None] + g_ent[:, None] * (logp + ent[:, None]))
     dz[torch.arange(n, device=z.device), target] += g_lp
     return dz.mul_(inv_t).to(z.dtype)
+
+
+def _stats_and_grad(z: torch.Tensor, target: torch.Tensor, g_lp, g_ent, inv_t: float):
+    """(logp, entropy, the logits' gradient in place of `z`) for upstream gradients known before the logits are."""
+    n, v = z.shape
+    if use_triton(z):
+        logp, ent = (torch.empty(n, device=z.device, dtype=torch.float32) for _ in range(2))
+        _kernels()[2][(n,)](z, target, g_lp, g_ent, logp, ent, v, z.stride(0), inv_t, BLOCK=pow2_block(v),
+                             num_warps=row_warps())
+        return logp, ent, z
+    logp, ent, lse = _stats(z, target, inv_t)
+    return logp, ent, _grad_in_place(z, target, lse, ent, g_lp, g_ent, inv_t)
 
 
 def pow2_block(v: int) -> int:
@@ -191,12 +162,18 @@ class _LinearLogprob(torch.autograd.Function):
 
 
 class _LinearLogprobLoss(torch.autograd.Function):
-    """Liger's order: the gradient in the forward, the logits made once; the backward scales it."""
+    """Liger's order: the gradient in the forward, the logits made once; the backward scales it. `token_loss` is a
+    function of each chunk's (logp, entropy, rows), or the coefficients (of logp, of entropy) of a loss linear in
+    them: each chunk then takes one row kernel (both passes, as Liger's) and no torch op between two."""
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, hidden, weight, target, temperature, chunk, token_loss, value_of):
         inv_t = 1.0 / temperature
         losses, logps, ents = [], [], []
+        linear = isinstance(token_loss, tuple)
+        if linear:
+            c_lp, c_ent = token_loss
+            value_of = lambda lp, en: (c_lp * lp).sum() + (c_ent * en).sum()  # noqa: E731
 
         def stats(z, rows):
             logp, ent, lse = _stats(z, target[rows], inv_t)
@@ -205,6 +182,11 @@ class _LinearLogprobLoss(torch.autograd.Function):
             return logp, ent, lse
 
         def dz_of(z, rows):
+            if linear:
+                logp, ent, dz = _stats_and_grad(z, target[rows], c_lp[rows], c_ent[rows], inv_t)
+                logps.append(logp)
+                ents.append(ent)
+                return dz
             logp, ent, lse = stats(z, rows)
             loss, (g_lp, g_ent) = token_loss_grads(token_loss, (logp, ent), rows)
             losses.append(loss)
@@ -216,8 +198,9 @@ class _LinearLogprobLoss(torch.autograd.Function):
             d_hidden, d_weight = head_grads(hidden, weight, chunk, needs, dz_of)
         else:  # no gradient wanted (evaluation): the statistics and the loss alone
             head_forward(hidden, weight, chunk, lambda z, rows: stats(z, rows)[:1])
-            losses = [token_loss(lp, en, slice(a, a + chunk)).detach().float()
-                      for a, lp, en in zip(range(0, hidden.size(0), chunk), logps, ents)]
+            if not linear:
+                losses = [token_loss(lp, en, slice(a, a + chunk)).detach().float()
+                          for a, lp, en in zip(range(0, hidden.size(0), chunk), logps, ents)]
         ctx.save_for_backward(d_hidden, d_weight)
         logp, ent = torch.cat(logps), torch.cat(ents)
         ctx.mark_non_differentiable(logp, ent)  # the gradient went into the loss's
@@ -247,6 +230,23 @@ def linear_logprob(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
                          f"{tuple(target.shape)}")
     chunk = chunk_tokens or default_chunk(hidden.size(0), weight.size(0), weight.size(1))
     return _LinearLogprob.apply(hidden.contiguous(), weight, target.contiguous(), float(temperature), chunk)
+
+
+def linear_weighted_logprob_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                 logp_weights: torch.Tensor, entropy_weights: torch.Tensor | None = None,
+                                 temperature: float = 1.0, chunk_tokens: int | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`linear_logprob_loss` of the loss sum(logp_weights * logp + entropy_weights * entropy), per-token weights [N]
+    (an SFT mean NLL: -mask / count): the coefficients known beforehand, each chunk's statistics and logits gradient
+    come from one row kernel, as Liger's cross-entropy does, without `token_loss`'s autograd between two kernels."""
+    n = hidden.size(0)
+    if logp_weights.shape != (n,) or (entropy_weights is not None and entropy_weights.shape != (n,)):
+        raise ValueError(f"linear_weighted_logprob_loss: the weights must be [N] = [{n}]; got "
+                         f"{tuple(logp_weights.shape)} and "
+                         f"{None if entropy_weights is None else tuple(entropy_weights.shape)}")
+    c_lp = logp_weights.detach().float().contiguous()
+    c_ent = torch.zeros_like(c_lp) if entropy_weights is None else entropy_weights.detach().float().contiguous()
+    return linear_logprob_loss(hidden, weight, target, (c_lp, c_ent), temperature, chunk_tokens)
 
 
 def linear_logprob_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, token_loss,

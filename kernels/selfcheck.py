@@ -28,7 +28,8 @@ def _worst(a, b) -> float:
 
 
 def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
-    from kernels.logprob import linear_logprob, linear_logprob_loss, linear_logprob_reference
+    from kernels.logprob import (linear_logprob, linear_logprob_loss, linear_logprob_reference,
+                                 linear_weighted_logprob_loss)
     from kernels.reverse_kl import linear_reverse_kl, linear_reverse_kl_loss, linear_reverse_kl_reference
     g = torch.Generator().manual_seed(seed)
     out: dict[str, float] = {}
@@ -47,16 +48,18 @@ def check(device: str = "cpu", seed: int = 0) -> dict[str, float]:
                                weights[:1])
     out["reverse_kl_forward"], out["reverse_kl_backward"] = _worst(got_out, ref_out), _worst(got_grad, ref_grad)
     out.update(_check_losses(device, g, h, w, target, teacher, temp, linear_logprob_reference, linear_logprob_loss,
-                             linear_reverse_kl_reference, linear_reverse_kl_loss))
+                             linear_reverse_kl_reference, linear_reverse_kl_loss, linear_weighted_logprob_loss))
     out.update(_check_w4a8(device, g))
     out.update(_check_dsa(device, g))
     out["triton"] = float(use_triton(h))
     return out
 
 
-def _check_losses(device, g, h, w, target, teacher, temp, lp_ref, lp_loss, kl_ref, kl_loss) -> dict[str, float]:
+def _check_losses(device, g, h, w, target, teacher, temp, lp_ref, lp_loss, kl_ref, kl_loss,
+                  weighted_loss) -> dict[str, float]:
     """The gradient-in-forward forms on a per-token loss like the RL policy's (clipped ratio, advantages, an
-    entropy bonus) and a weighted KL, the loss scaled afterwards (gradient accumulation): loss and gradients."""
+    entropy bonus), a weighted KL and a weighted NLL with an entropy term, the loss scaled afterwards (gradient
+    accumulation): loss and gradients."""
     n = h.size(0)
     adv, old, wt = (torch.randn(n, generator=g).to(device) for _ in range(3))
 
@@ -66,12 +69,18 @@ def _check_losses(device, g, h, w, target, teacher, temp, lp_ref, lp_loss, kl_re
 
     def kl_term(kl, rows):
         return (kl * wt[rows]).sum()
+
+    def linear(lp, ent):
+        return -(lp * wt).sum() + (ent * adv).sum()
     out = {}
     for name, ref, got in (
             ("logprob_loss", lambda a, b: policy(*lp_ref(a, b, target, temp), slice(None)),
              lambda a, b: lp_loss(a, b, target, policy, temp, chunk_tokens=8)[0]),
             ("reverse_kl_loss", lambda a, b: kl_term(kl_ref(a, b, teacher, temp), slice(None)),
-             lambda a, b: kl_loss(a, b, teacher, kl_term, temp, chunk_tokens=8)[0])):
+             lambda a, b: kl_loss(a, b, teacher, kl_term, temp, chunk_tokens=8)[0]),
+            # SFT's weighted NLL with an entropy term: the one-kernel form of known coefficients
+            ("logprob_weighted_loss", lambda a, b: linear(*lp_ref(a, b, target, temp)),
+             lambda a, b: weighted_loss(a, b, target, -wt, adv, temp, chunk_tokens=8)[0])):
         want = ref(h, w) * 3
         have = got(h, w) * 3
         out[name] = max(_worst([have.detach()], [want.detach()]),

@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 from posttrain.config import MoEConfig
-from posttrain.models.head import sequence_loss
+from posttrain.models.head import sequence_nll
 from posttrain.models.moe import step_summary, with_aux_loss
 from posttrain.packing import collate
 
@@ -26,9 +26,9 @@ def masked_lm_loss(model, batch: Batch) -> torch.Tensor:
     batch = {k: v.to(dev) for k, v in batch.items() if v is not None}
     mask = batch["loss_mask"][:, 1:]
     weights = mask[mask != 0].float() / mask.float().sum().clamp(min=1)  # the mean's divisor known beforehand
-    return sequence_loss(model, batch["input_ids"], batch["loss_mask"], lambda logp, rows: -(logp * weights[rows]).sum(),
-                         attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids"),
-                         use_cache=False)
+    return sequence_nll(model, batch["input_ids"], batch["loss_mask"], weights,
+                        attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids"),
+                        use_cache=False)
 
 
 def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float) -> float:

@@ -104,20 +104,20 @@ def sequence_logprobs(model, input_ids: torch.Tensor, targets_mask: torch.Tensor
     return -F.cross_entropy(logits[sel], target[sel], reduction="none")
 
 
-def sequence_loss(model, input_ids: torch.Tensor, targets_mask: torch.Tensor, token_loss, **inputs) -> torch.Tensor:
-    """`token_loss(logp, rows)` summed, where `logp` are `sequence_logprobs`' log-probabilities (`rows` their slice of
-    that flat layout) and the loss is a sum of per-token terms (an NLL mean over a known count is one). On the fused
-    path the gradient is made in the forward (`kernels.logprob.linear_logprob_loss`, Liger's order: the chunk's
-    logits once, not recomputed in the backward); elsewhere the same function of the full logits' log-probabilities."""
+def sequence_nll(model, input_ids: torch.Tensor, targets_mask: torch.Tensor, weights: torch.Tensor,
+                 **inputs) -> torch.Tensor:
+    """-sum(weights * logp), `logp` being `sequence_logprobs`' log-probabilities and `weights` one per scored token in
+    that flat layout (an NLL mean over a known count: mask / count). On the fused path the gradient is made in the
+    forward (`kernels.logprob.linear_weighted_logprob_loss`, Liger's order: the chunk's logits once, not recomputed in
+    the backward, and one row kernel a chunk); elsewhere the same sum over the full logits' log-probabilities."""
     target, sel = input_ids[:, 1:], targets_mask[:, 1:] != 0
     inputs.setdefault("use_cache", False)
     if not fused(model) or not bool(sel.any()):
-        logp = sequence_logprobs(model, input_ids, targets_mask, **inputs)
-        return token_loss(logp, slice(0, logp.numel()))
-    from kernels.logprob import linear_logprob_loss
+        return -(sequence_logprobs(model, input_ids, targets_mask, **inputs) * weights).sum()
+    from kernels.logprob import linear_weighted_logprob_loss
     out = model(input_ids=input_ids, **inputs, output_hidden_states=True, logits_to_keep=1)
-    return linear_logprob_loss(out.hidden_states[-1][:, :-1][sel], _head_weight(model, out), target[sel],
-                               lambda lp, _ent, rows: token_loss(lp, rows))[0]
+    return linear_weighted_logprob_loss(out.hidden_states[-1][:, :-1][sel], _head_weight(model, out), target[sel],
+                                        -weights)[0]
 
 
 def completion_scores(model, samples: list, pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
