@@ -174,7 +174,7 @@ def _replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_t
         kept = ~fresh[:, 0]
         same = (forced.sort(-1).values == own.sort(-1).values).all(-1)
         n, differ = getattr(self, "replayed", (0, 0))
-        self.replayed = (n + int(kept.sum()), differ + int((kept & ~same).sum()))
+        self.replayed = (n + kept.sum(), differ + (kept & ~same).sum())  # tensors: no host sync per router call
     idx = torch.where(fresh, own, forced)
     return scores.gather(1, idx), idx
 
@@ -192,7 +192,7 @@ class SeqAux:
         self.routers = routers  # router calls per forward: the model's, and a training draft layer's steps
         self.weight = 0.0       # moe.aux_loss_weight x the micro-batch's scale; 0: no loss (RL, evaluation)
         self.rows = 1           # rows with a real token in the whole batch (micro-batches share its mean)
-        self.values: list[float] = []  # this rank's shares of the batches' losses, for the step's figure
+        self.values: list[torch.Tensor] = []  # this rank's shares of the batches' losses, for the step's figure
         self.batches = 0
 
     def start(self, batch: dict[str, torch.Tensor], weight: float, draft_calls: int) -> None:
@@ -212,7 +212,7 @@ class SeqAux:
         from posttrain.engines import context_parallel
         if not self.batches:
             return {}
-        total = torch.tensor(sum(self.values), dtype=torch.float64)
+        total = torch.tensor(float(sum(self.values)), dtype=torch.float64)
         for size, group in ((stages, ps.get_pipeline_model_parallel_group),
                             (context_parallel.size(), context_parallel.group)):
             if size > 1:
@@ -260,7 +260,7 @@ def _routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = Non
     if aux is not None and aux.weight and torch.is_grad_enabled():
         loss = aux.loss(logits, routing_map, padding_mask, self.topk)
         if not megatron_dsa.recomputing():  # a recomputed forward's value was counted in the first
-            aux.values.append(loss.item())
+            aux.values.append(loss.detach())  # summed at the step's end: no host sync per router call
         probs = megatron_dsa.attach(probs, loss, aux.weight)
     return probs, routing_map
 
@@ -364,7 +364,7 @@ def take_replayed(gpt, hf_config) -> tuple[int, int]:
     for _, router in moe_layers(gpt, hf_config):
         a, b = getattr(router.router_replay, "replayed", (0, 0))
         router.router_replay.replayed = (0, 0)
-        n, differ = n + a, differ + b
+        n, differ = n + int(a), differ + int(b)
     return n, differ
 
 

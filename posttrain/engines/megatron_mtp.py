@@ -28,6 +28,7 @@ from torch import nn
 
 from posttrain.engines import context_parallel, vocab_parallel
 from posttrain.models import mtp
+from posttrain.models.moe import count_routes, load_stats, sequence_balance
 
 
 def calls(steps: int, length: int) -> int:
@@ -176,8 +177,7 @@ class Draft:
 
     def _count(self, router, args, out) -> None:
         if torch.is_grad_enabled():
-            idx = out[2] if self._valid is None else out[2][self._valid]
-            self.load += torch.bincount(idx.reshape(-1).cpu(), minlength=self.load.numel()).float()
+            self.load = count_routes(self.load, out[2], self._valid)
             if self.collect_aux:
                 self.aux_terms.append((out[0], out[2], self._valid, self._rows))
 
@@ -248,7 +248,6 @@ class Draft:
         """`loss` on this rank's final hidden states [b, s, h] times `weight`, and its router's terms of the balance
         loss (`aux`, `megatron_glm5.SeqAux`, while it has a weight), as gradients only: the value 0, so the LM loss
         stays comparable with a run without them (as `models.mtp.with_loss` and `models.moe.with_aux_loss` have it)."""
-        from posttrain.models.moe import sequence_balance
         if context_parallel.size() > 1:  # the layer attends over the whole sequence
             hidden = context_parallel.GatherOutput.apply(hidden.transpose(0, 1).contiguous()).transpose(0, 1)
         aux = aux if aux is not None and aux.weight else None
@@ -260,15 +259,15 @@ class Draft:
             draft, hits = self.loss(hidden[:, :batch["input_ids"].shape[1]], batch)
         finally:
             self.collect_aux = False
-        self._batch[0] += draft.item()
+        self._batch[0] += draft.detach()  # tensors until the step's figures: no host sync per micro-batch
         self._batch[1] += hits
         if whole:
             self.finish()
         out = weight * (draft - draft.detach())
         terms, self.aux_terms = self.aux_terms, []
         if aux is not None and terms:  # the whole value on every context-parallel rank: a share of it counted
-            balance = sum(x for t in terms for x in sequence_balance(*t)) / (aux.routers * aux.rows)
-            aux.values.append(balance.item() / context_parallel.size())
+            balance = sum(sequence_balance(*t)[0] for t in terms) / (aux.routers * aux.rows)
+            aux.values.append(balance.detach() / context_parallel.size())
             out = out + aux_weight * (balance - balance.detach())
         return out
 
@@ -276,22 +275,20 @@ class Draft:
         """The step's mean MTP loss and first-step accuracy (the torch engine logs each forward's); {} without one."""
         seen, self._seen = self._seen, []
         accs = [a for _, a in seen if a is not None]
-        return ({"mtp_loss": sum(x for x, _ in seen) / len(seen)} if seen else {}) | (
-            {"mtp_acc1": sum(accs) / len(accs)} if accs else {})
+        return ({"mtp_loss": float(sum(x for x, _ in seen)) / len(seen)} if seen else {}) | (
+            {"mtp_acc1": float(sum(accs)) / len(accs)} if accs else {})
 
     def balance(self, rate: float) -> dict[str, float] | None:
         """After an optimizer step: its router's load over every replica's tokens (load_stats), the bias moved `rate`
         toward uniform load; None when it routed nothing (a dense draft layer, or a step without its loss)."""
         from megatron.core import parallel_state as ps
-
-        from posttrain.models.moe import load_stats
         if self.router is None:
             return None
         load, self.load = self.load, torch.zeros_like(self.load)
         if dist.get_world_size(group := ps.get_data_parallel_group()) > 1:  # not over cp: each rank saw every token
             load = load.to(self.engine.device)
             dist.all_reduce(load, group=group)
-            load = load.cpu()
+        load = load.cpu()
         if not float(load.sum()):
             return None
         with torch.no_grad():
@@ -305,7 +302,7 @@ class Draft:
         return make_sharded_tensors_for_checkpoint(self.module.state_dict(keep_vars=True), prefix)
 
 
-def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) -> int:
+def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) -> torch.Tensor:
     """How many of `target` are the argmax of the (vocab-parallel) logits."""
     from megatron.core import parallel_state as ps
     z = logits.detach().float()
@@ -320,7 +317,7 @@ def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) ->
         group = ps.get_tensor_model_parallel_group()
         dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
         dist.all_reduce(picked, dist.ReduceOp.MAX, group=group)
-    return int((picked >= top).sum())
+    return (picked >= top).sum()
 
 
 def _stored(hf_config, checkpoint: str | Path) -> dict[str, torch.Tensor]:

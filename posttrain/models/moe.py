@@ -114,15 +114,14 @@ class RouterHooks:
                 with torch.no_grad():
                     kept = ~fresh[:, 0] if valid is None else ~fresh[:, 0] & valid
                     same = (forced.sort(-1).values == idx.sort(-1).values).all(-1)
-                    self.replayed[0] += int(kept.sum())
-                    self.replayed[1] += int((kept & ~same).sum())
+                    self.replayed[0] += kept.sum()  # tensors: no host sync per router call on a GPU
+                    self.replayed[1] += (kept & ~same).sum()
                 idx = torch.where(fresh, idx, forced)
                 weights = _rescore(router, logits, idx)
             if self.recorded is not None and slot is not None:
                 self.recorded[slot].append(idx.detach().clone())
             if torch.is_grad_enabled():
-                chosen = idx if valid is None else idx[valid]
-                self.loads[i] += torch.bincount(chosen.reshape(-1).cpu(), minlength=self.loads[i].numel()).float()
+                self.loads[i] = count_routes(self.loads[i], idx, valid)
                 if self.aux:
                     self._aux_terms.append((logits, idx, valid, self._rows))
             if replay is not None:
@@ -165,7 +164,7 @@ class RouterHooks:
     def take_replayed(self) -> dict[str, float]:
         """Routes replayed since the last call and the share of them where the router would have chosen other
         experts (the rollout/trainer mismatch replay removed); {} when none were replayed."""
-        (n, differ), self.replayed = self.replayed, [0, 0]
+        (n, differ), self.replayed = (int(x) for x in self.replayed), [0, 0]
         return {"routes_replayed": float(n), "routes_differ": differ / n} if n else {}
 
     # balancing
@@ -182,7 +181,7 @@ class RouterHooks:
             loads = [x.to(r.e_score_correction_bias.device) for x, (_, r) in zip(loads, self.routers)]
             for x in loads:
                 torch.distributed.all_reduce(x)
-            loads = [x.cpu() for x in loads]
+        loads = [x.cpu() for x in loads]
         self.loads = [torch.zeros_like(x) for x in self.loads]
         if not any(float(x.sum()) for x in loads):
             return {}
@@ -199,26 +198,36 @@ class RouterHooks:
         `sum_i f_i P_i` with `f_i = E / (k T) * #tokens routed to i` and `P_i` the mean of the normalised sigmoid
         scores. 1.0 at perfect balance. None when nothing was kept (aux off, or a dense model)."""
         terms, self._aux_terms = self._aux_terms, []
-        losses = [x for term in terms for x in sequence_balance(*term)]
-        return torch.stack(losses).mean() if losses else None
+        if not terms:
+            return None
+        total, seqs = (sum(x) for x in zip(*(sequence_balance(*term) for term in terms)))
+        return total / seqs.clamp_min(1)
 
 
 def sequence_balance(logits: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor | None, rows: int
-                     ) -> list[torch.Tensor]:
-    """One router call's `sum_i f_i P_i` for each of its `rows` sequences (tokens [N] row-major) that has a real
-    token (`valid` [N]; None: all real): `RouterHooks.aux_loss`'s terms."""
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One router call's (sum over its `rows` sequences (tokens [N] row-major) of `sum_i f_i P_i`, how many of them
+    have a real token (`valid` [N]; None: all real)): `RouterHooks.aux_loss`'s terms. Masked sums rather than each
+    sequence's real tokens picked out: no host sync on a GPU."""
     n_exp, k = logits.shape[-1], idx.shape[-1]
     scores = logits.sigmoid()
     probs = scores / scores.sum(-1, keepdim=True)
     hits = torch.zeros_like(probs).scatter_(1, idx, 1.0)
-    keep = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device) if valid is None else valid
     rows = rows if idx.shape[0] % rows == 0 else 1
-    out = []
-    for p, h, v in zip(probs.chunk(rows), hits.chunk(rows), keep.chunk(rows)):
-        if v.any():
-            f = h[v].sum(0) * n_exp / (k * v.sum())
-            out.append((f * p[v].mean(0)).sum())
-    return out
+    keep = (torch.ones(idx.shape[0], device=idx.device) if valid is None else valid.float()).view(rows, -1, 1)
+    tokens = keep.sum(1)  # [rows, 1]
+    f = (hits.view(rows, -1, n_exp) * keep).sum(1) * n_exp / (k * tokens.clamp_min(1))
+    p = (probs.view(rows, -1, n_exp) * keep).sum(1) / tokens.clamp_min(1)
+    return (f * p).sum(), (tokens > 0).sum()
+
+
+def count_routes(load: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """`load` [experts] plus the experts of `idx` [N, k] at the real tokens (`valid` [N]), on `idx`'s device: an
+    index_add of 0/1 weights, where a bincount of the real tokens would wait for the GPU twice per router call
+    (its boolean pick and its length)."""
+    load = load.to(idx.device)
+    w = torch.ones(idx.shape, device=idx.device) if valid is None else valid[:, None].expand(idx.shape).float()
+    return load.index_add_(0, idx.reshape(-1), w.reshape(-1))
 
 
 SUMMARY = ("moe_cv", "moe_max_mean", "moe_dead", "routes_differ")  # a step's figures across layers (and what routing
