@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.figures import aggregate, markdown
-from tests.test_pipeline_smoke import posttrain
+from tests.test_pipeline_smoke import at_once, posttrain
 
 
 def _report(seed: int, sft: float, spec: float, gen: float, quant: float, nothink: float) -> dict:
@@ -75,15 +75,12 @@ def test_synchronous_path_gives_the_same_report_twice(tmp_path):
     runs shows no spread. (Timings differ, and so do run ids.) One specialist, the agentic one (multi-turn, PPO's
     critic), keeps the two runs short."""
     sync = ("--set", "rl.max_staleness=0", "--set", "opd.max_staleness=0", "--set", "rl.domains=[agentic]")
-    reports = []
-    for name in ("a", "b"):
-        posttrain(tmp_path / name, "run", "--profile", "smoke", *sync)
-        reports.append(json.loads((tmp_path / name / "latest" / "report.json").read_text()))
-    a, b = reports
+    at_once([(tmp_path / name, ["run", "--profile", "smoke", *sync]) for name in "ab"])
+    a, b = (json.loads((tmp_path / name / "latest" / "report.json").read_text()) for name in "ab")
     for key in ("eval", "tokens", "pass_at_k"):
         assert a[key] == b[key], key
     assert _weights(a) == _weights(b) and len(_weights(a)) >= 8  # base, ramp and its 2 rungs, sft, rl, opd, quantize
-    runs = [str(tmp_path / n / "runs" / r["run_id"]) for n, r in zip("ab", reports)]
+    runs = [str(tmp_path / n / "runs" / r["run_id"]) for n, r in zip("ab", (a, b))]
     posttrain(tmp_path / "figures", "figures", "--runs", *runs)
     f = json.loads((tmp_path / "figures" / "figures.json").read_text())
     assert f["seeds"] == [0, 0]

@@ -23,6 +23,17 @@ def posttrain(home: Path, *args: str, check: bool = True, env: dict | None = Non
     return p
 
 
+def at_once(calls: list[tuple[Path, list[str]]]) -> list[str]:
+    """`posttrain *args` for each (home, args), all started at once (a home may repeat), each expected to succeed:
+    their outputs. A smoke run keeps 2 cores about two-thirds busy, so two of them share the machine well."""
+    procs = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", *args], cwd=ROOT,
+                              env={**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for home, args in calls]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-3000:] for o in outs)
+    return outs
+
+
 def stage_runs(home: Path, parent: str) -> dict:
     c = MlflowClient(tracking_uri=f"sqlite:///{home}/mlflow.db")
     exp = c.get_experiment_by_name("posttrain")
@@ -34,11 +45,7 @@ def stage_runs(home: Path, parent: str) -> dict:
 def first(tmp_path_factory):
     """Two runs started at once on one home (a team sharing a store): the module's tests use the first."""
     home = tmp_path_factory.mktemp("home")
-    env = {**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
-    procs = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    outs = at_once([(home, ["run", "--profile", "smoke"])] * 2)
     reports = [json.loads((home / "runs" / next(line.split()[-1] for line in out.splitlines()
                                                 if line.startswith("HTML report:")).split("/")[-2] / "report.json")
                           .read_text()) for out in outs]
@@ -121,22 +128,22 @@ def test_mlflow_children_lineage_and_registry(first):
 
 
 def test_failing_regression_gate_stops_the_run_and_the_registration(first):
+    """A second run whose only change is a gate (in no node's key) redoes nothing, and its failed gate stops it."""
     home, _ = first
     p = posttrain(home, "run", "--profile", "smoke", "--set", "gates.min.general=1.01", check=False)
     assert p.returncode == 1
     assert "regression gate failed: quantized scored" in p.stderr and "below gates.min.general = 1.01" in p.stderr
     report = json.loads((home / "latest" / "report.json").read_text())
+    assert all(v["cached"] for v in report["stages"].values())
     assert report["gates"]["passed"] is False and "registered_model" not in report
     assert "FAIL" in Path(report["report_html"]).read_text()
     c = MlflowClient(tracking_uri=f"sqlite:///{home}/mlflow.db")
     assert c.get_run(report["mlflow_run_id"]).info.status == "FAILED"
 
 
-def test_second_run_redoes_nothing_and_opd_change_redoes_only_downstream(first):
+def test_an_opd_change_redoes_only_downstream(first):
+    """(A run without a change redoes nothing: the failing-gate test's.)"""
     home, _ = first
-    posttrain(home, "run", "--profile", "smoke")
-    again = json.loads((home / "latest" / "report.json").read_text())
-    assert all(v["cached"] for v in again["stages"].values())
     # teachers as Ray actors (the smoke profile places them in the rollout worker): both placements run
     posttrain(home, "run", "--profile", "smoke", "--set", "opd.lr=1e-4", "--set", "opd.teacher_placement=actor")
     changed = json.loads((home / "latest" / "report.json").read_text())

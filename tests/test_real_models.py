@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from chat_fixtures import make_checkpoint
-from test_pipeline_smoke import posttrain
+from test_pipeline_smoke import at_once
 
 FAMILIES = {  # family -> (thinking switch, tool format, extra settings)
     "chatml": (True, "hermes", ["--set", "rl.domains=[reasoning, agentic]"]),  # thinking, and Hermes tool calls
@@ -15,13 +15,23 @@ FAMILIES = {  # family -> (thinking switch, tool format, extra settings)
 }
 
 
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict]:
+    """Each family's smoke run from its checkpoint, all started at once: {family: report}."""
+    root = tmp_path_factory.mktemp("real")
+    calls = [(root / family / "home", ["run", "--profile", "smoke", "--set",
+                                       f"base.init_from={make_checkpoint(family, root / family / 'ckpt')}",
+                                       "--set", "sft.steps=12", *extra])
+             for family, (_, _, extra) in FAMILIES.items()]
+    at_once(calls)
+    return {family: json.loads((home / "latest" / "report.json").read_text())
+            for family, (home, _) in zip(FAMILIES, calls)}
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_real_template_trains_in_every_stage(tmp_path, family):
-    thinking, tool_format, extra = FAMILIES[family]
-    ckpt = make_checkpoint(family, tmp_path / "ckpt")
-    home = tmp_path / "home"
-    posttrain(home, "run", "--profile", "smoke", "--set", f"base.init_from={ckpt}", "--set", "sft.steps=12", *extra)
-    report = json.loads((home / "latest" / "report.json").read_text())
+def test_a_real_template_trains_in_every_stage(reports, family):
+    thinking, tool_format, _ = FAMILIES[family]
+    report = reports[family]
     fmt = report["chat_format"]
     domains = ["reasoning", "agentic"] if family == "chatml" else ["agentic"]
     # the user's chat checkpoint is scored as chat from the start (base); only the ramped one as completion
