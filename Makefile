@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/posttrain run --profile $(PROFILE)
 
+# two workers, a file to each at a time (a module's shared run stays in one): the smoke DAG runs leave 2 cores a
+# third idle, which the other worker's tests fill; --durations lists the slowest, to keep it short
 test: install
-	$(BIN)/python -m pytest -x -q --durations=15 --ignore=tests/test_cluster.py --ignore=tests/slow --ignore=tests/sglang  # the slowest, to keep it short
+	$(BIN)/python -m pytest -x -q -n 2 --dist loadfile --durations=15 --ignore=tests/test_cluster.py --ignore=tests/slow --ignore=tests/sglang
 
 # the small profile on the real chat model, a few steps per stage (minutes: its forwards); CI runs it too
 test-slow: install

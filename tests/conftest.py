@@ -64,3 +64,12 @@ def gloo_pair():
     pair = Pair()
     yield pair
     pair.close()
+
+
+# the longest files first: under `make test`'s two workers (xdist, a file to a worker at a time) the smoke-DAG
+# modules then run beside the many short files instead of after them
+LONG = ("test_pipeline_smoke.py", "test_figures.py", "test_real_models.py", "test_glm5_pipeline.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in LONG)  # stable: each file's own order is kept

@@ -23,15 +23,23 @@ def posttrain(home: Path, *args: str, check: bool = True, env: dict | None = Non
     return p
 
 
-def at_once(calls: list[tuple[Path, list[str]]]) -> list[str]:
-    """`posttrain *args` for each (home, args), all started at once (a home may repeat), each expected to succeed:
-    their outputs. A smoke run keeps 2 cores about two-thirds busy, so two of them share the machine well."""
-    procs = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", *args], cwd=ROOT,
-                              env={**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled"},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for home, args in calls]
+def at_once(calls: list[tuple], expect: int = 0) -> list[str]:
+    """`posttrain *args` for each (home, args) or (home, args, extra environment), all started at once (a home may
+    repeat), each expected to exit `expect`: their outputs. A smoke run keeps 2 cores about two-thirds busy, so
+    two or three of them share the machine well."""
+    procs = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", *call[1]], cwd=ROOT,
+                              env={**os.environ, "POSTTRAIN_HOME": str(call[0]), "RAY_AUTH_MODE": "disabled",
+                                   **(call[2] if len(call) > 2 else {})},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for call in calls]
     outs = [p.communicate(timeout=900)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-3000:] for o in outs)
+    assert [p.returncode for p in procs] == [expect] * len(procs), "\n".join(o[-3000:] for o in outs)
     return outs
+
+
+def _report_of(out: str) -> dict:
+    """The report of the run whose console output is `out`."""
+    html = next(line.split()[-1] for line in out.splitlines() if line.startswith("HTML report:"))
+    return json.loads((Path(html).parent / "report.json").read_text())
 
 
 def stage_runs(home: Path, parent: str) -> dict:
@@ -46,9 +54,7 @@ def first(tmp_path_factory):
     """Two runs started at once on one home (a team sharing a store): the module's tests use the first."""
     home = tmp_path_factory.mktemp("home")
     outs = at_once([(home, ["run", "--profile", "smoke"])] * 2)
-    reports = [json.loads((home / "runs" / next(line.split()[-1] for line in out.splitlines()
-                                                if line.startswith("HTML report:")).split("/")[-2] / "report.json")
-                          .read_text()) for out in outs]
+    reports = [_report_of(out) for out in outs]
     worker = next(i for i, r in enumerate(reports) if not r["stages"]["sft"]["cached"])  # the one that trained sft
     (home / "console.txt").write_text(outs[worker])
     (home / "console2.txt").write_text(outs[1 - worker])
@@ -199,76 +205,70 @@ def test_a_corrupted_cache_entry_is_reported_kept_and_recomputed_beside_it(first
         weights.write_bytes(original)
 
 
-def test_bad_input_fails_before_any_work(tmp_path):
-    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", "rl.stepz=1", check=False)
-    assert p.returncode == 2 and "rl.stepz: unknown key" in p.stderr
-    assert not (tmp_path / "runs").exists()
-
-
-def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
-    raw = tmp_path / "mine.jsonl"
-    raw.write_text("".join('{"id": "%d", "body": "no text field here"}\n' % i for i in range(20)))
-    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"curate.inputs=['{raw}']", check=False)
-    assert p.returncode == 1
-    assert "stage curate failed" in p.stderr and "gate 'input mine.jsonl' failed" in p.stderr
-    assert not list((tmp_path / "artifacts" / "curate").glob("[!.]*"))  # nothing published
-
-
 def _published(home: Path, stage: str) -> set[str]:
     return {p.name for p in (home / "artifacts" / stage).iterdir() if not p.name.startswith(".")}
 
 
-def test_sft_resumes_exactly_after_sigkill(first):
-    """SIGKILL the training process (one rank: the stage's own worker) right after its step-2 checkpoint: nothing is published; the rerun
-    continues from there and its loss curve is the uninterrupted run's, step for step."""
+# stage -> (its rerun's settings, the variable that SIGKILLs it right after a checkpoint, where it resumes)
+KILLS = {"sft": (["sft.checkpoint_every=1"], {"POSTTRAIN_SFT_KILL_AT_STEP": "2"}, "resuming at step 2 of 4"),
+         "rl-general": (["rl.checkpoint_every=1"], {"POSTTRAIN_KILL_AT": "rl-general:1"}, "resuming at step 1 of 2"),
+         "opd": ([], {"POSTTRAIN_KILL_AT": "opd:1"}, "resuming at step 1 of 2")}
+
+
+@pytest.fixture(scope="module")
+def resumed(first):
+    """Each of KILLS' stages rerun from the first run and SIGKILLed right after a checkpoint (the three reruns at
+    once), then rerun again (at once): {stage: (what the killed rerun published, the resumed rerun's output and
+    report)}."""
     home, report = first
-    args = ("rerun", "sft", "--from", report["run_id"], "--set", "sft.checkpoint_every=1")
-    published = _published(home, "sft")
-    p = posttrain(home, *args, check=False, env={"POSTTRAIN_SFT_KILL_AT_STEP": "2"})
-    assert p.returncode == 1 and "stage sft failed" in p.stderr
-    assert _published(home, "sft") == published
-    p = posttrain(home, *args)
-    assert "resuming at step 2 of 4" in p.stdout + p.stderr
-    resumed = Path(json.loads((home / "latest" / "report.json").read_text())["stages"]["sft"]["artifact"])
-    original = Path(report["stages"]["sft"]["artifact"])
-    assert resumed != original
-    history = [json.loads((d / "history.json").read_text())["loss"] for d in (resumed, original)]
-    assert history[0] == history[1] and len(history[0]) == 4
-    assert not (home / "scratch" / "sft").exists() or not any((home / "scratch" / "sft").iterdir())
+    args = {stage: ["rerun", stage, "--from", report["run_id"], *(x for kv in sets for x in ("--set", kv))]
+            for stage, (sets, _, _) in KILLS.items()}
+    before = {stage: _published(home, stage) for stage in KILLS}
+    killed = at_once([(home, args[stage], kill) for stage, (_, kill, _) in KILLS.items()], expect=1)
+    for stage, out in zip(KILLS, killed):
+        assert f"stage {stage} failed" in out, out[-3000:]
+    published = {stage: _published(home, stage) - before[stage] for stage in KILLS}
+    outs = at_once([(home, args[stage]) for stage in KILLS])
+    return {stage: (published[stage], out, _report_of(out)) for stage, out in zip(KILLS, outs)}
 
 
-def _kill_then_resume(first, stage: str, *sets: str) -> tuple[dict, dict]:
-    """Rerun `stage` with a SIGKILL right after its step-1 checkpoint, then rerun it again; returns the
-    uninterrupted run's history and the resumed one's, and checks the resumed weights are the uninterrupted
-    run's, byte for byte."""
+def _resumed_histories(first, resumed, stage: str) -> tuple[dict, dict]:
+    """The uninterrupted run's history of `stage` and the resumed one's, after checking that the killed rerun
+    published nothing, that the rerun resumed from its checkpoint, and that the resumed weights are the
+    uninterrupted run's, byte for byte."""
     home, report = first
-    args = ("rerun", stage, "--from", report["run_id"], *(x for kv in sets for x in ("--set", kv)))
-    p = posttrain(home, *args, check=False, env={"POSTTRAIN_KILL_AT": f"{stage}:1"})
-    assert p.returncode == 1 and f"stage {stage} failed" in p.stderr
-    p = posttrain(home, *args)
-    assert "resuming at step 1 of 2" in p.stdout + p.stderr
-    resumed = json.loads((home / "latest" / "report.json").read_text())["stages"][stage]["artifact"]
-    original = Path(report["stages"][stage]["artifact"])
-    assert (Path(resumed) / "model.safetensors").read_bytes() == (original / "model.safetensors").read_bytes()
-    before = json.loads((original / "history.json").read_text())
-    return before, json.loads((Path(resumed) / "history.json").read_text())
+    published, out, again = resumed[stage]
+    assert not published
+    assert KILLS[stage][2] in out
+    original, after = Path(report["stages"][stage]["artifact"]), Path(again["stages"][stage]["artifact"])
+    assert after != original
+    assert (after / "model.safetensors").read_bytes() == (original / "model.safetensors").read_bytes()
+    assert not (home / "scratch" / stage).exists() or not any((home / "scratch" / stage).iterdir())
+    return tuple(json.loads((d / "history.json").read_text()) for d in (original, after))
 
 
-def test_rl_specialist_resumes_exactly_after_sigkill(first):
+def test_sft_resumes_exactly_after_sigkill(first, resumed):
+    """SIGKILL the training process (one rank: the stage's own worker) right after its step-2 checkpoint: nothing is
+    published; the rerun continues from there and its loss curve is the uninterrupted run's, step for step."""
+    before, after = _resumed_histories(first, resumed, "sft")
+    assert after["loss"] == before["loss"] and len(after["loss"]) == 4
+
+
+def test_rl_specialist_resumes_exactly_after_sigkill(first, resumed):
     """SIGKILL a specialist right after its step-1 checkpoint (weights, optimizer, RNG, request cursor,
     rollout buffer); the rerun continues at step 1, and every step's reward and loss is the
     uninterrupted run's: none lost, none repeated. (Whether two smoke steps reward anything depends on the
     samples: a group-normalised loss is 0 at ratio 1 while its gradient is not, and an all-equal group has
     neither; so resume is judged by exact equality, not by a loss being non-zero.)"""
-    before, after = _kill_then_resume(first, "rl-general", "rl.checkpoint_every=1")
+    before, after = _resumed_histories(first, resumed, "rl-general")
     for key in ("reward", "loss", "grad_norm", "masked_fraction", "kl_behaviour", "staleness_mean", "val_score"):
         assert after[key] == before[key], key
     assert len(after["reward"]) == 2
 
 
-def test_opd_resumes_exactly_after_sigkill(first):
+def test_opd_resumes_exactly_after_sigkill(first, resumed):
     """The distillation node keeps its student buffer and teacher scores across a SIGKILL too."""
-    before, after = _kill_then_resume(first, "opd")
+    before, after = _resumed_histories(first, resumed, "opd")
     for key in ("reverse_kl", "distill_loss", "student_tokens", "teacher_tokens", "val_score"):
         assert after[key] == before[key], key
 
@@ -287,24 +287,3 @@ def test_cross_stage_workflow_compares_three_consolidations(first):
     assert c["compute"]["cross_stage"]["teacher_tokens"] > 0 == c["compute"]["sequential_rl"]["teacher_tokens"]
     assert set(c["forgetting"]["sequential_rl"]) == {"reasoning", "agentic"}
     assert (home / "runs" / report["run_id"] / "consolidation.md").exists()
-
-
-def test_a_killed_run_is_marked_killed_in_mlflow_by_the_next_command(tmp_path):
-    """kill -9 the driver (and its Ray workers) mid-run: `posttrain report` closes its runs as KILLED."""
-    import signal
-    import time
-    env = {**os.environ, "POSTTRAIN_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
-    p = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], cwd=ROOT, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    deadline = time.time() + 300
-    while time.time() < deadline and not (tmp_path / "artifacts" / "curate").exists():
-        time.sleep(1)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    exp = c.get_experiment_by_name("posttrain")
-    assert any(r.info.status == "RUNNING" for r in c.search_runs([exp.experiment_id]))
-    out = posttrain(tmp_path, "report", check=False)
-    assert "marked KILLED" in out.stderr and "no finished run" in out.stderr
-    statuses = {r.info.run_name: r.info.status for r in c.search_runs([exp.experiment_id])}
-    assert "RUNNING" not in statuses.values() and statuses[next(n for n in statuses if n.startswith("pipeline-"))] == "KILLED"

@@ -1,0 +1,46 @@
+"""Runs that fail or die on the smoke profile, through the CLI: bad input stops before any work, a failed gate
+publishes nothing, and a killed run is closed in MLflow by the next command. Apart from test_pipeline_smoke.py, whose
+tests share one run: `make test` runs the two files on its two workers at once."""
+import os
+import subprocess
+import sys
+
+from mlflow import MlflowClient
+
+from tests.test_pipeline_smoke import ROOT, posttrain
+
+
+def test_bad_input_fails_before_any_work(tmp_path):
+    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", "rl.stepz=1", check=False)
+    assert p.returncode == 2 and "rl.stepz: unknown key" in p.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
+    raw = tmp_path / "mine.jsonl"
+    raw.write_text("".join('{"id": "%d", "body": "no text field here"}\n' % i for i in range(20)))
+    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"curate.inputs=['{raw}']", check=False)
+    assert p.returncode == 1
+    assert "stage curate failed" in p.stderr and "gate 'input mine.jsonl' failed" in p.stderr
+    assert not list((tmp_path / "artifacts" / "curate").glob("[!.]*"))  # nothing published
+
+
+def test_a_killed_run_is_marked_killed_in_mlflow_by_the_next_command(tmp_path):
+    """kill -9 the driver (and its Ray workers) mid-run: `posttrain report` closes its runs as KILLED."""
+    import signal
+    import time
+    env = {**os.environ, "POSTTRAIN_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
+    p = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    deadline = time.time() + 300
+    while time.time() < deadline and not (tmp_path / "artifacts" / "curate").exists():
+        time.sleep(1)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    exp = c.get_experiment_by_name("posttrain")
+    assert any(r.info.status == "RUNNING" for r in c.search_runs([exp.experiment_id]))
+    out = posttrain(tmp_path, "report", check=False)
+    assert "marked KILLED" in out.stderr and "no finished run" in out.stderr
+    statuses = {r.info.run_name: r.info.status for r in c.search_runs([exp.experiment_id])}
+    assert "RUNNING" not in statuses.values() and statuses[next(n for n in statuses if n.startswith("pipeline-"))] == "KILLED"
