@@ -215,7 +215,7 @@ class Draft:
             self._seen.append((self._batch[0], self._batch[1] / self._targets[first - 1] if first else None))
         self._targets = None
 
-    def loss(self, h: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    def loss(self, h: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int]:
         """`models.mtp.loss` on the engine's final hidden states `h` [b, T, h] (the whole sequence) of a micro-batch
         of the batch `start` announced: the mean over draft steps of the cross-entropy of token i + k + 1 where the
         loss mask trains it, in token i's document (its share of the batch's); and the first step's top-1 hits."""
