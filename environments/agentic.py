@@ -14,16 +14,16 @@ import json
 import random
 import re
 
-from environments.base import (SPLITS, SUMMARY_REQUEST, Task, collect, compacted_prompt, compaction_note, split_of,
-                               verify_number)
+from environments.base import (SPLITS, SUMMARY_REQUEST, Task, collect, compacted_prompt, compaction_note, outside_thinking,
+                               split_of, verify_number)
 from environments.guard import judge_prompt, suspicion
 from environments.sandbox import rule_check
 from environments.sandbox import Judge, Workspace
 
 DOMAIN = "agentic"
 FILES = ["data.txt", "nums.txt", "values.txt", "list.txt"]
-TOOL_CALL = re.compile(r"<tool_call>\s*([^<]*?)\s*</tool_call>")  # a call never spans tags
-OURS = re.compile(r"(\w+)[ \t]*([^<]*)")  # our template's form: `name args`
+OURS = re.compile(r"(\w+)[ \t]*([^<]*)")  # our template's form: `name args` (its body never holds a `<`)
+MAX_CALL = 8192  # characters of a call's body; a longer one is no call (its argument could not pass the rules)
 
 
 def tool_call(name: str, **arguments: str) -> dict:
@@ -198,17 +198,36 @@ def open_workspace(task: Task, judge: Judge | None = None) -> Workspace:
 def parse_tool_call(text: str) -> tuple[str, str] | None:
     """(tool, argument) from the first complete `<tool_call>` block, ours (`read data.txt`) or Hermes/Qwen JSON
     (`{"name": "read", "arguments": {"path": "data.txt"}}`), or from a turn that is one JSON call (Llama-3.x:
-    `{"name": "read", "parameters": {...}}`); None when there is none or it is malformed."""
-    m = TOOL_CALL.search(text)
-    body = m.group(1) if m else _final_text(text)
+    `{"name": "read", "parameters": {...}}`); None when there is none or it is malformed.
+
+    Only the reply counts: a call written inside thinking is the model thinking about a call, not making one, so
+    it is never run (the recipe thinks before every tool call, and a template that drops earlier thinking would
+    drop the call with it while its result stayed). Linear in the text: no regular expression backtracks here."""
+    text = outside_thinking(text)
+    body = _first_call(text)
+    if body is None:  # no tagged call: the turn itself may be one JSON call
+        body = text.strip()
+        return _json_call(body) if body.startswith("{") and len(body) <= MAX_CALL else None
+    if len(body) > MAX_CALL:
+        return None
     if body.startswith("{"):
         return _json_call(body)
-    ours = OURS.fullmatch(body) if m else None
+    ours = OURS.fullmatch(body)
     return (ours.group(1), ours.group(2).strip()) if ours else None
 
 
-def _final_text(text: str) -> str:
-    return re.sub(r"<think>.*?</think>", "", text, flags=re.S).strip()
+def _first_call(text: str) -> str | None:
+    """The body of the first `<tool_call>` closed before any other tag opens (a call never spans tags)."""
+    pos = 0
+    while (i := text.find("<tool_call>", pos)) >= 0:
+        start = i + len("<tool_call>")
+        lt = text.find("<", start)
+        if lt < 0:
+            return None
+        if text.startswith("</tool_call>", lt):
+            return text[start:lt].strip()
+        pos = lt
+    return None
 
 
 def _json_call(body: str) -> tuple[str, str] | None:
@@ -217,9 +236,10 @@ def _json_call(body: str) -> tuple[str, str] | None:
         args = call.get("arguments", call.get("parameters", {}))
         args = json.loads(args) if isinstance(args, str) else args
         value = args.get("path", next(iter(args.values()), "")) if isinstance(args, dict) else args
-    except (ValueError, AttributeError):
+        value = str(value).strip()
+    except (ValueError, AttributeError, RecursionError):  # RecursionError: nesting deeper than Python's stack
         return None
-    return (call["name"], str(value).strip()) if isinstance(call.get("name"), str) else None
+    return (call["name"], value) if isinstance(call.get("name"), str) else None
 
 
 verify = verify_number

@@ -87,12 +87,44 @@ def compacted_prompt(prompt: str, note: str) -> str:
     return f"{prompt}\n{note}"
 
 
-_THINK = re.compile(r"<think>.*?</think>", re.S)
+_THINK_TAG = re.compile(r"</?think>")
+
+
+def strip_think_blocks(text: str) -> str:
+    """`text` without its closed `<think>...</think>` blocks (each from an opening tag to the next closing one);
+    an unclosed block stays. Linear: `re.sub(r"<think>.*?</think>", ...)` is quadratic on opening tags alone."""
+    out, pos = [], 0
+    while (o := text.find("<think>", pos)) >= 0:
+        c = text.find("</think>", o + len("<think>"))
+        if c < 0:
+            break
+        out.append(text[pos:o])
+        pos = c + len("</think>")
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def outside_thinking(text: str) -> str:
+    """What a turn says outside its thinking: closed blocks removed, and an unclosed `<think>` counts as thinking
+    to the end, a `</think>` with no opening tag as thinking from the start (a prompt that opened the block)."""
+    out, start, inside = [], 0, False
+    for m in _THINK_TAG.finditer(text):
+        if m.group() == "<think>":
+            if not inside:
+                out.append(text[start:m.start()])
+                inside = True
+        elif inside:
+            inside, start = False, m.end()
+        else:
+            out, start = [], m.end()
+    if not inside:
+        out.append(text[start:])
+    return "".join(out)
 
 
 def final_answer(completion: str) -> str:
     """The text after the last think block, without tool calls or the end marker."""
-    text = _THINK.sub("", completion)
+    text = strip_think_blocks(completion)
     text = text.split("<|end|>")[0]
     text = re.sub(r"<tool_call>.*?(</tool_call>|$)", "", text, flags=re.S)
     return text.strip()
@@ -100,7 +132,7 @@ def final_answer(completion: str) -> str:
 
 def verify_number(task: Task, completion: str) -> tuple[float, str]:
     ans = final_answer(completion)
-    m = re.fullmatch(r"\s*([+-]?\d+)\s*\.?\s*", ans)
+    m = re.fullmatch(r"([+-]?\d+)\s*\.?", ans.strip())  # one whitespace run between two anchors: linear
     if not m:
         return 0.0, f"no single integer in final answer {ans[:40]!r}"
     if int(m.group(1)) == int(task.answer):

@@ -25,7 +25,7 @@ import environments
 from environments.base import SUMMARY_REQUEST, Task, compacted_prompt, compaction_note, final_answer
 from environments.agentic import parse_tool_call
 from environments.sandbox import Judge, Workspace
-from posttrain.chat import chat_format, render_ids, tool_response_ids
+from posttrain.chat import chat_format, ids_around_plain, render_ids, render_text, tool_response_ids
 
 
 @dataclass
@@ -143,9 +143,11 @@ class Episode:
 
     def _restart(self, note: str) -> bool:
         """The next sub-trace: a fresh prompt, the task and `note`. False when even that does not fit the budget."""
-        content = compacted_prompt(self.task.prompt, note)
-        self.prompt_ids = render_ids(self.tok, [{"role": "user", "content": content}], add_generation_prompt=True,
-                                     enable_thinking=self.thinks(self.turns))
+        # the note carries tool results (the world's text) and the policy's own words: plain text, like an observation
+        think = self.thinks(self.turns)
+        self.prompt_ids = ids_around_plain(
+            self.tok, lambda c: render_text(self.tok, [{"role": "user", "content": c}], add_generation_prompt=True,
+                                            enable_thinking=think), compacted_prompt(self.task.prompt, note))
         self.ids, self.gen_mask, self.logprobs, self.versions, self.routes = [], [], [], [], None
         return self._fits()
 

@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -228,10 +228,53 @@ def render_with_mask(tok, messages: list[dict], *, enable_thinking: bool = True,
     return ids, mask
 
 
+def plain_ids(tok, text: str) -> list[int]:
+    """`text` tokenized as plain text: no special token, and no added token a template uses as markup (`<think>`,
+    `<tool_call>`, ...), is ever made from it, so text from the world (a file's content, a file name) cannot end a
+    turn or open a block from inside an observation. (`split_special_tokens` still matches added tokens that are
+    not special, such as ChatML's `<tool_call>`: a copy of the tokenizer without those is used instead.)"""
+    plain = tok.__dict__.get("_posttrain_plain")
+    if plain is None:
+        spec = json.loads(tok.backend_tokenizer.to_str())
+        template = tok.chat_template if isinstance(tok.chat_template, str) else ""
+        spec["added_tokens"] = [t for t in spec["added_tokens"] if not (t["special"] or t["content"] in template
+                                                                        or t["content"] in SPECIAL)]
+        plain = tok.__dict__["_posttrain_plain"] = Tokenizer.from_str(json.dumps(spec))
+    return plain.encode(text, add_special_tokens=False).ids
+
+
+_MARK = "PoStTrAiNcOnTeNtMaRk"  # letters only: no template escape or trim changes it
+
+
+def ids_around_plain(tok, render: Callable[[str], str], content: str, memo: str = "") -> list[int]:
+    """The ids of `render(content)`, where `render` puts `content` into a template's text: the template's own text
+    tokenized as usual (its special tokens real), `content` as plain text (`plain_ids`), however the template
+    escaped or trimmed it. `memo`: a key to keep the template's text around the content on the tokenizer."""
+    key = f"_posttrain_around_{memo}"
+    around = tok.__dict__.get(key) if memo else None
+    if around is None:
+        shaped = render(_MARK)
+        if shaped.count(_MARK) != 1:
+            raise ChatFormatError(f"{chat_format(tok).template}: the template does not write a message's content "
+                                  f"once, as it is; its text cannot be kept apart from the template's")
+        head, tail = shaped.split(_MARK)
+        around = (head, tail, list(tok(head, add_special_tokens=False)["input_ids"]),
+                  list(tok(tail, add_special_tokens=False)["input_ids"]))
+        if memo:
+            tok.__dict__[key] = around
+    head, tail, head_ids, tail_ids = around
+    text = render(content)
+    if not (text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail)):
+        raise ChatFormatError(f"{chat_format(tok).template}: the template's text around a message changes with "
+                              f"its content; its text cannot be kept apart from the template's")
+    return head_ids + plain_ids(tok, text[len(head):len(text) - len(tail)]) + tail_ids
+
+
 def tool_response_ids(tok, content: str, *, enable_thinking: bool = True, then_user: str | None = None) -> list[int]:
     """The ids that follow an assistant's tool-call turn (after its end-of-turn token): the tool's response as
     the template renders it (and a user message after it, `then_user`), then the next generation prompt. Token
-    in, token out: a rollout appends exactly these to the model's own ids."""
+    in, token out: a rollout appends exactly these to the model's own ids. The response is the world's text:
+    tokenized as plain text (`ids_around_plain`), whatever special tokens it spells."""
     fmt = chat_format(tok)
     call = [{"role": "user", "content": "Hi."},
             {"role": "assistant", "content": "", "reasoning_content": "x",
@@ -245,8 +288,12 @@ def tool_response_ids(tok, content: str, *, enable_thinking: bool = True, then_u
         tok.__dict__[memo] = before[:cut]
     prefix = tok.__dict__[memo]
     user = [{"role": "user", "content": then_user}] if then_user is not None else []
-    after = render_text(tok, call + [{"role": "tool", "content": content}, *user], add_generation_prompt=True, **kw)
-    if not after.startswith(prefix):
-        raise ChatFormatError(f"{fmt.template}: the template renders an assistant tool call differently once a "
-                              f"tool response follows it; token in, token out cannot hold")
-    return list(tok(after[len(prefix):], add_special_tokens=False)["input_ids"])
+
+    def after(text: str) -> str:
+        rendered = render_text(tok, call + [{"role": "tool", "content": text}, *user], add_generation_prompt=True,
+                               **kw)
+        if not rendered.startswith(prefix):
+            raise ChatFormatError(f"{fmt.template}: the template renders an assistant tool call differently once a "
+                                  f"tool response follows it; token in, token out cannot hold")
+        return rendered[len(prefix):]
+    return ids_around_plain(tok, after, content, memo=f"tool_{enable_thinking}_{then_user!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from environments.guard import ANSWERS, FEATURES, judge_prompt, suspicion
-from posttrain.chat import render_ids
+from posttrain.chat import ids_around_plain, render_ids, render_text
 
 
 @dataclass
@@ -24,6 +24,7 @@ class ModelJudge:
     tokens: int = 0                 # tokens the judge has read, over its lifetime
     judged: int = 0                 # calls it was asked about
     engine: object = field(default=None, repr=False)
+    _answers: list | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.engine is None:
@@ -32,18 +33,27 @@ class ModelJudge:
         self.tok = self.engine.tokenizer
 
     def _items(self, question: str) -> list[tuple[list[int], list[int], list[int]]]:
-        user = [{"role": "user", "content": question}]
-        prompt = render_ids(self.tok, user, add_generation_prompt=True, enable_thinking=False)
-        items = []
-        for answer in ANSWERS:
-            full = render_ids(self.tok, [*user, {"role": "assistant", "content": answer, "reasoning_content": ""}],
-                              enable_thinking=False)
-            if full[:len(prompt)] != prompt:
-                raise ValueError(f"judge {self.checkpoint}: its template renders the answer turn differently from "
-                                 f"the generation prompt; cannot score answers")
-            tail = full[len(prompt):]
-            items.append((prompt, tail, [1] * len(tail)))
-        return items
+        # the question quotes the episode (file contents, names, the agent's argument): plain text, so nothing
+        # in it can close the user turn and write the judge's answer for it
+        prompt = ids_around_plain(self.tok, lambda c: render_text(self.tok, [{"role": "user", "content": c}],
+                                                                  add_generation_prompt=True, enable_thinking=False),
+                                  question, memo="judge")
+        return [(prompt, tail, [1] * len(tail)) for tail in self._answer_ids()]
+
+    def _answer_ids(self) -> list[list[int]]:
+        """Each answer's ids as the template renders them after the generation prompt (the same for any question)."""
+        if self._answers is None:
+            user = [{"role": "user", "content": "Allow or block?"}]
+            prompt = render_ids(self.tok, user, add_generation_prompt=True, enable_thinking=False)
+            self._answers = []
+            for answer in ANSWERS:
+                full = render_ids(self.tok, [*user, {"role": "assistant", "content": answer, "reasoning_content": ""}],
+                                  enable_thinking=False)
+                if full[:len(prompt)] != prompt:
+                    raise ValueError(f"judge {self.checkpoint}: its template renders the answer turn differently "
+                                     f"from the generation prompt; cannot score answers")
+                self._answers.append(full[len(prompt):])
+        return self._answers
 
     def decide(self, context: dict, tool: str, arg: str) -> str:
         """"allow" or "block" for this call in this episode."""

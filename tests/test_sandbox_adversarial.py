@@ -40,15 +40,35 @@ def workspace(tmp_path):
 
 
 @pytest.fixture
-def opened_paths():
-    """Every path Python opens or lists while the flag is set."""
+def opened_paths(monkeypatch):
+    """The real path of everything opened or listed while the flag is set: what each descriptor the sandbox
+    opens points at (read back from /proc, so a followed link would show its target), and any path Python
+    opens or lists by name (an audit hook)."""
     seen: list[str] = []
     state = {"on": False}
+    real_open, real_listdir = os.open, os.listdir
+
+    def where(fd: int) -> str:
+        return os.readlink(f"/proc/self/fd/{fd}")
+
+    def opened(path, flags, mode=0o777, *, dir_fd=None):
+        fd = real_open(path, flags, mode, dir_fd=dir_fd)
+        if state["on"]:
+            seen.append(where(fd))
+        return fd
+
+    def listed(path="."):
+        if state["on"] and isinstance(path, int):
+            seen.append(where(path))
+        return real_listdir(path)
 
     def hook(event, args):
-        if state["on"] and event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        if state["on"] and event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes)) \
+                and os.path.isabs(os.fsdecode(args[0])):
             seen.append(os.fsdecode(args[0]))
 
+    monkeypatch.setattr(os, "open", opened)
+    monkeypatch.setattr(os, "listdir", listed)
     sys.addaudithook(hook)  # hooks cannot be removed; the flag turns this one off after the test
     yield seen, state
     state["on"] = False
@@ -71,7 +91,8 @@ def test_every_attack_is_blocked_and_nothing_outside_is_read(workspace, opened_p
     assert [(b["tool"], b["arg"]) for b in ws.blocked] == [(t, a.strip()) for t, a in ATTACKS]
     assert {b["stage"] for b in ws.blocked} == {"rules", "path"}  # both checks of the first stage did work
     root = ws.root.resolve()
-    outside = [p for p in seen if not Path(p).resolve().is_relative_to(root)]
+    # a descriptor may name a link itself (opened, never followed): its folder is what must be inside
+    outside = [p for p in seen if not (Path(p).parent.resolve() / Path(p).name).is_relative_to(root)]
     assert seen and not outside, f"opened outside the workspace: {outside}"
 
 
