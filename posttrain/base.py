@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
+from posttrain import checkpoint_rules
 from posttrain.models import moe
 from posttrain.artifacts import SOURCE, dir_digest
 from posttrain.chat import ChatFormatError, chat_format, doc_end_id, train_tokenizer
-from posttrain.config import PipelineConfig
+from posttrain.config import ConfigError, PipelineConfig
 from posttrain.data import load_pretrain_texts
 from posttrain.models.preset import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
 from posttrain.pypi_checkpoints import source_of
@@ -20,10 +21,11 @@ from posttrain.train import eval_loss, moe_metrics, pack_stream, row_sampler, su
 def check_checkpoint(cfg: PipelineConfig):
     """Everything about base.init_from that needs only the checkpoint, checked before the first stage: a loadable
     folder, a usable chat template (base.chat_template's when given) and, where a domain calls tools, one that
-    renders tool calls. Returns the tokenizer with its template in place."""
+    renders tool calls; then every setting its config.json decides (posttrain.checkpoint_rules: attention, DSA,
+    RoPE, quantize's group size, the megatron split, routing replay, MTP), all of them in one ConfigError. Returns
+    the tokenizer with its template in place."""
     from transformers import AutoTokenizer
 
-    import environments
     b = cfg.base
     check_folder(b.init_from)
     tok = AutoTokenizer.from_pretrained(b.init_from)
@@ -32,13 +34,10 @@ def check_checkpoint(cfg: PipelineConfig):
             raise ChatFormatError(f"base.chat_template: no such file {b.chat_template}")
         tok.chat_template = Path(b.chat_template).read_text()
     fmt = chat_format(tok)
-    tooled = [d for d in environments.names(cfg.world.environments)
-              if hasattr(environments.get(d), "open_workspace")]
-    if tooled and fmt.tool_format == "none":
-        where = b.chat_template or f"{b.init_from}'s template ({fmt.template})"
-        raise ChatFormatError(f"base.chat_template: {where} renders no tool calls, and the {', '.join(tooled)} "
-                              f"domain calls tools: pass --set base.chat_template=<a .jinja file that renders "
-                              f"`tool_calls`>, e.g. configs/templates/chatml-tools.jinja for a ChatML model")
+    if errors := checkpoint_rules.chat_tools(cfg, tok, b.chat_template or f"{b.init_from}'s template ({fmt.template})"):
+        raise ChatFormatError(errors[0])
+    if errors := checkpoint_rules.check(cfg, b.init_from):
+        raise ConfigError("\n  ".join(errors))
     return tok
 
 

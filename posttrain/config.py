@@ -237,7 +237,11 @@ class RampConfig(_Strict):
     mask_documents: bool = True  # attention stays inside each packed document; positions restart
     activation_checkpointing: bool = False
     # a transformers attention implementation, one from posttrain.models.attention.register, or dsa; packed_sdpa: sdpa
-    # that computes no scores between packed documents (posttrain.models.packed_attention)
+    # that computes no scores between packed documents (posttrain.models.packed_attention). GLM-5 (model.arch glm5, or
+    # a base.init_from checkpoint of model_type glm_moe_dsa) takes sdpa, eager or dsa only: its DSA indexer reads the
+    # full mask only those build. Left unset (by the profile and --set), it is sdpa there, decided when the config
+    # loads (PipelineConfig._glm5_attention), so the run's saved config says what ran; set to another, it is refused
+    # at load (posttrain.checkpoint_rules.ramp_attention)
     attention: str = "packed_sdpa"
     dsa: DSAConfig = DSAConfig()
     long_docs: AtLeast0 = 2000   # distinct long-context documents per stage, lengths spread up to seq_len
@@ -603,6 +607,31 @@ class PipelineConfig(_Strict):
                              f"(got {v!r})")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _glm5_attention(cls, data: Any) -> Any:
+        """ramp.attention left unset with GLM-5 (model.arch glm5, or base.init_from a local GLM-5 checkpoint, whose
+        config.json's model_type is read): sdpa instead of the dense default packed_sdpa. Unset means absent from
+        what was given (for a section given built, not in its `model_fields_set`); a run's saved config, reloaded,
+        has it written out. A `checkpoint:<name>` or a remote path is read once the CLI has resolved it locally."""
+        if not isinstance(data, dict):
+            return data
+        ramp = data.get("ramp", {})
+        given = ramp.model_fields_set if isinstance(ramp, RampConfig) else ramp if isinstance(ramp, dict) else None
+        if given is None or "attention" in given:
+            return data
+        init_from = _given(data.get("base", {}), "init_from", "")
+        if init_from and isinstance(init_from, str):
+            from posttrain.checkpoint_rules import GLM5_TYPES, model_type
+            glm5 = model_type(init_from) in GLM5_TYPES
+        else:
+            glm5 = _given(data.get("model", {}), "arch", "llama") == "glm5"
+        if not glm5:
+            return data
+        ramp = ramp.model_copy(update={"attention": "sdpa"}) if isinstance(ramp, RampConfig) else \
+            {**ramp, "attention": "sdpa"}
+        return {**data, "ramp": ramp}
+
     @model_validator(mode="after")
     def _consistent(self) -> "PipelineConfig":
         """Rules across sections, checked at load so a run does not fail stages later. Each message starts with
@@ -764,6 +793,11 @@ class PipelineConfig(_Strict):
         A checkpoint's (base.init_from) own length can be far longer than the ladder it is given here."""
         own = () if self.base.init_from else (self.model.max_position_embeddings,)
         return sorted({*own, *(s.seq_len for s in self.ramp.stages)})
+
+
+def _given(section: Any, key: str, default: Any) -> Any:
+    """A key of a section as given to the validators: a raw mapping or a built section."""
+    return section.get(key, default) if isinstance(section, dict) else getattr(section, key, default)
 
 
 def _at(data: dict, path: str) -> Any:

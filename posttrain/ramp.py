@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from environments import long_context
 from environments.base import Task
+from posttrain import checkpoint_rules
 from posttrain.models import attention, dsa, glm5, mtp
 from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
@@ -75,11 +76,18 @@ def long_context_accuracy(cfg: PipelineConfig, model, tok, sets: dict[int, list[
     return acc
 
 
-def with_rope(model, stage: RampStage):
-    """Rebuild the model with this stage's RoPE settings (inv_freq derives from config, is not stored)."""
-    config = AutoConfig.for_model(**model.config.to_dict())
+def stage_config(config, stage: RampStage):
+    """A copy of a model's config with this stage's RoPE settings and length (checked against a checkpoint before
+    the first stage: posttrain.checkpoint_rules.ramp_rope)."""
+    config = AutoConfig.for_model(**config.to_dict())
     config.rope_parameters = {"rope_type": "default", **dict(stage.rope_scaling), "rope_theta": stage.rope_theta}
     config.max_position_embeddings = stage.seq_len
+    return config
+
+
+def with_rope(model, stage: RampStage):
+    """Rebuild the model with this stage's RoPE settings (inv_freq derives from config, is not stored)."""
+    config = stage_config(model.config, stage)
     new = mtp.restore(dsa.restore(AutoModelForCausalLM.from_config(config).float()))
     new.load_state_dict(model.state_dict())
     return new
@@ -241,10 +249,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     seed_all(cfg.seed)
     r = cfg.ramp
     model, tok = load_checkpoint(inputs["base"])
-    n_layers, native = model.config.num_hidden_layers, model.config.max_position_embeddings
-    if r.attention == "dsa" and not glm5.is_glm5(model) and any(i >= n_layers for i in r.dsa.own_indexer):  # known now
-        raise ValueError(f"ramp.dsa.own_indexer: layers must be < the {n_layers} layers of {inputs['base']} "
-                         f"(got {r.dsa.own_indexer})")
+    native = model.config.max_position_embeddings
+    # checked before the first stage too (posttrain.base.check_checkpoint); here for a rerun or a remote run
+    checkpoint_rules.stage_check(cfg, model.config, inputs["base"], checkpoint_rules.ramp_attention,
+                                 checkpoint_rules.ramp_dsa)
     eos, bos = doc_end_id(tok), bos_ids(tok)
     docs = [[*bos, *d, eos]
             for d in tok(load_pretrain_texts(inputs["curate"]), add_special_tokens=False)["input_ids"]]

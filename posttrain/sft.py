@@ -18,7 +18,7 @@ import torch
 import environments
 from environments import long_context
 from environments.base import Task
-from posttrain import replay
+from posttrain import checkpoint_rules, replay
 from posttrain.models import attention, moe, mtp
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
@@ -251,12 +251,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     long_tasks = _long_tasks(tok, "train", len(train_tasks) // 6, cfg.seed, s.seq_len)
     train_tasks += long_tasks
     val_tasks = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]
-    tooled = [d for d in domains if hasattr(environments.get(d), "open_workspace")]
-    if tooled and chat_format(tok).tool_format == "none":
-        raise ChatFormatError(f"sft: the chat template of {inputs['ramp']} ({chat_format(tok).template}) renders no "
-                              f"tool calls, and {', '.join(tooled)} need them: set base.chat_template to a template "
-                              f"that renders `tool_calls` (Hermes <tool_call> or Llama-3 JSON), e.g. "
-                              f"configs/templates/chatml-tools.jinja")
+    # checked before the first stage too (posttrain.base.check_checkpoint)
+    if errors := checkpoint_rules.chat_tools(cfg, tok, f"the chat template of {inputs['ramp']} "
+                                                       f"({chat_format(tok).template})"):
+        raise ChatFormatError(f"sft: {errors[0]}")
     examples = build_examples(cfg, tok, train_tasks, cfg.seed)
     check_masks(examples, tok)
     replayed, unfinished = replay_examples(cfg, inputs.get("base", ""))

@@ -24,6 +24,7 @@ import environments
 from posttrain import loadcheck
 from posttrain.models import moe, mtp
 from posttrain.chat import render_ids
+from posttrain.checkpoint_rules import group_size_problem, module_pattern
 from posttrain.config import PipelineConfig, QuantizeConfig
 from posttrain.console import kv
 from posttrain.data import load_tasks
@@ -67,8 +68,9 @@ def scheme(qcfg: QuantizeConfig, glm5: bool = False) -> QuantizationConfig:
 
 def targets(model, qcfg: QuantizeConfig) -> dict[str, tuple[torch.nn.Linear, int, int]]:
     """Quantized Linear name -> (module, bits, group size), as `scheme` says; refuses a group size that does not
-    divide. A GLM-5 model's experts must be unfused first (posttrain.models.moe.unfuse_experts)."""
-    glm, out = is_glm5(model), {}
+    divide (the rule checked against a checkpoint before the first stage: posttrain.checkpoint_rules). A GLM-5
+    model's experts must be unfused first (posttrain.models.moe.unfuse_experts)."""
+    glm, out, grouped = is_glm5(model), {}, {}
     for name, m in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         # the MTP layer only drafts (every token is checked by the quantized model): it stays in 16-bit
@@ -86,9 +88,11 @@ def targets(model, qcfg: QuantizeConfig) -> dict[str, tuple[torch.nn.Linear, int
             g = qcfg.group_size if leaf in MLP else m.in_features
         else:
             continue
-        if m.in_features % g:
-            raise ValueError(f"quantize.group_size={g} does not divide {name}'s {m.in_features} input columns")
+        if bits == qcfg.mlp_bits:  # int4 groups (int8 is per channel: a group of every input column)
+            grouped.setdefault(module_pattern(name), m.in_features)
         out[name] = (m, bits, g)
+    if problem := group_size_problem(qcfg.group_size, grouped):
+        raise ValueError(f"quantize.group_size={qcfg.group_size} {problem}")
     return out
 
 
