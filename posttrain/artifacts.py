@@ -2,6 +2,12 @@
 
 Writes are atomic: a stage writes into a temp folder beside the target and renames it into place,
 so a crash never leaves a half artifact that a later node could consume.
+
+The digest covers what the stage computed, never what a clock measured: a stage's `history.json` loses its
+wall-clock curves (seconds, tokens per second: `is_timing`) to `timings.json` beside it when the manifest is
+written, and `timings.json` is listed under `timing_files` (checked by `verify`) but not hashed into the digest. So
+a node recomputed to the same weights and curves gets the same digest, and everything downstream of it stays cached.
+`read_history` gives both back as one.
 """
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -21,6 +28,8 @@ from posttrain.config import ROOT
 
 MANIFEST = "manifest.json"
 SOURCE = "source.json"  # in a base artifact made from base.init_from: the checkpoint it copied
+HISTORY = "history.json"  # a training stage's curves, step by step
+TIMINGS = "timings.json"  # the wall-clock curves of the history.json beside it: verified, not in the digest
 
 
 class DigestMismatch(RuntimeError):
@@ -86,19 +95,61 @@ def dir_digest(folder: Path | str) -> str:
 
 
 def file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file the artifact digest covers (all but the manifest and timings.json)."""
     return {str(p.relative_to(folder)): sha256_file(p)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in (MANIFEST, TIMINGS)}
+
+
+def timing_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every timings.json under `folder`: checked, but outside the artifact digest."""
+    return {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob(TIMINGS)) if p.is_file()}
+
+
+def is_timing(key: str) -> bool:
+    """A history curve measured by a clock: seconds and rates per second end in `_s` (`train_s`, `wall_s`,
+    `val_wall_s`, `gen_tokens_per_s`) or in `seconds`; a `@<seq_len>` or `/<domain>` suffix is looked through."""
+    return re.split(r"[@/]", key, maxsplit=1)[0].endswith(("_s", "seconds"))
+
+
+def split_timings(folder: Path) -> None:
+    """Move the wall-clock curves of every history.json under `folder` into the timings.json beside it (merged
+    with one the stage wrote itself): the rest of the history is what the training computed, the same on a rerun
+    that computes the same weights."""
+    for path in sorted(folder.rglob(HISTORY)):
+        try:
+            hist = json.loads(path.read_text())
+        except ValueError:
+            continue  # not JSON: hashed as it is
+        if not isinstance(hist, dict) or not (timings := {k: hist.pop(k) for k in list(hist) if is_timing(k)}):
+            continue
+        beside = path.with_name(TIMINGS)
+        if beside.is_file():
+            timings = {**json.loads(beside.read_text()), **timings}
+        beside.write_text(json.dumps(timings))
+        path.write_text(json.dumps(hist))
+
+
+def read_history(folder: Path | str, name: str = HISTORY) -> dict:
+    """A stage's history as it trained: `history.json` with the wall-clock curves of `timings.json` put back."""
+    path = Path(folder) / name
+    hist = json.loads(path.read_text())
+    timings = path.with_name(TIMINGS)
+    return {**hist, **json.loads(timings.read_text())} if timings.is_file() else hist
 
 
 def write_manifest(folder: Path, *, stage: str, parents: dict[str, str], config_digest: str,
                    code_digest: str, mlflow_run_id: str, extra: dict | None = None) -> str:
-    """Write manifest.json into `folder`; return the artifact digest (sha256 of its content part)."""
+    """Write manifest.json into `folder`; return the artifact digest (sha256 of its content part: every file but
+    timings.json, which split_timings fills from history.json first, see the module docstring)."""
+    split_timings(folder)
     files = file_digests(folder)
     body = {"stage": stage, "files": files, "parents": parents, "config_digest": config_digest,
             "code_digest": code_digest}
     digest = sha256_json(body)
     manifest = {**body, "sha256": digest, "git_sha": git_sha(), "mlflow_run_id": mlflow_run_id,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(extra or {})}
+    if timings := timing_digests(folder):
+        manifest["timing_files"] = timings
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return digest
 
@@ -122,14 +173,16 @@ def verify(folder: Path | str, expected: str | None = None) -> dict:
     m = read_manifest(folder)
     if expected and m["sha256"] != expected:
         raise DigestMismatch(f"{folder}: manifest digest {m['sha256'][:12]} != expected {expected[:12]}")
-    actual = file_digests(folder)
-    for name, digest in m["files"].items():
-        if name not in actual:
+    actual, timings = file_digests(folder), timing_digests(folder)
+    listed = m.get("timing_files") or {}
+    for name, digest in [*m["files"].items(), *listed.items()]:
+        have = timings if name in listed else actual
+        if name not in have:
             raise DigestMismatch(f"{folder}: file {name} listed in manifest is missing")
-        if actual[name] != digest:
-            raise DigestMismatch(f"{folder}: file {name} has sha256 {actual[name][:12]}, "
+        if have[name] != digest:
+            raise DigestMismatch(f"{folder}: file {name} has sha256 {have[name][:12]}, "
                                  f"manifest says {digest[:12]} (modified after it was written)")
-    extra = sorted(set(actual) - set(m["files"]))
+    extra = sorted((set(actual) - set(m["files"])) | (set(timings) - set(listed)))
     if extra:
         raise DigestMismatch(f"{folder}: files not in manifest: {extra[:5]}")
     body = {k: m[k] for k in ("stage", "files", "parents", "config_digest", "code_digest")}

@@ -122,7 +122,7 @@ def load_prompts(path: str = "") -> list[str]:
     if not path:
         return list(PROMPTS)
     out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):  # a BOM is no prompt
         if not line.strip():
             continue
         try:

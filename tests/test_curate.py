@@ -89,7 +89,8 @@ def test_unmapped_text_field_fails_the_input_gate(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"body": r["text"]} for r in GOOD]), raw / "a.parquet")
     with pytest.raises(curate.BadRow, match=r"a\.parquet.*'text'"):
         _run(_cfg("curate.on_bad_row=fail"), raw, tmp_path)
-    with pytest.raises(GateFailed, match="(?s)gate .input.*column.: .text"):
+    with pytest.raises(GateFailed, match="(?s)gate .input.*column.: .text.*rows without a string 'text': a.parquet:1 "
+                                         r"and 39 more rows: no column 'text' \(columns: body\)"):
         _run(_cfg(), raw, tmp_path / "q")
 
 
@@ -157,3 +158,76 @@ def test_the_generated_corpus_is_byte_identical_run_to_run(tmp_path, monkeypatch
         (tmp_path / name).mkdir()
         curate.make_raw(_cfg(), {}, tmp_path / name)
     assert dir_digest(tmp_path / "a") == dir_digest(tmp_path / "b")
+
+
+def test_blank_lines_are_skipped_and_a_file_of_them_is_refused_up_front(tmp_path):
+    """Blank lines are not rows (their line numbers still count); a file holding only blank lines holds no row,
+    and when every file is so the run stops before any work, naming the file."""
+    from posttrain.cli import _check_local_inputs
+    from posttrain.config import ConfigError
+    from posttrain.curate.read import check_inputs
+    blank = tmp_path / "blank.jsonl"
+    blank.write_bytes(b"\n   \n\r\n")
+    with pytest.raises(curate.BadRow, match=r"^curate\.inputs: every file is empty \(blank\.jsonl: no rows, only 3 "
+                                            r"blank lines \(blank lines are skipped\)\)$"):
+        check_inputs([str(blank)], "text")
+    with pytest.raises(ConfigError, match=r"blank\.jsonl: no rows, only 3 blank lines"):
+        _check_local_inputs(_cfg(f"curate.inputs=['{blank}']"))
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    _write_jsonl(raw / "a.jsonl", GOOD[:3], [b"\n", b"  \n", b'{"id": "y", "text": 42}\n'])
+    (raw / "blank.jsonl").write_bytes(blank.read_bytes())
+    assert check_inputs([str(raw / "*.jsonl")], "text") == [raw / "a.jsonl", raw / "blank.jsonl"]
+    res, out = _run(_cfg(), raw, tmp_path)
+    assert res["metrics"]["rows_in"] == 4  # three good rows and the bad one, no blank line
+    q = {r["id"]: (r["reason"], r["detail"]) for r in pq.read_table(out / "quarantine.parquet").to_pylist()}
+    assert q["a.jsonl:6"] == ("bad_row", "field 'text' is a JSON number (42), not a string")  # its own line number
+    assert q["blank.jsonl:0"] == ("empty_file", "no rows, only 3 blank lines")
+    assert json.loads((out / "data_card.json").read_text())["blank_lines_skipped"] == 5
+
+
+def test_a_text_column_or_field_that_is_not_a_string_is_refused_up_front(tmp_path):
+    from posttrain.curate.read import check_inputs
+    ints = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "text": [1, 2]}), ints)
+    with pytest.raises(curate.BadRow, match=r"^curate\.inputs: ints\.parquet: column 'text' is int64, not a string "
+                                            r"column; curate reads the text from a string column"):
+        check_inputs([str(ints)], "text")
+    with pytest.raises(curate.BadRow, match=r"ints\.parquet has no column 'body'.*\(columns: id string, text int64\)"):
+        check_inputs([str(ints)], "body")
+    nulls = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": ["a", None, None]}), nulls)
+    with pytest.raises(curate.BadRow, match=r"nulls\.parquet: column 'text' is null in 2 of 3 rows"):
+        check_inputs([str(nulls)], "text")
+    for name, value in (("number", 42), ("array", ["a", "list"]), ("null", None)):
+        path = tmp_path / f"{name}.jsonl"
+        _write_jsonl(path, [{"id": "x", "text": value}, {"id": "y", "text": value}])
+        with pytest.raises(curate.BadRow, match=rf"^curate\.inputs: {name}\.jsonl: 2 of 2 rows have no string 'text', "
+                                                rf"e\.g\. {name}\.jsonl:1: field 'text' is (a JSON )?{name}"):
+            check_inputs([str(path)], "text")
+    with gzip.open(tmp_path / "g.jsonl.gz", "wt") as f:  # gzip alike
+        f.write(json.dumps({"body": "a document"}) + "\n")
+    with pytest.raises(curate.BadRow, match=r"g\.jsonl\.gz: 1 of 1 rows have no string 'text', e\.g\. g\.jsonl\.gz:1: "
+                                            r"no field 'text' \(fields: body\)"):
+        check_inputs([str(tmp_path / "g.jsonl.gz")], "text")
+    assert check_inputs([str(tmp_path / "g.jsonl.gz")], "body")  # mapped: fine
+    # a few bad rows among good ones are curate's to quarantine (or refuse, curate.on_bad_row=fail): not refused
+    _write_jsonl(tmp_path / "mixed.jsonl", GOOD[:3] + [{"id": "z", "text": 7}])
+    assert check_inputs([str(tmp_path / "mixed.jsonl")], "text")
+    # the raw node, the first of a run, refuses it too (it copies curate.inputs into the artifact)
+    with pytest.raises(curate.BadRow, match=r"ints\.parquet: column 'text' is int64"):
+        curate.make_raw(_cfg(f"curate.inputs=['{ints}']"), {}, tmp_path)
+
+
+def test_a_byte_order_mark_costs_no_row(tmp_path):
+    from posttrain.curate.read import check_inputs, read_rows
+    from posttrain.replay import load_prompts
+    rows = [{"id": "a", "text": "first row"}, {"id": "b", "text": "second row"}]
+    body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + body)
+    (tmp_path / "bom.jsonl.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf" + body))
+    for name in ("bom.jsonl", "bom.jsonl.gz"):
+        assert list(read_rows(tmp_path / name, "text")) == [(1, rows[0], ""), (2, rows[1], "")]
+        assert check_inputs([str(tmp_path / name)], "text")
+    (tmp_path / "replay.jsonl").write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "Say hi."}\n')
+    assert load_prompts(str(tmp_path / "replay.jsonl")) == ["Say hi."]

@@ -1,11 +1,12 @@
 """The store never replaces what it published: of two runs computing one node the first publication wins and
 the other takes it; a corrupted version is kept as evidence and the recomputed one goes beside it. Same rules for
 a local folder and an S3 store (moto's server on loopback, conditional PUTs)."""
+import json
 import uuid
 
 import pytest
 
-from posttrain.artifacts import verify, write_manifest
+from posttrain.artifacts import read_history, verify, write_manifest
 from posttrain.store import Store, local_versions, publish_local
 
 
@@ -56,8 +57,11 @@ def s3_store(tmp_path, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"]).create_bucket(Bucket="store")
+    import s3fs
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps one per set of arguments: an earlier test's server
     yield lambda name: Store("s3://store/home", tmp_path / name)
     server.stop()
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_an_s3_store_commits_once_per_version_and_keeps_corrupted_ones(s3_store, tmp_path):
@@ -78,3 +82,35 @@ def test_an_s3_store_commits_once_per_version_and_keeps_corrupted_ones(s3_store,
     assert sha_c == db and uri_c != uri_a
     assert two.committed("opd", key).valid[0] == uri_c
     assert two.find_by_digest(db) == uri_c
+
+
+def _staged_run(target, train_s: float):
+    """A finished RL-like artifact whose history holds a wall-clock curve (different on every run)."""
+    tmp = target.parent / f".tmp-{uuid.uuid4().hex}"
+    tmp.mkdir(parents=True)
+    (tmp / "model.safetensors").write_bytes(b"the same weights")
+    (tmp / "history.json").write_text(json.dumps({"reward": [0.5], "train_s": [train_s]}))
+    return tmp, write_manifest(tmp, stage="rl-general", parents={}, config_digest="c", code_digest="k",
+                               mlflow_run_id=str(train_s))
+
+
+def test_a_forced_recompute_to_the_same_weights_keeps_the_digest(tmp_path):
+    """--force on a node that trains to the same weights: a new version beside the old, with the old one's digest,
+    so every node downstream (its cache key holds its inputs' digests) is served from the cache."""
+    target = tmp_path / "artifacts" / "rl-general" / "0123456789abcdef"
+    tmp, first = _staged_run(target, 0.25)
+    publish_local(tmp, target)
+    redo, again = _staged_run(target, 0.75)
+    found = local_versions(target)
+    assert publish_local(redo, target, frozenset(found.seen)) == target.with_name(target.name + ".2")
+    assert again == first and local_versions(target).valid[1]["sha256"] == first
+    assert read_history(target.with_name(target.name + ".2"))["train_s"] == [0.75]
+
+
+def test_an_s3_store_carries_the_timings_beside_the_digest(s3_store, tmp_path):
+    one, two = s3_store("one"), s3_store("two")
+    tmp, digest = _staged_run(tmp_path / "a" / "x", 0.5)
+    uri, sha = one.publish(tmp, "rl-general", "0123456789abcdef" * 4, digest)
+    local = two.fetch(uri, sha)  # another machine: downloaded and verified, timings.json included
+    assert verify(local, digest)["timing_files"].keys() == {"timings.json"}
+    assert read_history(local) == {"reward": [0.5], "train_s": [0.5]}

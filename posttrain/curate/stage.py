@@ -26,7 +26,7 @@ from posttrain.config import PipelineConfig
 from posttrain.curate.corpus import generate_raw
 from posttrain.curate.dedup import MinHasher, WordHashes, contains_windows, flat_ids, global_dedup, hash64, \
     sorted_member, target_windows, tokenize, window_hashes
-from posttrain.curate.read import BadRow, check_inputs, data_files, read_rows
+from posttrain.curate.read import BLANK, EMPTY, BadRow, check_inputs, data_files, read_rows
 from posttrain.curate.text import normalise, quality, scrub_pii
 from posttrain.raysupport import map_tasks
 
@@ -45,7 +45,7 @@ def make_raw(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     """The raw corpus artifact: the user's files copied in, or the generated default corpus."""
     c = cfg.curate
     if c.inputs:
-        files = check_inputs(c.inputs)
+        files = check_inputs(c.inputs, c.text_field)
         for f in files:
             shutil.copy(f, out / Path(f).name)
         return {"metrics": {"files": len(files)}}
@@ -78,7 +78,9 @@ def scan_file(cfg: PipelineConfig, path: Path, index: int, work: Path, targets: 
             **{b: open(work / f"band{b:03d}.bin", "wb") for b in range(hasher.bands)}}
     candidates = pq.ParquetWriter(work / "candidates.parquet", CANDIDATE_SCHEMA, compression="zstd")
     quarantine = pq.ParquetWriter(work / "quarantine-scan.parquet", QUARANTINE_SCHEMA, compression="zstd")
-    stats = {"rows_in": 0, "empty_files": 0, "mojibake_repaired": 0, "rejected": Counter(), "validation": []}
+    stats = {"rows_in": 0, "empty_files": 0, "blank_lines": 0, "mojibake_repaired": 0, "rejected": Counter(),
+             "validation": []}
+    no_text: dict[str, list] = {}  # problem: [first row, rows] of the rows without text, for a failed input gate
     rejected_rows: list[dict] = []
     batch: list[tuple] = []
     gate_rows: list[tuple] = []
@@ -119,17 +121,30 @@ def scan_file(cfg: PipelineConfig, path: Path, index: int, work: Path, targets: 
     def gate():
         if gate_rows:
             df = pd.DataFrame(gate_rows, columns=["id", "text", "source"])
-            stats["validation"].append(gates.validate(f"input {path.name}", df, gates.input_expectations()))
+            try:
+                stats["validation"].append(gates.validate(f"input {path.name}", df, gates.input_expectations()))
+            except gates.GateFailed as e:  # the rule alone does not say what the rows hold instead
+                if not no_text:
+                    raise
+                why = "; ".join(f"{first}{f' and {n - 1} more rows' if n > 1 else ''}: {problem}"
+                                for problem, (first, n) in no_text.items())
+                raise gates.GateFailed(f"{e}\n  rows without a string {c.text_field!r}: {why} (set curate.text_field "
+                                       f"to the field that holds the text)") from None
             gate_rows.clear()
 
     try:
         for line, row, problem in read_rows(path, c.text_field):
             where = f"{path.name}:{line}"
-            if problem == "empty_file":
+            if problem == BLANK:  # not a row
+                stats["blank_lines"] += 1
+                continue
+            if problem == EMPTY:
+                blank = stats["blank_lines"]
+                why = f"no rows, only {blank} blank line{'s' * (blank != 1)}" if blank else "the file is empty"
                 if c.on_bad_row == "fail":
-                    raise BadRow(f"{path.name}: the file is empty (set curate.on_bad_row=quarantine to skip it)")
+                    raise BadRow(f"{path.name}: {why} (set curate.on_bad_row=quarantine to skip it)")
                 stats["empty_files"] += 1
-                rejected_rows.append(_quarantine_row(where, "", "empty_file", "no rows", "unknown"))
+                rejected_rows.append(_quarantine_row(where, "", "empty_file", why, "unknown"))
                 continue
             stats["rows_in"] += 1
             text = row.get(c.text_field) if row is not None and not problem else None
@@ -139,6 +154,8 @@ def scan_file(cfg: PipelineConfig, path: Path, index: int, work: Path, targets: 
             if len(gate_rows) >= GATE_CHUNK:
                 gate()
             if problem:
+                if problem in no_text or len(no_text) < 3:
+                    no_text.setdefault(problem, [where, 0])[1] += 1
                 if c.on_bad_row == "fail":
                     raise BadRow(f"{where}: {problem} (set curate.on_bad_row=quarantine to keep going)")
                 reject(where, "", "bad_row", problem, source)
@@ -275,7 +292,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         by_source.setdefault(src, {}).update(kept=kept[src], tokens=tokens[src], mixture_weight=weight,
                                              pretrain_tokens_weighted=round(tokens[src] * weight))
     empty = sum(s["empty_files"] for s in scans)
-    card = {"rows_in": n_in, "rows_kept": sum(kept.values()), "empty_files": empty, "rejected": dict(reasons),
+    card = {"rows_in": n_in, "rows_kept": sum(kept.values()), "empty_files": empty,
+            "blank_lines_skipped": sum(s["blank_lines"] for s in scans), "rejected": dict(reasons),
             "sources": by_source, "tokens_kept": sum(tokens.values()), "token_unit": "regex word/punct tokens",
             "mojibake_repaired": sum(s["mojibake_repaired"] for s in scans), "pii_scrubbed": dict(pii),
             "splits": split_counts, "files": [f.name for f in files],
