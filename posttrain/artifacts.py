@@ -7,7 +7,7 @@ The digest covers what the stage computed, never what a clock measured: a stage'
 wall-clock curves (seconds, tokens per second: `is_timing`) to `timings.json` beside it when the manifest is
 written, and `timings.json` is listed under `timing_files` (checked by `verify`) but not hashed into the digest. So
 a node recomputed to the same weights and curves gets the same digest, and everything downstream of it stays cached.
-`read_history` gives both back as one.
+`read_with_timings` gives both back as one.
 """
 from __future__ import annotations
 
@@ -129,8 +129,9 @@ def split_timings(folder: Path) -> None:
         path.write_text(json.dumps(hist))
 
 
-def read_history(folder: Path | str, name: str = HISTORY) -> dict:
-    """A stage's history as it trained: `history.json` with the wall-clock curves of `timings.json` put back."""
+def read_with_timings(folder: Path | str, name: str = HISTORY) -> dict:
+    """A stage's JSON as it was measured: `history.json` (or `name`) with the figures of the timings.json beside it
+    put back (wall-clock curves; quantize's memory figures)."""
     path = Path(folder) / name
     hist = json.loads(path.read_text())
     timings = path.with_name(TIMINGS)

@@ -17,6 +17,7 @@ import torch
 import environments
 from environments import long_context
 from posttrain import report_html
+from posttrain.artifacts import read_with_timings
 from posttrain.models import moe
 from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
@@ -189,7 +190,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     (out / "eval.md").write_text(table(result["eval"]) + "\n")
     plot(result["eval"], out / "eval.png")
-    quantization = json.loads((Path(inputs["quantize"]) / "quantization.json").read_text())
+    quantization = read_with_timings(inputs["quantize"], "quantization.json")
     report_html.write({**result, "quantization": quantization}, out)
     metrics = {f"{ck}.{s}": v for ck, ss in result["eval"].items() for s, v in ss.items()}
     metrics |= {f"{ck}.{s}.{k}": v for ck, ss in result["pass_at_k"].items() for s, kv in ss.items()

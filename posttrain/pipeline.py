@@ -10,7 +10,7 @@ from pathlib import Path
 import environments
 
 from posttrain import engines, report_html, store, tracking
-from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest
+from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest, read_with_timings
 from posttrain.config import ConfigError, PipelineConfig
 from posttrain.gates import check_gates, validate_gates
 from posttrain.stages import RunContext, graph
@@ -128,7 +128,7 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     passed = report.get("gates", {}).get("passed", True)
     if "quantize" in refs:
         q = refs["quantize"]
-        report["quantization"] = json.loads((local["quantize"] / "quantization.json").read_text())
+        report["quantization"] = read_with_timings(local["quantize"], "quantization.json")
         if passed:  # a model that fails its gates is not registered
             report["registered_model"] = f"{cfg.registered_model}@" + tracking.register_model(
                 ctx.home, cfg.registered_model, str(local["quantize"]), q.mlflow_run_id,

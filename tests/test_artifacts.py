@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from posttrain.artifacts import DigestMismatch, atomic_dir, find_by_digest, read_history, verify, write_manifest
+from posttrain.artifacts import DigestMismatch, atomic_dir, find_by_digest, read_with_timings, verify, write_manifest
 
 
 def _artifact(root, name="a"):
@@ -76,7 +76,7 @@ def test_wall_clock_figures_stay_out_of_the_digest(tmp_path):
     assert d1 == d2
     assert json.loads((tmp_path / "a" / "history.json").read_text()) == curves  # what the training computed
     assert json.loads((tmp_path / "b" / "timings.json").read_text()) == slow
-    assert read_history(tmp_path / "b") == {**curves, **slow}  # as it trained, for readers of the timings
+    assert read_with_timings(tmp_path / "b") == {**curves, **slow}  # as it trained, for readers of the timings
     m = verify(tmp_path / "a", d1)
     assert "timings.json" not in m["files"] and set(m["timing_files"]) == {"timings.json"}
     assert _trained(tmp_path / "c", b"weights", {**curves, "reward": [0.1, 0.6], **fast}) != d1  # a real change
@@ -127,4 +127,4 @@ def test_an_rl_stage_run_twice_gives_byte_identical_weights_and_the_same_digest(
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert timings[0] != timings[1]  # measured by a clock: never the same twice
     assert digests[0] == digests[1]
-    assert "train_s" in read_history(b) and "train_s" not in json.loads((b / "history.json").read_text())
+    assert "train_s" in read_with_timings(b) and "train_s" not in json.loads((b / "history.json").read_text())

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from posttrain.artifacts import read_history, verify, write_manifest
+from posttrain.artifacts import read_with_timings, verify, write_manifest
 from posttrain.store import Store, local_versions, publish_local
 
 
@@ -104,7 +104,7 @@ def test_a_forced_recompute_to_the_same_weights_keeps_the_digest(tmp_path):
     found = local_versions(target)
     assert publish_local(redo, target, frozenset(found.seen)) == target.with_name(target.name + ".2")
     assert again == first and local_versions(target).valid[1]["sha256"] == first
-    assert read_history(target.with_name(target.name + ".2"))["train_s"] == [0.75]
+    assert read_with_timings(target.with_name(target.name + ".2"))["train_s"] == [0.75]
 
 
 def test_an_s3_store_carries_the_timings_beside_the_digest(s3_store, tmp_path):
@@ -113,4 +113,4 @@ def test_an_s3_store_carries_the_timings_beside_the_digest(s3_store, tmp_path):
     uri, sha = one.publish(tmp, "rl-general", "0123456789abcdef" * 4, digest)
     local = two.fetch(uri, sha)  # another machine: downloaded and verified, timings.json included
     assert verify(local, digest)["timing_files"].keys() == {"timings.json"}
-    assert read_history(local) == {"reward": [0.5], "train_s": [0.5]}
+    assert read_with_timings(local) == {"reward": [0.5], "train_s": [0.5]}

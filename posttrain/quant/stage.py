@@ -24,6 +24,7 @@ import environments
 from posttrain import loadcheck
 from posttrain.models import moe, mtp
 from posttrain.chat import render_ids
+from posttrain.artifacts import TIMINGS
 from posttrain.checkpoint_rules import group_size_problem, module_pattern
 from posttrain.config import PipelineConfig, QuantizeConfig
 from posttrain.console import kv
@@ -205,10 +206,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         "disk_bytes": (out / "model.safetensors").stat().st_size,
         "disk_bytes_unquantized": (Path(inputs["opd"]) / "model.safetensors").stat().st_size,
         "model_memory_bytes": fresh["model_bytes"], "model_memory_bytes_unquantized": fresh_fp["model_bytes"],
-        "rss_growth_bytes": fresh["rss_growth_bytes"], "rss_growth_bytes_unquantized": fresh_fp["rss_growth_bytes"],
-        "peak_rss_bytes": fresh["peak_rss_bytes"], "peak_rss_bytes_unquantized": fresh_fp["peak_rss_bytes"],
         "fresh_process_generated_tokens": fresh["generated_tokens"], "fresh_process_text": fresh["text"],
     }
     (out / "quantization.json").write_text(json.dumps(metrics, indent=1))  # report.json's "quantization"
+    # what the process measured changes from run to run: beside the digest, not in it (posttrain.artifacts)
+    measured = {"rss_growth_bytes": fresh["rss_growth_bytes"], "rss_growth_bytes_unquantized": fresh_fp["rss_growth_bytes"],
+                "peak_rss_bytes": fresh["peak_rss_bytes"], "peak_rss_bytes_unquantized": fresh_fp["peak_rss_bytes"]}
+    (out / TIMINGS).write_text(json.dumps(measured, indent=1))
+    metrics |= measured
     print(f"[quantize] {kv({k: v for k, v in metrics.items() if k != 'fresh_process_text'})}", flush=True)
     return {"metrics": metrics}
