@@ -64,7 +64,7 @@ def main() -> None:
             for n in SIZES:
                 old_sizes.append(n)
                 old_s.append(_best(old, make(n)))
-                if old_s[-1] > OLD_STOP_S:
+                if old_s[-1] > OLD_STOP_S and len(old_s) >= 2:  # two sizes at least, for a slope
                     break
             top = old_sizes[-1]
             fig[f"{name}_old_exponent"] = round(_slope(old_sizes, old_s), 2)
