@@ -23,13 +23,15 @@ run: install
 	$(BIN)/posttrain run --profile $(PROFILE)
 
 # two workers, a file to each at a time (a module's shared run stays in one): the smoke DAG runs leave 2 cores a
-# third idle, which the other worker's tests fill; --durations lists the slowest, to keep it short
+# third idle, which the other worker's tests fill. The files go out in tests/conftest.py's order, the longest first
+# (xdist would otherwise hand out the files with the most tests first); --durations lists the slowest, to keep it short
 test: install
-	$(BIN)/python -m pytest -x -q -n 2 --dist loadfile --durations=15 --ignore=tests/test_cluster.py --ignore=tests/slow --ignore=tests/sglang
+	$(BIN)/python -m pytest -x -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 --ignore=tests/test_cluster.py --ignore=tests/slow --ignore=tests/sglang
 
-# the small profile on the real chat model, a few steps per stage (minutes: its forwards); CI runs it too
+# the small profile on the real chat model, a few steps per stage (minutes: its forwards), and the megatron DAGs; CI
+# runs it too. Two workers, a file to each at a time, as `make test` (a DAG run keeps 2 cores about half busy)
 test-slow: install
-	$(BIN)/python -m pytest -x -q --durations=5 tests/slow
+	$(BIN)/python -m pytest -x -q -n 2 --dist loadfile --no-loadscope-reorder --durations=5 tests/slow
 
 # against real servers on loopback (S3, MLflow): longer than the suite's budget, so apart; CI runs both
 test-cluster: install

@@ -90,8 +90,10 @@ def print_report(report: dict) -> None:
 
 def _check_stages(names: list[str], flag: str, cfg, workflow: str = "cross_stage") -> None:
     """Refuse an unknown stage name before any work (an unknown --force would otherwise be ignored): stages of
-    `workflow` (cross_stage runs the post_train DAG too)."""
-    from posttrain.stages import graph
+    `workflow` (cross_stage runs the post_train DAG too). Light: the graph as data, no torch, Ray or MLflow."""
+    if not names:
+        return
+    from posttrain.graph import graph
     stages = [s.name for s in graph(cfg).values() if workflow == "cross_stage" or s.workflow == workflow]
     unknown = [n for n in names if n not in stages]
     if unknown:
@@ -99,23 +101,30 @@ def _check_stages(names: list[str], flag: str, cfg, workflow: str = "cross_stage
         raise ConfigError(f"{flag}: unknown stage {', '.join(map(repr, unknown))}{where}; stages: {', '.join(stages)}")
 
 
-def _check_local_inputs(cfg) -> None:
-    """What a local run reads from this machine, checked here rather than in a stage minutes later: the
-    checkpoint (and its template) of base.init_from, the files of curate.inputs."""
-    from posttrain.chat import ChatFormatError
-    from posttrain.curate.read import BadRow, check_inputs
-    from posttrain.models.preset import CheckpointError
+def _check_checkpoint(cfg) -> None:
+    """base.init_from's checkpoint and every setting its config.json decides (posttrain.checkpoint_rules): a run
+    checks it before its first stage, a rerun before the node it redoes."""
     if cfg.base.init_from:
         from posttrain.base import check_checkpoint
+        from posttrain.chat import ChatFormatError
+        from posttrain.models.preset import CheckpointError
         try:
             check_checkpoint(cfg)
         except CheckpointError as e:
             raise ConfigError(f"base.init_from: {e}") from None
         except ChatFormatError as e:
             raise ConfigError(str(e) if str(e).startswith("base.") else f"base.init_from: {e}") from None
+
+
+def _check_local_inputs(cfg) -> None:
+    """What a local run reads from this machine, checked here rather than in a stage minutes later: the
+    checkpoint (and its template) of base.init_from, the files of curate.inputs. Each check imports only what it needs
+    (a checkpoint needs transformers, a file list does not)."""
+    _check_checkpoint(cfg)
     if cfg.curate.inputs:
+        from posttrain.curate.read import BadRow, check_inputs
         try:
-            check_inputs(cfg.curate.inputs)
+            check_inputs(cfg.curate.inputs, cfg.curate.text_field)
         except BadRow as e:
             raise ConfigError(str(e)) from None
     if cfg.sft.replay_share and cfg.sft.replay_file:
@@ -167,14 +176,16 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 def cmd_rerun(a: argparse.Namespace) -> int:
     from posttrain.config import apply_overrides, config_from_dict
-    from posttrain.pipeline import load_run
     fixed = ("raw", "curate", "base", "ramp", "sft", "opd", "quantize", "evaluate", "consolidation")
     if a.stage not in fixed and not re.fullmatch(r"(rl|xs|seq)-[a-z][a-z0-9_]*", a.stage):  # before reading any run
         raise ConfigError(f"rerun: unknown stage {a.stage!r}; stages: {', '.join(fixed)}, rl-<domain>, xs-<domain>, "
                           f"seq-<domain>")
+    from posttrain.pipeline import load_run
     _, old = load_run(a.from_run)
     cfg = config_from_dict(apply_overrides(old.model_dump(mode="json"), a.set), f"--set {a.set}")
     _check_stages([a.stage], "rerun", cfg)
+    if not a.remote:  # a changed setting may not suit the checkpoint (quantize.group_size): before the node, not in it
+        _check_checkpoint(cfg)
     from workflows.post_train import rerun
     report = _run_flyte(rerun, cfg, a.remote, stage=a.stage, from_run=a.from_run, overrides=a.set,
                         downstream=a.downstream)
@@ -184,6 +195,10 @@ def cmd_rerun(a: argparse.Namespace) -> int:
 
 
 def cmd_lineage(a: argparse.Namespace) -> int:
+    name, _, version = a.model.rpartition("@")
+    if not name or not version.isdigit():  # as posttrain.lineage says it, before importing MLflow
+        raise ConfigError(f"lineage: expected NAME@VERSION with a version number, e.g. posttrain-tiny@1 (got "
+                          f"{a.model!r})")
     from posttrain.lineage import lineage
     ok = lineage(a.model, print)
     return 0 if ok else 1

@@ -2,12 +2,11 @@
 dtype family; bad folders refused before any work, naming the folder and what is missing."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from chat_fixtures import make_checkpoint
+from conftest import run_cli
 from safetensors import safe_open
 
 from posttrain.models.preset import CheckpointError, check_folder, load_checkpoint, save_checkpoint
@@ -76,8 +75,7 @@ def _edit(path, **kv):
 def test_cli_refuses_a_bad_init_from_before_any_work(tmp_path):
     path = make_checkpoint("chatml", tmp_path / "ckpt")
     (path / "tokenizer.json").unlink()
-    p = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke", "--set",
-                        f"base.init_from={path}"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "POSTTRAIN_HOME": str(tmp_path / "home")})
+    p = run_cli(["run", "--profile", "smoke", "--set", f"base.init_from={path}"], cwd=ROOT,
+                env={"POSTTRAIN_HOME": str(tmp_path / "home")})
     assert p.returncode == 2 and f"base.init_from: {path}: missing a tokenizer" in p.stderr
     assert not (tmp_path / "home" / "runs").exists()  # nothing started

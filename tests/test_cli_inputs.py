@@ -1,19 +1,18 @@
 """Bad input fails before any work: exit 2, one `posttrain: error` line naming the key or file and what is
 allowed, nothing written to the home (no run folder, no mlflow.db)."""
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import CliResult, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def posttrain(home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "POSTTRAIN_HOME": str(home), "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "posttrain.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+def posttrain(home: Path, *args: str) -> CliResult:
+    """`posttrain *args` on `home`, in this process (conftest.run_cli); tests/test_cli_entry.py runs the installed
+    entry point in a process of its own."""
+    return run_cli(args, env={"POSTTRAIN_HOME": str(home)}, cwd=ROOT)
 
 
 def _checkpoint_without_tool_calls(path: Path) -> Path:

@@ -1,6 +1,7 @@
 """Runs that fail or die on the smoke profile, through the CLI: bad input stops before any work, a failed gate
 publishes nothing, and a killed run is closed in MLflow by the next command. Apart from test_pipeline_smoke.py, whose
-tests share one run: `make test` runs the two files on its two workers at once."""
+tests share one run: `make test` runs the two files on its two workers at once. The CLI runs in the test's process
+(conftest.run_cli), but for the run killed with its process group: that driver is a process of its own."""
 import os
 import subprocess
 import sys
@@ -18,7 +19,10 @@ def test_bad_input_fails_before_any_work(tmp_path):
 
 def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
     raw = tmp_path / "mine.jsonl"
-    raw.write_text("".join('{"id": "%d", "body": "no text field here"}\n' % i for i in range(20)))
+    # good rows first: the up-front check reads the first 1,000 (and refuses a file whose sample is mostly bad,
+    # tests/test_curate.py); the input gate in curate sees them all, 60% without text
+    raw.write_text("".join('{"id": "%d", "text": "a row of text number %d"}\n' % (i, i) for i in range(1000)) +
+                   "".join('{"id": "x%d", "body": "no text field here"}\n' % i for i in range(1500)))
     p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"curate.inputs=['{raw}']", check=False)
     assert p.returncode == 1
     assert "stage curate failed" in p.stderr and "gate 'input mine.jsonl' failed" in p.stderr
