@@ -622,8 +622,11 @@ class PipelineConfig(_Strict):
             return data
         init_from = _given(data.get("base", {}), "init_from", "")
         if init_from and isinstance(init_from, str):
-            from posttrain.checkpoint_rules import GLM5_TYPES, model_type
-            glm5 = model_type(init_from) in GLM5_TYPES
+            try:  # config.json read here, not through checkpoint_rules: the config's code closure stays small
+                glm5 = json.loads((Path(init_from) / "config.json").read_text()).get("model_type") in (
+                    "glm_moe_dsa", "deepseek_v32")
+            except (OSError, ValueError, AttributeError):
+                glm5 = False
         else:
             glm5 = _given(data.get("model", {}), "arch", "llama") == "glm5"
         if not glm5:
