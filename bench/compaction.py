@@ -52,7 +52,7 @@ def variant_data() -> Path:
     """The tiny curated data with the agentic splits replaced by the 3-file variant's."""
     import environments
     from bench.dsa import tiny_inputs
-    from posttrain.curate.stage import _write_splits
+    from posttrain.stages.curate import _write_splits
     cur = WORK / "curate"
     if not (cur / "done").exists():
         src, _ = tiny_inputs(0)
@@ -66,8 +66,8 @@ def variant_data() -> Path:
 
 
 def sft_model(cur: Path, steps: int) -> Path:
-    from posttrain import sft
-    from posttrain.raysupport import ensure_ray
+    from posttrain.stages import sft
+    from posttrain.pipeline.raysupport import ensure_ray
     out = WORK / f"sft-{steps}"
     if not (out / "done").exists():
         shutil.rmtree(out, ignore_errors=True)

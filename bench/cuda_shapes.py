@@ -2,7 +2,7 @@
 896 wide, its 151,936-token vocabulary, random weights), through the pipeline's own code.
 
 - SFT (`posttrain.train.train`, bf16 autocast, fused head kernels): padded batches on sdpa against one
-  padding-free row on varlen_sdpa (what `posttrain.sft.collator` picks), the same 16 conversations of 64-1,024
+  padding-free row on varlen_sdpa (what `posttrain.stages.sft.collator` picks), the same 16 conversations of 64-1,024
   tokens a step, 30 steps, the last 25 timed; the same on the tiny model of the latest run (32 of 16-256 tokens).
 - RL and OPD: the torch rollout engine's plain decoding (32 prompts, 64 new tokens), a teacher (another random
   model) scoring 16 completions sampled and `full`, a GRPO update (`posttrain.rl.step.train_step`) and an OPD update

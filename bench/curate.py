@@ -101,8 +101,8 @@ def _measure(*args: str) -> dict:
 def _ours(data: str, out: str) -> None:
     import shutil
 
-    from posttrain.curate import stage as curate
-    from posttrain.raysupport import ensure_ray
+    from posttrain.stages import curate
+    from posttrain.pipeline.raysupport import ensure_ray
     cfg = _cfg()
     ensure_ray(cfg.runtime)
     shutil.rmtree(out, ignore_errors=True)

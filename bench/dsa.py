@@ -55,7 +55,7 @@ def _one(kind: str, seq_len: int) -> dict:
     import torch
 
     from kernels.dsa import indexer_topk, sparse_attention
-    from posttrain.memory import peak_memory
+    from posttrain.pipeline.memory import peak_memory
     torch.set_num_threads(threads(2))
     g = torch.Generator().manual_seed(0)
     s = SHAPE
@@ -283,10 +283,10 @@ def _plot(fig: dict, path: Path) -> None:
 def tiny_inputs(seed: int, profile: str = "tiny", work: Path = WORK) -> tuple[Path, Path]:
     """`profile`'s curated data and its base model for `seed`, made once under `work` (bench/mtp too). Small
     mode: the smoke run's (bench/__init__.py), its base model trained again for another seed."""
-    from posttrain import base
+    from posttrain.stages import base
     from posttrain.config import load_config
-    from posttrain.curate.stage import make_raw
-    from posttrain.curate.stage import run as curate
+    from posttrain.stages.curate import make_raw
+    from posttrain.stages.curate import run as curate
     if small():
         art = smoke_stages()
         cur = Path(art["curate"])
@@ -313,7 +313,7 @@ def tiny_inputs(seed: int, profile: str = "tiny", work: Path = WORK) -> tuple[Pa
 
 def _ramp_result(cfg, cur: Path, base: Path, out: Path, scratch: Path | None = None) -> dict:
     """The ramp on `base`'s model: its numeric metrics and seconds, also written to `out`/result.json."""
-    from posttrain import ramp
+    from posttrain.stages import ramp
     t = time.time()
     res = ramp.run(cfg, {"base": str(base), "curate": str(cur)}, out, scratch=str(scratch or ""))
     m = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}

@@ -40,7 +40,7 @@ def judge_data(share: float) -> Path:
     """The tiny curated data with the agentic splits regenerated with judge questions in the training split."""
     import environments
     from bench.dsa import tiny_inputs
-    from posttrain.curate.stage import _write_splits
+    from posttrain.stages.curate import _write_splits
     cur = WORK / f"curate-{share}"
     if not (cur / "done").exists():
         src, _ = tiny_inputs(0)
@@ -54,8 +54,8 @@ def judge_data(share: float) -> Path:
 
 
 def sft_model(cur: Path, share: float, steps: int) -> Path:
-    from posttrain import sft
-    from posttrain.raysupport import ensure_ray
+    from posttrain.stages import sft
+    from posttrain.pipeline.raysupport import ensure_ray
     out = WORK / f"sft-{share}-{steps}"
     if not (out / "done").exists():
         shutil.rmtree(out, ignore_errors=True)

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from posttrain.config import load_config
     from posttrain.engines.sglang_server import ServerError, sglang_python
-    from posttrain.raysupport import ensure_ray
+    from posttrain.pipeline.raysupport import ensure_ray
     sft, curate = _inputs()
     ensure_ray(load_config(PROFILE).runtime)
     try:

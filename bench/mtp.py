@@ -40,9 +40,10 @@ SINGLE = size(8, 2)  # batch-1 episodes per domain
 
 def trained(seed: int) -> tuple[Path, Path, dict]:
     """The sft checkpoint of the tiny ramp + sft with MTP (resumable per stage), and their MTP metrics."""
-    from posttrain import ramp, sft
+    from posttrain.stages import ramp
+    from posttrain.stages import sft
     from posttrain.config import load_config
-    from posttrain.raysupport import ensure_ray
+    from posttrain.pipeline.raysupport import ensure_ray
     cfg = load_config(PROFILE, [f"seed={seed}", f"mtp.depth={DEPTH}"])
     ensure_ray(cfg.runtime)  # sft trains on Ray Train
     cur, base = (p.resolve() for p in tiny_inputs(seed))  # Ray Train's workers run elsewhere

@@ -97,7 +97,7 @@ def _val(domain: str) -> list:
 
 def _loop_config(**over):
     from posttrain.config import load_config
-    from posttrain.rl.opd import loop_config
+    from posttrain.stages.opd import loop_config
     cfg = load_config(PROFILE)
     return loop_config(cfg).model_copy(update={"checkpoint_every": 0, **over})
 
@@ -111,7 +111,7 @@ def _ours_opd(domain: str, steps: int, val_every_tokens: int, save: str = "", lo
     from posttrain.config import RuntimeConfig, load_config
     from posttrain.data import load_tasks
     from posttrain.models.preset import save_checkpoint
-    from posttrain.raysupport import ensure_ray
+    from posttrain.pipeline.raysupport import ensure_ray
     from posttrain.rl.loop import Distill, mean_step_times, train_policy
     torch.set_num_threads(1)  # trainer, rollout worker and teacher: one thread each on the 2 cores
     ensure_ray(RuntimeConfig())
@@ -139,7 +139,7 @@ def _ours_rl(domain: str, val_every_tokens: int) -> dict:
 
     from posttrain.config import RuntimeConfig, load_config
     from posttrain.data import load_tasks
-    from posttrain.raysupport import ensure_ray
+    from posttrain.pipeline.raysupport import ensure_ray
     from posttrain.rl.loop import train_policy
     torch.set_num_threads(1)
     ensure_ray(RuntimeConfig())

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from posttrain.config import load_config
     from posttrain.engines.sglang_server import ServerError, sglang_python
-    from posttrain.raysupport import ensure_ray
+    from posttrain.pipeline.raysupport import ensure_ray
     try:
         sglang_python()
     except ServerError as e:

@@ -35,11 +35,11 @@ def _tokens_per_s(model, tok, prompts: list[list[int]], n_new: int) -> float:
 def main() -> None:
     import matplotlib.image as mpimg
 
-    from posttrain import report_html
+    from posttrain.pipeline import report_html
     from posttrain.chat import render_ids
     from posttrain.data import load_tasks
     from posttrain.quant.int_linear import load_any
-    from posttrain.pipeline import load_run
+    from posttrain.pipeline.run import load_run
     report = json.loads(smoke_report().read_text()) if small() else load_run("latest")[0]
     if "quantization" not in report or "report_html" not in report:
         raise SystemExit("bench/quantize needs a finished `make run` (report with quantization and report_html)")

@@ -47,7 +47,7 @@ def _measure(seq_len: int, mask: bool, ckpt: bool, packed: bool, attn: str = "sd
 
     from posttrain.models import attention
     from posttrain.config import load_config
-    from posttrain.memory import peak_memory
+    from posttrain.pipeline.memory import peak_memory
     from posttrain.packing import collate, pack
     from posttrain.train import masked_lm_loss, pad_examples
 

@@ -70,7 +70,7 @@ def _ours(k: int, steps: int, val_every: int, seed: int = 0, domain: str = DOMAI
     import torch
 
     from posttrain.data import load_tasks
-    from posttrain.raysupport import ensure_ray
+    from posttrain.pipeline.raysupport import ensure_ray
     from posttrain.config import RuntimeConfig
     from posttrain.rl.loop import mean_step_times, train_policy
     threads = int(threads)

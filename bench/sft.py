@@ -12,10 +12,10 @@ the inputs being truncated already), and the faster is its figure (`trl_padding_
 `tokens_per_s_trl_padded`, `_padding_free`). Beside it, labelled `_trl_defaults`, TRL with its own defaults
 (bf16, checkpointing) on the padded unpacked batches (`BENCH_SFT_TRL_DEFAULTS=0` skips it).
 
-Ours takes the unpacked batches as posttrain.sft does (`posttrain.sft.collator`): each batch one row of its
+Ours takes the unpacked batches as posttrain.stages.sft does (`posttrain.stages.sft.collator`): each batch one row of its
 conversations with no padding, attention inside each (varlen_sdpa). It is measured twice: the bare loop
 (`posttrain.train.train`, in process) and
-through the path the pipeline uses, Ray Train (`posttrain.sft._worker` under a `TorchTrainer`, one worker,
+through the path the pipeline uses, Ray Train (`posttrain.stages.sft._worker` under a `TorchTrainer`, one worker,
 the profile's threads, fed the same batch order; no periodic checkpoints, only the final state report).
 `throughput_ratio_vs_trl_raytrain` is the Ray Train figure over TRL's; its clock is the training loop
 inside the worker (Ray start-up, model loading and the final state report to Ray Train excluded, as TRL's
@@ -23,7 +23,7 @@ side loads before its clock and saves nothing); `raytrain_checkpoint_seconds` is
 `raytrain_fit_seconds` the whole `fit()`.
 
 Packed variant: the same conversations packed into rows of seq_len (best-fit decreasing), as `sft.packing`
-feeds them: ours takes each batch's rows as one padding-free row (posttrain.sft.collator), TRL's
+feeds them: ours takes each batch's rows as one padding-free row (posttrain.stages.sft.collator), TRL's
 `packing=True` (best-fit decreasing, padding-free); the conversations of the unpacked run spread over the same
 number of steps, or over fewer, one row a step, where they fill fewer rows than steps (at the tiny profile's 1024
 tokens they do: `steps_packed`), TRL given the same number of steps.
@@ -85,7 +85,7 @@ def _prepare() -> None:
     import environments
     from posttrain.chat import train_tokenizer
     from posttrain.models.preset import build_model, save_checkpoint, seed_all
-    from posttrain.sft import build_examples
+    from posttrain.stages.sft import build_examples
     cfg = _cfg()
     seed_all(cfg.seed)
     tasks = [t for d in environments.DOMAINS
@@ -160,12 +160,12 @@ def _start():
 
 def _ours(packed: bool = False) -> dict:
     from posttrain.packing import pack
-    from posttrain.sft import collator
+    from posttrain.stages.sft import collator
     from posttrain.train import train
     s, model, tok, order = _start()
     n, steps = _packing(order, s.seq_len) if packed else (s.batch_size, STEPS)
     rows = pack(order, s.seq_len)[:steps * n]
-    to_batch = collator(tok, model, s.seq_len, packed)  # as posttrain.sft's worker: padding-free where it can
+    to_batch = collator(tok, model, s.seq_len, packed)  # as posttrain.stages.sft's worker: padding-free where it can
 
     warm = _warmup(steps)
     clock = _Clock(warm)
@@ -183,10 +183,10 @@ def _ours(packed: bool = False) -> dict:
 
 
 def _raytrain_worker(config: dict) -> None:
-    """posttrain.sft's Ray Train worker as the pipeline runs it, fed the bench's batch order, its loop timed."""
+    """posttrain.stages.sft's Ray Train worker as the pipeline runs it, fed the bench's batch order, its loop timed."""
     import ray.train
 
-    import posttrain.sft as sft
+    import posttrain.stages.sft as sft
     s = config["cfg"].sft
 
     clock = _Clock()
@@ -221,13 +221,13 @@ def _raytrain_worker(config: dict) -> None:
 
 
 def _raytrain(packed: bool = False) -> dict:
-    """Ours through Ray Train: the TorchTrainer call of posttrain.sft.run, with the bench's model and batches."""
+    """Ours through Ray Train: the TorchTrainer call of posttrain.stages.sft.run, with the bench's model and batches."""
     import ray
     import torch
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from posttrain.raysupport import ensure_ray
+    from posttrain.pipeline.raysupport import ensure_ray
     cfg = _cfg()
     cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"checkpoint_every": 0})})
     s = cfg.sft

@@ -16,7 +16,7 @@ REGISTRY: dict[str, str] = {
 }
 DOMAINS = ("reasoning", "agentic", "general")
 # a run's own environments (name -> module, JSON) for the Ray workers and actors of its stages, which start
-# without the profile: posttrain.raysupport.submit sets it in the stage's runtime_env, children inherit it
+# without the profile: posttrain.pipeline.raysupport.submit sets it in the stage's runtime_env, children inherit it
 ENV_VAR = "POSTTRAIN_ENVIRONMENTS"
 
 

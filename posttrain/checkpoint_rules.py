@@ -1,5 +1,5 @@
 """The settings a checkpoint's own shapes decide, checked against base.init_from's config.json before the first stage
-(`posttrain.base.check_checkpoint`) instead of in the stage that reads them, hours later.
+(`posttrain.stages.base.check_checkpoint`) instead of in the stage that reads them, hours later.
 
 One function per rule: `rule(cfg, hf, where) -> list[str]`, `hf` the checkpoint's config as transformers parses its
 config.json (`AutoConfig.from_pretrained`: JSON only, no weights; the class fills the defaults the stages see), `where`
@@ -81,14 +81,14 @@ def ramp_dsa(cfg: PipelineConfig, hf, where: str) -> list[str]:
 
 
 def ramp_rope(cfg: PipelineConfig, hf, where: str) -> list[str]:
-    """ramp.stages.N.rope_scaling: the RoPE each rung rebuilds the checkpoint with (`posttrain.ramp.stage_config`)
+    """ramp.stages.N.rope_scaling: the RoPE each rung rebuilds the checkpoint with (`posttrain.stages.ramp.stage_config`)
     must be one transformers builds for the checkpoint's class."""
     stages = [(k, st) for k, st in enumerate(cfg.ramp.stages) if st.rope_scaling]
     if not stages:
         return []
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from posttrain.ramp import stage_config
+    from posttrain.stages.ramp import stage_config
     errors = []
     for k, st in stages:
         config = stage_config(hf, st)
@@ -106,7 +106,7 @@ def ramp_rope(cfg: PipelineConfig, hf, where: str) -> list[str]:
 
 
 def int4_widths(hf) -> dict[str, tuple[str, int]]:
-    """The Linears quantize stores as int4 groups (`posttrain.quant.stage.targets`), from the config: module pattern
+    """The Linears quantize stores as int4 groups (`posttrain.stages.quantize.targets`), from the config: module pattern
     -> (config key, input width). GLM-5's routed experts (its attention, dense MLP and shared expert are int8 per
     channel); a dense model's MLP, and a DeepSeek-style MoE's experts and shared experts beside it."""
     h, moe = hf.hidden_size, getattr(hf, "moe_intermediate_size", None)

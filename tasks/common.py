@@ -8,8 +8,8 @@ from __future__ import annotations
 import flyte
 from flyteplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
-from posttrain.artifacts import ArtifactRef
-from posttrain.stages import RunContext, execute
+from posttrain.pipeline.artifacts import ArtifactRef
+from posttrain.pipeline.nodes import RunContext, execute
 
 # Images are references resolved from flyte.yaml `image.image_refs` (or `--image cpu=URI`): CI builds
 # containers/<name>/Dockerfile and passes the URI, so deploy never builds anything itself.

@@ -2,8 +2,8 @@
 and the consolidation report comparing multi-teacher OPD, cross-stage and sequential RL."""
 from __future__ import annotations
 
-from posttrain.artifacts import ArtifactRef
-from posttrain.stages import RunContext
+from posttrain.pipeline.artifacts import ArtifactRef
+from posttrain.pipeline.nodes import RunContext
 from tasks.common import CPU, GPU_TRAIN, run_stage, stage_env
 
 env = stage_env("cross_stage", img=GPU_TRAIN, cpu=8, memory="64Gi", gpu=8, workers=2)

@@ -1,8 +1,8 @@
 """curate node: the raw corpus artifact, then curated shards, SFT / RL / eval sets and a data card."""
 from __future__ import annotations
 
-from posttrain.artifacts import ArtifactRef
-from posttrain.stages import RunContext
+from posttrain.pipeline.artifacts import ArtifactRef
+from posttrain.pipeline.nodes import RunContext
 from tasks.common import run_stage, stage_env
 
 env = stage_env("curate", cpu=4, memory="16Gi", workers=2)

@@ -1,8 +1,8 @@
 """quantize node: W4A8 checkpoint."""
 from __future__ import annotations
 
-from posttrain.artifacts import ArtifactRef
-from posttrain.stages import RunContext
+from posttrain.pipeline.artifacts import ArtifactRef
+from posttrain.pipeline.nodes import RunContext
 from tasks.common import run_stage, stage_env
 
 env = stage_env("quantize", cpu=4, memory="32Gi")

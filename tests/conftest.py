@@ -40,7 +40,7 @@ def run_cli(args, env: dict | None = None, cwd: str | Path | None = None) -> Cli
 
     Everything a run changes in the process is put back after it, as if it had been a process of its own: the
     environment (the CLI sets MLFLOW_TRACKING_URI, Ray's variables), the working folder, Ray (shut down, and its log
-    handler that posttrain.raysupport installs taken off), sys.path, logging, signal handlers, torch's threads, and the
+    handler that posttrain.pipeline.raysupport installs taken off), sys.path, logging, signal handlers, torch's threads, and the
     per-process caches of posttrain (file digests, parsed run configs, opened MLflow stores, uploaded files). Tests
     whose subject is the process itself (SIGKILL, runs racing each other, the installed entry point) keep a
     subprocess."""
@@ -123,19 +123,19 @@ def _reset_process() -> None:
             ray.shutdown()
         from ray._private import worker as ray_worker
         dispatcher = getattr(ray_worker, "global_worker_stdstream_dispatcher", None)
-        if dispatcher is not None:  # posttrain.raysupport.route_worker_logs' handler: the next run adds its own
+        if dispatcher is not None:  # posttrain.pipeline.raysupport.route_worker_logs' handler: the next run adds its own
             dispatcher.remove_handler("posttrain_print_logs")
     mods = sys.modules
-    if "posttrain.artifacts" in mods:
-        mods["posttrain.artifacts"]._FILE_DIGESTS.clear()
-    if "posttrain.stages" in mods:
-        mods["posttrain.stages"]._parsed.cache_clear()
-    if "posttrain.tracking" in mods:
-        mods["posttrain.tracking"]._OPENED.clear()
-    if "posttrain.store" in mods:
-        mods["posttrain.store"]._PUSHED.clear()
-    if "posttrain.codehash" in mods:
-        mods["posttrain.codehash"].module_closure.cache_clear()  # by module name (the parsed sources: by content)
+    if "posttrain.pipeline.artifacts" in mods:
+        mods["posttrain.pipeline.artifacts"]._FILE_DIGESTS.clear()
+    if "posttrain.pipeline.nodes" in mods:
+        mods["posttrain.pipeline.nodes"]._parsed.cache_clear()
+    if "posttrain.pipeline.tracking" in mods:
+        mods["posttrain.pipeline.tracking"]._OPENED.clear()
+    if "posttrain.pipeline.store" in mods:
+        mods["posttrain.pipeline.store"]._PUSHED.clear()
+    if "posttrain.pipeline.codehash" in mods:
+        mods["posttrain.pipeline.codehash"].module_closure.cache_clear()  # by module name (the parsed sources: by content)
     if "mlflow" in mods:
         import mlflow
         while mlflow.active_run():

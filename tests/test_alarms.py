@@ -85,7 +85,7 @@ def test_disabled_alarms_stay_quiet():
 
 
 def test_an_alarm_is_tagged_on_the_stage_run_as_it_fires(tmp_path, monkeypatch):
-    from posttrain import tracking
+    from posttrain.pipeline import tracking
     home = str(tmp_path)
     run_id = tracking.start_run(home, "rl-agentic", {})
     monkeypatch.setenv(alarms.RUN_VAR, run_id)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from posttrain.artifacts import DigestMismatch, atomic_dir, find_by_digest, read_with_timings, verify, write_manifest
+from posttrain.pipeline.artifacts import DigestMismatch, atomic_dir, find_by_digest, read_with_timings, verify, write_manifest
 
 
 def _artifact(root, name="a"):
@@ -48,7 +48,7 @@ def test_find_by_digest(tmp_path):
 
 
 def test_an_image_without_git_records_the_sha_it_was_built_with(monkeypatch):
-    from posttrain.artifacts import git_sha
+    from posttrain.pipeline.artifacts import git_sha
     assert git_sha() != "0123abc"
     monkeypatch.setenv("POSTTRAIN_GIT_SHA", "0123abc")  # containers/*/Dockerfile: ARG GIT_SHA -> this
     assert git_sha() == "0123abc"

@@ -4,7 +4,7 @@ from transformers import AutoTokenizer
 
 import environments
 from posttrain.chat import render_ids, render_with_mask
-from posttrain.sft import conversation
+from posttrain.stages.sft import conversation
 
 
 def test_loss_mask_covers_only_assistant_turns(tok):

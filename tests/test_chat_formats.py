@@ -10,7 +10,7 @@ import environments
 from environments.agentic import parse_tool_call
 from environments.episode import Episode
 from posttrain.chat import ChatFormatError, chat_format, render_ids, render_with_mask
-from posttrain.sft import check_masks, conversation
+from posttrain.stages.sft import check_masks, conversation
 from posttrain.train import train
 
 FAMILIES = {  # family -> (thinking switch, tool-call format, end-of-turn token)

@@ -73,7 +73,7 @@ def test_the_quantize_stage_refuses_with_the_same_rule_and_the_same_widths(tok):
     from posttrain.checkpoint_rules import int4_widths, module_pattern
     from posttrain.config import QuantizeConfig
     from posttrain.models import moe
-    from posttrain.quant.stage import targets
+    from posttrain.stages.quantize import targets
     model = build_model(ModelConfig(**ODD), tok)
     moe.unfuse_experts(model)
     with pytest.raises(ValueError, match=r"quantize.group_size=32 does not divide model\.layers\.\*\.mlp\.experts\.\*"
@@ -107,7 +107,7 @@ def test_glm5s_own_indexers_refuse_ramp_dsas_layout(odd):
 
 
 def test_the_ramp_stage_refuses_by_the_same_rule_before_reading_anything(odd, tmp_path):
-    from posttrain import ramp
+    from posttrain.stages import ramp
     cfg = load_config("smoke", [f"base.init_from={odd}", "ramp.attention=packed_sdpa"])
     with pytest.raises(ValueError, match=r"ramp.attention: .*'packed_sdpa' with a GLM-5 checkpoint .*allowed: sdpa"):
         ramp.run(cfg, {"base": str(odd), "curate": str(tmp_path / "not-there")}, tmp_path / "out")

@@ -70,7 +70,7 @@ def test_a_template_without_tool_calls_is_refused_before_base_and_can_be_replace
     p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"base.init_from={no_tools}")
     assert p.returncode == 2 and "renders no tool calls" in p.stderr and "base.chat_template" in p.stderr, p.stderr
     assert not (tmp_path / "runs").exists()
-    from posttrain.base import check_checkpoint
+    from posttrain.stages.base import check_checkpoint
     from posttrain.chat import chat_format
     from posttrain.config import load_config
     cfg = load_config("smoke", [f"base.init_from={no_tools}",

@@ -2,10 +2,10 @@ import shutil
 
 import pytest
 
-from posttrain import codehash
-from posttrain.artifacts import ArtifactRef
+from posttrain.pipeline import codehash
+from posttrain.pipeline.artifacts import ArtifactRef
 from posttrain.config import ConfigError, load_config
-from posttrain.stages import StageFailed, cache_key, graph
+from posttrain.pipeline.nodes import StageFailed, cache_key, graph
 
 STAGES = graph(load_config("tiny"))
 
@@ -27,9 +27,9 @@ def _with_envs(cfg, envs):
 
 
 def test_stage_closures_follow_imports():
-    rl = codehash.module_closure("posttrain.rl.specialist")
+    rl = codehash.module_closure("posttrain.stages.specialist")
     assert {"posttrain.rl.rollout", "environments.agentic", "environments.sandbox"} <= set(rl)
-    curate = codehash.module_closure("posttrain.curate.stage")
+    curate = codehash.module_closure("posttrain.stages.curate")
     assert not any(m.startswith("posttrain.rl") for m in curate)
 
 
@@ -52,7 +52,7 @@ def test_editing_a_registered_verifier_changes_every_stage_that_can_load_it(tmp_
     # loaded only by name (environments.get), so no import statement puts it in a closure
     assert not any("environments.reasoning" in codehash.module_closure(s.fn.split(":")[0]) for s in STAGES.values())
     loaders = {s.name for s in STAGES.values() if "environments" in codehash.module_closure(s.fn.split(":")[0])}
-    # every stage reaches posttrain.curate.stage (base for load_pretrain_texts, the rest for load_tasks), which calls
+    # every stage reaches posttrain.stages.curate (base for load_pretrain_texts, the rest for load_tasks), which calls
     # environments.get: at module granularity all of them can load a verifier
     assert loaders == set(STAGES)
     before = _stage_digests(cfg)
@@ -80,21 +80,21 @@ def test_user_environment_outside_the_project_is_in_the_key(tmp_path, monkeypatc
     codehash.module_closure.cache_clear()
     closure = codehash.module_closure("myenvs.counting", ("myenvs",))
     assert {"myenvs", "myenvs.counting", "myenvs.helpers"} <= set(closure)
-    key = codehash.stage_code_digest("posttrain.rl.specialist", cfg)
-    assert key != codehash.stage_code_digest("posttrain.rl.specialist", base)
+    key = codehash.stage_code_digest("posttrain.stages.specialist", cfg)
+    assert key != codehash.stage_code_digest("posttrain.stages.specialist", base)
     env.write_text(env.read_text().replace("1.0", "0.5"))
-    assert codehash.stage_code_digest("posttrain.rl.specialist", cfg) != key
-    key = codehash.stage_code_digest("posttrain.rl.specialist", cfg)
+    assert codehash.stage_code_digest("posttrain.stages.specialist", cfg) != key
+    key = codehash.stage_code_digest("posttrain.stages.specialist", cfg)
     (pkg / "helpers.py").write_text("def check(a, b):\n    return a is b\n")  # followed through its imports
-    assert codehash.stage_code_digest("posttrain.rl.specialist", cfg) != key
+    assert codehash.stage_code_digest("posttrain.stages.specialist", cfg) != key
     whole = _with_envs(base, {"all": "myenvs"})
-    key = codehash.stage_code_digest("posttrain.rl.specialist", whole)
+    key = codehash.stage_code_digest("posttrain.stages.specialist", whole)
     (pkg / "extra.py").write_text("X = 1\n")  # imported by nothing: a package may still load it by name
-    assert codehash.stage_code_digest("posttrain.rl.specialist", whole) != key
+    assert codehash.stage_code_digest("posttrain.stages.specialist", whole) != key
 
     missing = _with_envs(base, {"gone": "myenvs.nope"})
     with pytest.raises(ConfigError, match=r"world\.environments\.gone.*myenvs\.nope"):
-        codehash.stage_code_digest("posttrain.rl.specialist", missing)
+        codehash.stage_code_digest("posttrain.stages.specialist", missing)
     codehash.module_closure.cache_clear()
 
 

@@ -100,7 +100,7 @@ def test_lazy_teacher_share_per_domain():
     cfg = load_config("tiny", ["sft.shortcut_share={reasoning: 0.3}"])
     assert (cfg.sft.shortcut_for("reasoning"), cfg.sft.shortcut_for("general")) == (0.3, 0.0)
     assert load_config("smoke", ["sft.shortcut_share=0.2"]).sft.shortcut_for("agentic") == 0.2
-    from posttrain.pipeline import check_domains  # at the run's start (the config knows no environments)
+    from posttrain.pipeline.run import check_domains  # at the run's start (the config knows no environments)
     with pytest.raises(ConfigError, match=r"sft.shortcut_share: unknown domains \['maths'\]"):
         check_domains(load_config("smoke", ["sft.shortcut_share={maths: 0.5}"]))
     check_domains(load_config("smoke", ["sft.shortcut_share={counting: 0.5}", "world.environments={counting: m}"]))
@@ -111,7 +111,7 @@ def test_lazy_teacher_share_per_domain():
 def test_tracking_uri_from_the_profile_unless_the_environment_says(tmp_path, monkeypatch):
     import os
 
-    from posttrain import tracking
+    from posttrain.pipeline import tracking
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "x")
     monkeypatch.delenv("MLFLOW_TRACKING_URI")  # absent now, and restored as it was after the test
     assert tracking.tracking_uri(tmp_path).startswith("sqlite:///")

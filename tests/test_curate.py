@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from posttrain import data
-from posttrain.curate import stage as curate
+from posttrain.stages import curate
 from posttrain.config import load_config
 from posttrain.curate.gates import GateFailed
 
@@ -152,7 +152,7 @@ def test_mojibake_repaired_and_mixture_weights(tmp_path):
 def test_the_generated_corpus_is_byte_identical_run_to_run(tmp_path, monkeypatch):
     """Same seed, same bytes whenever it is written (gzip headers carry no write time): two runs share one raw
     artifact and its digest."""
-    from posttrain.artifacts import dir_digest
+    from posttrain.pipeline.artifacts import dir_digest
     for name, now in (("a", 1.0e9), ("b", 2.0e9)):
         monkeypatch.setattr(gzip.time, "time", lambda: now)
         (tmp_path / name).mkdir()

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from posttrain.config import PipelineConfig
-from posttrain.stages import graph
+from posttrain.pipeline.nodes import graph
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from posttrain import ramp
+from posttrain.stages import ramp
 from posttrain.models import dsa
 from posttrain.config import ConfigError, ModelConfig, load_config
 from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
@@ -150,7 +150,7 @@ def test_dsa_settings_that_would_do_nothing_are_refused():
 def test_the_w4a8_export_keeps_dsa(model, tok, tmp_path):
     from posttrain.config import QuantizeConfig
     from posttrain.quant.int_linear import load_compressed
-    from posttrain.quant.stage import calibrate, export
+    from posttrain.stages.quantize import calibrate, export
     dsa.install(model, top_k=8)
     qcfg = QuantizeConfig(group_size=64)
     export(model, tok, calibrate(model, IDS[:, :32], qcfg), qcfg, tmp_path)

@@ -43,7 +43,7 @@ def test_a_user_environment_named_in_the_config(tmp_path, parity_env):
     cfg = load_config("smoke", ["world.environments={parity: parity_env}"])
     assert environments.names(cfg.world.environments)[-1] == "parity"
     from posttrain import data
-    from posttrain.curate import stage as curate
+    from posttrain.stages import curate
     raw, out = tmp_path / "raw", tmp_path / "curated"
     raw.mkdir(), out.mkdir()
     curate.make_raw(cfg, {}, raw)

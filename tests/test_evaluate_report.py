@@ -1,9 +1,9 @@
 """The HTML report and the regression gates, on a synthetic report."""
 import pytest
 
-from posttrain import report_html
+from posttrain.pipeline import report_html
 from posttrain.config import ConfigError, load_config
-from posttrain.gates import GateFailure, check_gates, enforce_gates, validate_gates
+from posttrain.pipeline.gates import GateFailure, check_gates, enforce_gates, validate_gates
 
 SUITES = ["reasoning", "agentic", "reasoning:nothink", "agentic:nothink", "long_context@64", "long_context@128"]
 

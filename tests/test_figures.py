@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.figures import aggregate, markdown
+from posttrain.tools.figures import aggregate, markdown
 from tests.test_pipeline_smoke import at_once, posttrain
 
 

@@ -4,7 +4,7 @@ a ramp rung adopts it."""
 import pytest
 import torch
 
-from posttrain import ramp
+from posttrain.stages import ramp
 from posttrain.config import ConfigError, ModelConfig, load_config
 from posttrain.models import dsa, glm5
 from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint

@@ -179,7 +179,7 @@ def test_the_w4a8_export_keeps_glm5s_draft_layer_where_glm5_keeps_it(tok, tmp_pa
     from posttrain.engines.torch_rollout import sample
     from posttrain.models import mtp
     from posttrain.quant.int_linear import load_compressed
-    from posttrain.quant.stage import calibrate, export
+    from posttrain.stages.quantize import calibrate, export
     torch.manual_seed(0)
     model = mtp.install(build_model(ModelConfig(**GLM5), tok), 2).eval()
     moe.unfuse_experts(model)  # as the quantize stage holds it

@@ -2,8 +2,8 @@
 import pytest
 
 from posttrain.config import ConfigError, load_config
-from posttrain.pipeline import check_domains
-from posttrain.stages import downstream, graph, upstream, waves
+from posttrain.pipeline.run import check_domains
+from posttrain.pipeline.nodes import downstream, graph, upstream, waves
 
 @pytest.fixture
 def parity(parity_env):
@@ -22,9 +22,9 @@ def test_waves_are_the_dags_levels():
 
 
 def test_a_user_environment_with_rl_gets_specialist_teacher_chain_and_gates(parity):
-    from posttrain.rl.consolidation import methods, midway
-    from posttrain.evaluate import checkpoints
-    from posttrain.gates import suite_names
+    from posttrain.stages.consolidation import methods, midway
+    from posttrain.stages.evaluate import checkpoints
+    from posttrain.pipeline.gates import suite_names
     cfg = load_config("smoke", parity)
     check_domains(cfg)
     g = graph(cfg)
@@ -64,7 +64,7 @@ def test_rl_domains_must_be_environments_of_the_world(parity):
 def test_every_task_binds_its_stages_inputs_by_name():
     from workflows.post_train import bind
     import importlib
-    from posttrain.artifacts import ArtifactRef
+    from posttrain.pipeline.artifacts import ArtifactRef
     g = graph(load_config("tiny"))
     for s in g.values():
         mod, name = s.task.split(":")

@@ -80,7 +80,7 @@ def test_a_real_checkpoint_answers_and_an_untrained_one_stops_the_stage(tok, tmp
     stage refuses to train with it, naming the floors and the way out."""
     from posttrain.config import ModelConfig, load_config
     from posttrain.models.preset import build_model, save_checkpoint
-    from posttrain.rl.specialist import checked_judge
+    from posttrain.stages.specialist import checked_judge
     torch.manual_seed(0)
     ck = tmp_path / "sft"
     save_checkpoint(build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,

@@ -3,7 +3,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ABOVE = ("posttrain.engines", "posttrain.rl", "posttrain.quant", "posttrain.pipeline", "posttrain.stages")
+ABOVE = ("posttrain.engines", "posttrain.rl", "posttrain.quant", "posttrain.pipeline.run", "posttrain.pipeline.nodes")
 
 
 def imported(path: Path) -> set[str]:

@@ -6,7 +6,7 @@ import socket
 import subprocess
 import sys
 
-from posttrain import lease
+from posttrain.pipeline import lease
 
 
 def test_a_second_run_waits_until_the_first_releases(tmp_path, monkeypatch):

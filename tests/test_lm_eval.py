@@ -8,9 +8,9 @@ import environments
 from environments.base import export_jsonl
 from posttrain.chat import train_tokenizer
 from posttrain.config import ModelConfig, QuantizeConfig
-from posttrain.lm_eval_adapter import EXAMPLE_TASKS, run
+from posttrain.tools.lm_eval_adapter import EXAMPLE_TASKS, run
 from posttrain.models.preset import build_model, save_checkpoint
-from posttrain.quant.stage import calibrate, export
+from posttrain.stages.quantize import calibrate, export
 
 
 def test_lm_eval_runs_local_tasks_on_plain_and_quantized_checkpoints(tmp_path, monkeypatch):

@@ -532,7 +532,7 @@ def test_a_ramp_stage_through_megatron_follows_the_torch_ramp(ckpts, tok):
     """One rung of the context ladder (its RoPE theta and length set, packed documents with restarting positions,
     long rows mixed in, a draft (MTP) layer installed at it) trained through the megatron engine: the torch path's
     loss and MTP curves, and the model that comes back carries the stage's RoPE and the trained draft layer."""
-    from posttrain import ramp
+    from posttrain.stages import ramp
     from posttrain.models.preset import load_checkpoint
     from posttrain.packing import collate, pack
     rng = random.Random(1)

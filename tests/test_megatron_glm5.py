@@ -84,12 +84,12 @@ def test_a_checkpoint_that_adopted_dsa_attends_sparsely_as_transformers(glm5, ad
 def test_the_ramps_dsa_adoption_trains_the_indexers_as_the_torch_engines(adopted, mode):
     """Three steps of the ramp's adoption: the warm-up (only the indexers train, toward the dense attention) and
     sparse training (the LM loss, and each indexer toward its selected keys' attention, weighted by kl_weight), as
-    `posttrain.ramp` runs them through the torch engine: the same indexer KL, recall, losses and weights."""
+    `posttrain.stages.ramp` runs them through the torch engine: the same indexer KL, recall, losses and weights."""
     from types import SimpleNamespace
 
     from posttrain.engines.megatron_train import MegatronTrainEngine
     from posttrain.models import dsa, glm5 as arch
-    from posttrain.ramp import _indexer_warmup, _with_indexer_loss
+    from posttrain.stages.ramp import _indexer_warmup, _with_indexer_loss
     from posttrain.train import train
     torch.manual_seed(0)
     model, _ = load_checkpoint(adopted)

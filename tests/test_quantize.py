@@ -9,7 +9,7 @@ from posttrain.config import ModelConfig, QuantizeConfig
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import IntLinear, load_compressed
 from posttrain.models.preset import build_model, save_checkpoint
-from posttrain.quant.stage import calibrate, export, linear_bytes, load_checks, targets
+from posttrain.stages.quantize import calibrate, export, linear_bytes, load_checks, targets
 
 
 def test_int_linear_matches_the_dequantized_matmul_on_int8_activations():

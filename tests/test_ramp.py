@@ -184,7 +184,7 @@ def test_ladder_config():
 def test_stage_checkpoints_carry_their_rope_settings(tmp_path):
     """What serving engines read: each stage's config.json has its RoPE base/scaling and length."""
     from posttrain.config import RampStage
-    from posttrain.ramp import with_rope
+    from posttrain.stages.ramp import with_rope
     stage = RampStage(seq_len=256, tokens=10**6, rope_theta=40000.0,
                       rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128})
     with_rope(tiny_llama(), stage).save_pretrained(tmp_path)

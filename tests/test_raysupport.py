@@ -4,7 +4,7 @@ import os
 import pytest
 import ray
 
-from posttrain import raysupport
+from posttrain.pipeline import raysupport
 
 
 def _env_of_stage_and_actor(name: str) -> tuple[str | None, str | None]:

@@ -80,7 +80,7 @@ def test_mix_gives_the_replay_its_share_of_the_mixture():
 def test_sft_stops_when_the_model_finishes_no_replay_answer(tmp_path):
     from tests.chat_fixtures import make_checkpoint
 
-    from posttrain.sft import replay_examples
+    from posttrain.stages.sft import replay_examples
     base = str(make_checkpoint("chatml", tmp_path / "ckpt"))
     cfg = load_config("smoke", ["sft.replay_share=0.2", "sft.replay_prompts=3", "sft.replay_max_new_tokens=1"])
     with pytest.raises(ChatFormatError, match="finished none of its 3 replay answers"):

@@ -4,7 +4,7 @@ import torch
 import environments
 from posttrain.config import load_config
 from posttrain.packing import collate
-from posttrain.sft import _batches, build_examples
+from posttrain.stages.sft import _batches, build_examples
 from posttrain.train import masked_lm_loss, pad_examples
 from tests.test_ramp import tiny_llama
 
@@ -45,7 +45,7 @@ def test_padding_free_batches_give_the_padded_loss_and_gradients_mtp_included():
     from transformers import MistralConfig, MistralForCausalLM
 
     from posttrain.models import attention, mtp
-    from posttrain.sft import collator
+    from posttrain.stages.sft import collator
     rng = random.Random(0)
     # conversation-like: untrained prompt tokens, then the trained answer
     examples = [([rng.randrange(1, 64) for _ in range(n)], [0] * 2 + [1] * (n - 2)) for n in (9, 30, 17, 25, 12)]

@@ -3,7 +3,7 @@ import pytest
 
 import environments
 from posttrain.config import load_config
-from posttrain.evaluate import completion_checkpoints
+from posttrain.stages.evaluate import completion_checkpoints
 
 
 def test_the_small_profile_validates_and_scores_long_context_only_at_its_ramp_lengths():

@@ -6,8 +6,8 @@ import uuid
 
 import pytest
 
-from posttrain.artifacts import read_with_timings, verify, write_manifest
-from posttrain.store import Store, local_versions, publish_local
+from posttrain.pipeline.artifacts import read_with_timings, verify, write_manifest
+from posttrain.pipeline.store import Store, local_versions, publish_local
 
 
 def _staged(target, content: bytes):

@@ -3,7 +3,7 @@ import multiprocessing as mp
 
 
 def _experiment(home: str) -> str:
-    from posttrain import tracking
+    from posttrain.pipeline import tracking
     c = tracking.client(home)
     return tracking.experiment_id(c, home)
 

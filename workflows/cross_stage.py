@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import flyte
 
-from posttrain import pipeline
+from posttrain.pipeline import run as pipeline
 from posttrain.config import load_config
-from posttrain.stages import graph, upstream
+from posttrain.pipeline.nodes import graph, upstream
 from workflows.post_train import PipelineOutput, env as post_env, run_waves
 
 env = flyte.TaskEnvironment(name="cross_stage_workflow", image=post_env.image, resources=post_env.resources,

@@ -1,4 +1,4 @@
-"""The GLM-5.2 post-training DAG (wiring only; the graph itself is posttrain.stages.graph):
+"""The GLM-5.2 post-training DAG (wiring only; the graph itself is posttrain.pipeline.nodes.graph):
 
 raw -> curate -> base -> ramp -> sft -> {rl-<domain> for each of rl.domains} -> opd -> quantize -> evaluate
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import flyte
 
-from posttrain import pipeline
-from posttrain.gates import enforce_gates
-from posttrain.artifacts import ArtifactRef
+from posttrain.pipeline import run as pipeline
+from posttrain.pipeline.gates import enforce_gates
+from posttrain.pipeline.artifacts import ArtifactRef
 from posttrain.config import PipelineConfig, load_config
-from posttrain.stages import RunContext, Stage, graph, ref_from_dict, waves
+from posttrain.pipeline.nodes import RunContext, Stage, graph, ref_from_dict, waves
 from tasks.common import CPU
 
 
@@ -72,7 +72,7 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
     report = pipeline.finish(ctx, refs, time.time() - t0,
                              {"reused": sorted(set(refs) - todo)} if set(refs) - todo else None)
     if report.get("report_html"):  # the HTML report as this run's Flyte report
-        from posttrain.report_html import body
+        from posttrain.pipeline.report_html import body
         await flyte.report.replace.aio(body(report, Path(report["report_html"]).parent))
         await flyte.report.flush.aio()
     enforce_gates(report)
@@ -94,7 +94,7 @@ async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream
                 run_id: str = "") -> PipelineOutput:
     """Redo `stage` (and, if asked, what follows it) with upstream artifacts taken from `from_run`."""
     from posttrain.config import apply_overrides, config_from_dict
-    from posttrain.stages import downstream as downstream_of
+    from posttrain.pipeline.nodes import downstream as downstream_of
     report, old_cfg = pipeline.load_run(from_run)
     cfg = config_from_dict(apply_overrides(old_cfg.model_dump(mode="json"), list(overrides)),
                            f"run {from_run} with --set {list(overrides)}")

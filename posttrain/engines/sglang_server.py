@@ -78,7 +78,7 @@ class SGLangServer:
         self._view = tempfile.TemporaryDirectory(prefix="posttrain-sglang-view-")
         self.served = without_eos(checkpoint, Path(self._view.name))
         if log_dir is None and not (log_dir := os.environ.get(LOG_DIR_ENV)):
-            from posttrain.store import home_dir
+            from posttrain.pipeline.store import home_dir
             log_dir = home_dir() / "logs" / "sglang"
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ error onto the columns not yet quantized, weighted by the inverse Hessian of the
 inputs (H = 2 X^T X). Plain round-to-nearest is `rtn`.
 
 Written here because llm-compressor (the maintained GPTQ) pins transformers 5.17 and compressed-tensors
-0.19, older than ours; the export stays on compressed-tensors (posttrain/quant/stage.py)."""
+0.19, older than ours; the export stays on compressed-tensors (posttrain/stages/quantize.py)."""
 from __future__ import annotations
 
 import torch

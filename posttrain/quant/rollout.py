@@ -1,6 +1,6 @@
 """W4A8 rollouts (`rl.rollout_dtype: w4a8`): the rollout workers generate from the policy as the quantize stage
 deploys it (int4 groups for the MLP or the routed experts, int8 channels for attention, int8 activations per token,
-`posttrain.quant.stage.scheme`), while the trainer stays fp32: the precision gap GLM-5's rollouts have and the
+`posttrain.stages.quantize.scheme`), while the trainer stays fp32: the precision gap GLM-5's rollouts have and the
 importance-sampling ratio (and routing replay) must absorb. Rounded to nearest, not GPTQ: a worker quantizes every
 policy the trainer pushes, with no calibration data at hand."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ def w4a8_copy(model: torch.nn.Module, qcfg: QuantizeConfig | None = None) -> tor
     from posttrain.quant.gptq import rtn
     from posttrain.quant.int_experts import group_int_experts
     from posttrain.quant.int_linear import IntLinear
-    from posttrain.quant.stage import SCALE_DTYPE, targets
+    from posttrain.stages.quantize import SCALE_DTYPE, targets
     qcfg = qcfg or QuantizeConfig()
     out = copy.deepcopy(model).eval()
     moe.unfuse_experts(out)  # GLM-5's routed experts: one Linear each, as the export quantizes them

@@ -13,7 +13,7 @@ from statistics import mean, median
 
 from posttrain.config import AlarmConfig
 
-RUN_VAR, HOME_VAR = "POSTTRAIN_MLFLOW_RUN", "POSTTRAIN_MLFLOW_HOME"  # set by the stage runner (posttrain.stages)
+RUN_VAR, HOME_VAR = "POSTTRAIN_MLFLOW_RUN", "POSTTRAIN_MLFLOW_HOME"  # set by the stage runner (posttrain.pipeline.nodes)
 
 
 def conditions(hist: dict, a: AlarmConfig) -> dict[str, tuple[float, str]]:
@@ -110,7 +110,7 @@ def _tag_live(event: dict) -> None:
     if not run_id:
         return
     try:
-        from posttrain import tracking
+        from posttrain.pipeline import tracking
         tracking.client(os.environ.get(HOME_VAR, "")).set_tag(run_id, tag_name(event), event["message"])
     except Exception as e:  # noqa: BLE001
         print(f"alarm not tagged live on MLflow run {run_id}: {e}", flush=True)

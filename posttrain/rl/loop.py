@@ -27,7 +27,7 @@ from environments.base import Task
 from posttrain.config import MoEConfig, RLConfig
 from posttrain.engines import TrainEngine, as_rollout_engine, train_engine
 from posttrain.models.preset import seed_all
-from posttrain.store import checkpointed
+from posttrain.pipeline.store import checkpointed
 from posttrain.rl import alarms
 from posttrain.rl.opd_loss import distill_backward
 from posttrain.rl.rollout import run_episodes

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from posttrain.engines import rollout_engine
-from posttrain.raysupport import actor_options
+from posttrain.pipeline.raysupport import actor_options
 
 Mode = Literal["sampled", "topk", "full"]
 

@@ -20,7 +20,7 @@ from environments.base import Task
 from posttrain.chat import ChatFormatError, chat_format
 from posttrain.engines import RolloutEngine, rollout_engine
 from posttrain.engines.base import WeightSource
-from posttrain.raysupport import actor_options
+from posttrain.pipeline.raysupport import actor_options
 from posttrain.rl.rollout import run_episodes
 
 

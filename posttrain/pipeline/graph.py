@@ -1,5 +1,5 @@
 """The DAG as data: its stages, what each consumes, the waves they run in. Light on purpose (the config
-only): the CLI checks stage names with it before importing torch, Ray, Flyte or MLflow; posttrain.stages runs
+only): the CLI checks stage names with it before importing torch, Ray, Flyte or MLflow; posttrain.pipeline.nodes runs
 the nodes."""
 from __future__ import annotations
 
@@ -53,39 +53,39 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
     chain = [stage_name(c, d, order) for d in order[1:] for c in CHAINS]
     evaluated = ("base", "ramp", "sft", *specialists, "opd", "quantize", "curate")
     stages = [
-        Stage("raw", "posttrain.curate.stage:make_raw", (), ("world", "curate"), "tasks.curate:raw", num_cpus=1,
+        Stage("raw", "posttrain.stages.curate:make_raw", (), ("world", "curate"), "tasks.curate:raw", num_cpus=1,
               threads=1, gpu=False),
         # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
-        Stage("curate", "posttrain.curate.stage:run", ("raw",), ("world", "curate"), "tasks.curate:curate",
+        Stage("curate", "posttrain.stages.curate:run", ("raw",), ("world", "curate"), "tasks.curate:curate",
               num_cpus=0.1, threads=1, gpu=False),
-        Stage("base", "posttrain.base:run", ("curate",), ("seed", "tokenizer", "model", "base", "moe"), "tasks.base:base"),
-        Stage("ramp", "posttrain.ramp:run", ("base", "curate"),
+        Stage("base", "posttrain.stages.base:run", ("curate",), ("seed", "tokenizer", "model", "base", "moe"), "tasks.base:base"),
+        Stage("ramp", "posttrain.stages.ramp:run", ("base", "curate"),
               ("seed", "world.seed", "model", "ramp", "mtp", "moe", "eval.n_per_suite", "eval.max_new_tokens",
                "eval.batch_size", *TRAIN_ENGINE),
               "tasks.ramp:ramp", resumable=True),
         # sft trains in its own task (one torch rank) or waits on its Ray Train workers; base: the model whose
         # answers it replays
-        Stage("sft", "posttrain.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE),
+        Stage("sft", "posttrain.stages.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE),
               "tasks.sft:sft", num_cpus=1.0 if cfg.sft_in_process() else 0.1, resumable=True,
               gpu=cfg.sft_in_process()),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
-        *[Stage(f"rl-{d}", "posttrain.rl.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe", *ENGINES),
+        *[Stage(f"rl-{d}", "posttrain.stages.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe", *ENGINES),
                 "tasks.rl:rl", (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
         # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
-        Stage("opd", "posttrain.rl.opd:run", ("sft", "curate", *specialists),
+        Stage("opd", "posttrain.stages.opd:run", ("sft", "curate", *specialists),
               ("seed", "opd", "rl", "moe", *ENGINES), "tasks.opd:opd", num_cpus=0.5, threads=1, resumable=True),
-        Stage("quantize", "posttrain.quant.stage:run", ("opd", "curate"), ("seed", "quantize"),
+        Stage("quantize", "posttrain.stages.quantize:run", ("opd", "curate"), ("seed", "quantize"),
               "tasks.quantize:quantize"),
-        # on CPU evaluate's checkpoints run as Ray tasks of one CPU each (posttrain.evaluate), so it reserves little
-        Stage("evaluate", "posttrain.evaluate:run", evaluated, ("seed", "world.seed", "eval", "rl", "model", "ramp",
+        # on CPU evaluate's checkpoints run as Ray tasks of one CPU each (posttrain.stages.evaluate), so it reserves little
+        Stage("evaluate", "posttrain.stages.evaluate:run", evaluated, ("seed", "world.seed", "eval", "rl", "model", "ramp",
                                                           ROLLOUT_ENGINE), "tasks.evaluate:evaluate", num_cpus=0.1),
     ]
     if len(order) > 1:  # the GLM-5 chains (with distillation, xs-, and without, seq-) after the first specialist
-        stages += [Stage(stage_name(c, d, order), "posttrain.rl.cross_stage:run", _chain_inputs(c, d, order),
+        stages += [Stage(stage_name(c, d, order), "posttrain.stages.cross_stage:run", _chain_inputs(c, d, order),
                          ("seed", "rl", "cross_stage", "opd", "moe", *ENGINES), "tasks.cross_stage:chain_stage",
                          (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True,
                          workflow="cross_stage") for d in order[1:] for c in CHAINS]
-        stages.append(Stage("consolidation", "posttrain.rl.consolidation:run",
+        stages.append(Stage("consolidation", "posttrain.stages.consolidation:run",
                             ("sft", "curate", *specialists, "opd", *chain), ("seed", "eval", "rl", "cross_stage"),
                             "tasks.cross_stage:consolidation", workflow="cross_stage"))
     return {s.name: s for s in stages}

@@ -14,20 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from environments import ENV_VAR
-from posttrain import tracking
-from posttrain.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sha, read_manifest, replace_dir,
+from posttrain.pipeline import tracking
+from posttrain.pipeline.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sha, read_manifest, replace_dir,
                                  sha256_file, sha256_json, staging_dir, verify, verify_ref, write_manifest)
-from posttrain.codehash import stage_code_digest
+from posttrain.pipeline.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
 from posttrain.device import CPU_BF16
 from posttrain.device import ENV as DEVICE_VAR
 from posttrain.device import stage_gpus
 from posttrain.engines.sglang_server import LOG_DIR_ENV as SERVER_LOGS_VAR
-from posttrain.graph import (CHAINS, ENGINES, ROLLOUT_ENGINE, TRAIN_ENGINE, Stage, _chain_inputs,  # noqa: F401
+from posttrain.pipeline.graph import (CHAINS, ENGINES, ROLLOUT_ENGINE, TRAIN_ENGINE, Stage, _chain_inputs,  # noqa: F401
                              downstream, graph, stage_name, upstream, waves)  # the DAG itself, re-exported
-from posttrain.lease import hold
+from posttrain.pipeline.lease import hold
 from posttrain.rl import alarms
-from posttrain.store import SCRATCH_VAR, Store, Versions, drop_scratch, local_versions, publish_local
+from posttrain.pipeline.store import SCRATCH_VAR, Store, Versions, drop_scratch, local_versions, publish_local
 
 
 @dataclass
@@ -37,7 +37,7 @@ class RunContext:
     home: str
     config_json: str
     parent_run_id: str = ""
-    store: str = ""  # the remote artifact store's URL (posttrain.store); empty: `home` is the store
+    store: str = ""  # the remote artifact store's URL (posttrain.pipeline.store); empty: `home` is the store
     tags: dict[str, str] = field(default_factory=dict)
     force: list[str] = field(default_factory=list)  # stages to redo even on a cache hit
 
@@ -128,7 +128,7 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
                    inputs: dict[str, ArtifactRef], store: Store | None, versions: Versions, tags: dict,
                    datasets: list, t0: float) -> ArtifactRef:
     """The node's work on Ray under its MLflow child run, published as a new version of its cache key."""
-    from posttrain.raysupport import ensure_ray, submit
+    from posttrain.pipeline.raysupport import ensure_ray, submit
     run_id = tracking.start_run(ctx.home, name, tags, ctx.parent_run_id)
     scratch_url = store.url(f"scratch/{name}/{key[:16]}") if store and stage.resumable else ""
     try:
@@ -142,13 +142,13 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
         # this stage's own variables: set in its worker for the call (and passed to the actors it starts), so that
         # the run-wide runtime_env above stays one and Ray reuses the workers, imports and all, stage after stage
         stage_env = {SERVER_LOGS_VAR: str(Path(ctx.home) / "runs" / ctx.run_id / "logs" / name)}  # beside the report
-        if scratch_url:  # resume checkpoints go to the store too (posttrain.store.checkpointed)
+        if scratch_url:  # resume checkpoints go to the store too (posttrain.pipeline.store.checkpointed)
             stage_env[SCRATCH_VAR] = scratch_url
         # same key after a crash: resume from it
         extra = {"scratch": str(Path(ctx.home) / "scratch" / name / key[:16])} if stage.resumable else {}
         manifest = {"stage": name, "parents": {k: v.sha256 for k, v in inputs.items()},
                     "config_digest": cfg.digest(*stage.sections), "code_digest": code, "mlflow_run_id": run_id}
-        result = await submit("posttrain.stages:produce", stage.num_cpus, stage.threads, stage.fn, cfg,
+        result = await submit("posttrain.pipeline.nodes:produce", stage.num_cpus, stage.threads, stage.fn, cfg,
                               {k: (v.path, v.sha256) for k, v in inputs.items()}, ctx.home, ctx.store, key,
                               manifest, dict(stage.params), frozenset(versions.seen), env_vars=env_vars or None,
                               stage_env=stage_env, num_gpus=gpus, **extra)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain.artifacts import read_manifest
+from posttrain.pipeline.artifacts import read_manifest
 from posttrain.config import PipelineConfig
-from posttrain.console import kv
+from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
-from posttrain.evaluate import evaluate_checkpoint
-from posttrain.rl.opd import tokens_to_reach
-from posttrain.stages import stage_name
+from posttrain.stages.evaluate import evaluate_checkpoint
+from posttrain.stages.opd import tokens_to_reach
+from posttrain.pipeline.nodes import stage_name
 
 CHAIN_OF = {"cross_stage": "xs", "sequential_rl": "seq"}
 

@@ -57,7 +57,7 @@ def plot(hist: dict, targets: dict[str, float], path: Path) -> None:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
-    from posttrain.artifacts import read_manifest
+    from posttrain.pipeline.artifacts import read_manifest
     o, domains = cfg.opd, cfg.rl.domains
     pool = [t for d in domains for t in load_tasks(inputs["curate"], "rl", d)]
     val = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]

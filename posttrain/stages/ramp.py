@@ -22,13 +22,13 @@ from posttrain.models import attention, dsa, glm5, mtp
 from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig, RampStage
-from posttrain.console import kv
+from posttrain.pipeline.console import kv
 from posttrain.data import load_pretrain_texts
-from posttrain.memory import peak_memory
+from posttrain.pipeline.memory import peak_memory
 from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack, packing_efficiency
-from posttrain.ramp_ranks import train_rung
-from posttrain.store import checkpointed
+from posttrain.stages.ramp_ranks import train_rung
+from posttrain.pipeline.store import checkpointed
 from posttrain.train import eval_loss, masked_lm_loss, moe_metrics, summarize, train
 
 
@@ -250,7 +250,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     r = cfg.ramp
     model, tok = load_checkpoint(inputs["base"])
     native = model.config.max_position_embeddings
-    # checked before the first stage too (posttrain.base.check_checkpoint); here for a rerun or a remote run
+    # checked before the first stage too (posttrain.stages.base.check_checkpoint); here for a rerun or a remote run
     checkpoint_rules.stage_check(cfg, model.config, inputs["base"], checkpoint_rules.ramp_attention,
                                  checkpoint_rules.ramp_dsa)
     eos, bos = doc_end_id(tok), bos_ids(tok)

@@ -16,19 +16,19 @@ import torch
 
 import environments
 from environments import long_context
-from posttrain import report_html
-from posttrain.artifacts import read_with_timings
+from posttrain.pipeline import report_html
+from posttrain.pipeline.artifacts import read_with_timings
 from posttrain.models import moe
 from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
-from posttrain.console import kv
+from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
 from posttrain.device import device
 from posttrain.engines import rollout_engine
 from posttrain.quant.int_linear import is_compressed
-from posttrain.ramp import eval_sets
-from posttrain.raysupport import map_tasks
+from posttrain.stages.ramp import eval_sets
+from posttrain.pipeline.raysupport import map_tasks
 from posttrain.rl.rollout import run_episodes, score
 
 

@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import environments
-from posttrain import loadcheck
+from posttrain.tools import loadcheck
 from posttrain.models import moe, mtp
 from posttrain.chat import render_ids
-from posttrain.artifacts import TIMINGS
+from posttrain.pipeline.artifacts import TIMINGS
 from posttrain.checkpoint_rules import group_size_problem, module_pattern
 from posttrain.config import PipelineConfig, QuantizeConfig
-from posttrain.console import kv
+from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
 from posttrain.models.glm5 import is_glm5
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
@@ -160,7 +160,7 @@ def linear_bytes(path: Path, names: list[str]) -> int:
 
 
 def load_checks(paths: list[str | Path], prompt: str) -> list[dict]:
-    """Load each of `paths` in a fresh Python process, generate, and report its memory (posttrain/loadcheck.py;
+    """Load each of `paths` in a fresh Python process, generate, and report its memory (posttrain/tools/loadcheck.py;
     imported here so that its code is part of this stage's cache key). The processes run at once: each measures
     only itself, and most of their time is their imports."""
     procs = [subprocess.Popen([sys.executable, "-m", loadcheck.__name__, str(p), prompt], stdout=subprocess.PIPE,
@@ -209,7 +209,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         "fresh_process_generated_tokens": fresh["generated_tokens"], "fresh_process_text": fresh["text"],
     }
     (out / "quantization.json").write_text(json.dumps(metrics, indent=1))  # report.json's "quantization"
-    # what the process measured changes from run to run: beside the digest, not in it (posttrain.artifacts)
+    # what the process measured changes from run to run: beside the digest, not in it (posttrain.pipeline.artifacts)
     measured = {"rss_growth_bytes": fresh["rss_growth_bytes"], "rss_growth_bytes_unquantized": fresh_fp["rss_growth_bytes"],
                 "peak_rss_bytes": fresh["peak_rss_bytes"], "peak_rss_bytes_unquantized": fresh_fp["peak_rss_bytes"]}
     (out / TIMINGS).write_text(json.dumps(measured, indent=1))

@@ -10,7 +10,7 @@ from pathlib import Path
 import ray
 
 from posttrain.config import RuntimeConfig
-from posttrain.console import ANSI
+from posttrain.pipeline.console import ANSI
 
 
 def ensure_ray(rt: RuntimeConfig, log_path: str | Path | None = None) -> None:
@@ -99,7 +99,7 @@ def _call(fn_path: str, threads: int, stage_env: dict[str, str], *args, **kwargs
     try:
         with _stage_variables(stage_env):
             if kwargs.get("scratch"):  # where the work runs: a resumable stage lost with its machine resumes here
-                from posttrain.store import restore_scratch
+                from posttrain.pipeline.store import restore_scratch
                 restore_scratch(kwargs["scratch"])
             mod, name = fn_path.split(":")
             out = getattr(importlib.import_module(mod), name)(*args, **kwargs)

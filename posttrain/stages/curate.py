@@ -28,7 +28,7 @@ from posttrain.curate.dedup import MinHasher, WordHashes, contains_windows, flat
     sorted_member, target_windows, tokenize, window_hashes
 from posttrain.curate.read import BLANK, EMPTY, BadRow, check_inputs, data_files, read_rows
 from posttrain.curate.text import normalise, quality, scrub_pii
-from posttrain.raysupport import map_tasks
+from posttrain.pipeline.raysupport import map_tasks
 
 __all__ = ["BadRow", "make_raw", "run"]
 QUARANTINE_SCHEMA = pa.schema([(k, pa.string()) for k in ("id", "text", "reason", "detail", "source")])

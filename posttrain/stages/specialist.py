@@ -8,7 +8,7 @@ from pathlib import Path
 import environments
 from posttrain.models import moe
 from posttrain.config import PipelineConfig
-from posttrain.console import kv
+from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
 from posttrain.models.preset import save_checkpoint
 from posttrain.judge import ModelJudge, measure

@@ -15,8 +15,8 @@ from posttrain.models.preset import save_checkpoint
 from posttrain.rl import alarms
 from posttrain.engines import rollout_options, train_options
 from posttrain.rl.loop import Distill, train_policy
-from posttrain.rl.specialist import plot_curves
-from posttrain.stages import stage_name
+from posttrain.stages.specialist import plot_curves
+from posttrain.pipeline.nodes import stage_name
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, chain: str, scratch: str = "") -> dict:

@@ -9,12 +9,12 @@ import torch
 
 from posttrain import checkpoint_rules
 from posttrain.models import moe
-from posttrain.artifacts import SOURCE, dir_digest
+from posttrain.pipeline.artifacts import SOURCE, dir_digest
 from posttrain.chat import ChatFormatError, chat_format, doc_end_id, train_tokenizer
 from posttrain.config import ConfigError, PipelineConfig
 from posttrain.data import load_pretrain_texts
 from posttrain.models.preset import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
-from posttrain.pypi_checkpoints import source_of
+from posttrain.tools.pypi_checkpoints import source_of
 from posttrain.train import eval_loss, moe_metrics, pack_stream, row_sampler, summarize, train
 
 

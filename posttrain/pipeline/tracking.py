@@ -151,7 +151,7 @@ def close_killed_runs(home: str | Path) -> list[str]:
     """Pipeline runs left RUNNING by a driver that died (`kill -9`, a lost machine) on this host, with their
     stage runs: marked KILLED. Runs whose driver is alive, or on another host, are left alone. Returns the
     parent run ids closed."""
-    from posttrain.lease import process_gone
+    from posttrain.pipeline.lease import process_gone
     if not server_uri() and not (Path(home) / "mlflow.db").exists():
         return []
     c = client(home)

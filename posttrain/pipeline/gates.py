@@ -19,7 +19,7 @@ def suite_names(cfg: PipelineConfig) -> list[str]:
 
 def validate_gates(cfg: PipelineConfig) -> None:
     """Refuse gates on unknown suites or checkpoints before any work is done."""
-    from posttrain.evaluate import checkpoints
+    from posttrain.stages.evaluate import checkpoints
     g, known, cks = cfg.gates, suite_names(cfg), checkpoints(cfg)
     for field in ("checkpoint", "baseline"):
         if getattr(g, field) not in cks:

@@ -1,7 +1,7 @@
 """Screenshots of what a reviewer sees, for a person to look at: the MLflow UI (the experiment's runs, the latest
 pipeline run, its registered model version) and the run's report.html, rendered by headless Chromium.
 
-`make ui-shots` (or `python -m posttrain.ui_shots`) on a home with a finished run; the PNGs go to <home>/ui/."""
+`make ui-shots` (or `python -m posttrain.tools.ui_shots`) on a home with a finished run; the PNGs go to <home>/ui/."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from posttrain import tracking
-from posttrain.pipeline import home_dir
-from posttrain.report_html import chromium
+from posttrain.pipeline import tracking
+from posttrain.pipeline.run import home_dir
+from posttrain.pipeline.report_html import chromium
 
 
 def _free_port() -> int:

@@ -7,7 +7,7 @@ creating the next number, which only one waiter can do, so no lease is ever dele
 its holder. The holder renews its expiry every TTL/4 and expires it on release. A holder is dead when its expiry
 passed, or at once when it ran on this host and its process is gone (a `kill -9`ed run is not waited for).
 
-Correctness does not rest on the lease: publication is first-writer-wins (posttrain.store), so two runs that
+Correctness does not rest on the lease: publication is first-writer-wins (posttrain.pipeline.store), so two runs that
 both compute a node (a holder presumed dead that was only slow) still converge on one artifact. The lease
 saves the duplicate work and keeps two runs out of one resumable stage's scratch folder.
 """
@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from posttrain.store import Store
+from posttrain.pipeline.store import Store
 
 TTL_S = float(os.environ.get("POSTTRAIN_LEASE_TTL_S", 120))
 POLL_S = 2.0

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from posttrain.artifacts import MANIFEST, ArtifactRef, DigestMismatch, atomic_dir, sha256_json, verify
+from posttrain.pipeline.artifacts import MANIFEST, ArtifactRef, DigestMismatch, atomic_dir, sha256_json, verify
 
 COMMIT = "COMMIT"
 SNAPSHOT = "SNAPSHOT"
