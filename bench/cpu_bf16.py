@@ -22,7 +22,7 @@ import torch
 
 from bench import mark, out_dir, size, threads
 from posttrain.device import CPU_BF16, autocast
-from posttrain.train import make_optimizer
+from posttrain.engines.optim import make_optimizer
 
 # SmolLM2-135M-Instruct's shapes (its config.json after `posttrain checkpoint smollm2-135m-instruct`)
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=size(30, 2),

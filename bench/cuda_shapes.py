@@ -69,6 +69,7 @@ def _conversations(vocab: int, n: int, lo: int, hi: int, seed: int) -> list:
 def sft(make, batch: int, lo: int, hi: int, dev: torch.device) -> dict:
     """Tokens/s, step time, first/last loss and peak memory, padded on sdpa and padding-free on varlen_sdpa."""
     from posttrain.models import attention
+    from posttrain.engines.torch_train import TorchTrainEngine
     from posttrain.train import flat_examples, pad_examples, train
     torch.manual_seed(0)
     vocab = make().config.vocab_size
@@ -88,7 +89,7 @@ def sft(make, batch: int, lo: int, hi: int, dev: torch.device) -> dict:
             return (flat_examples if flat else pad_examples)(batches[i], 0, hi)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        hist = train(model, next_batch, steps=STEPS, lr=1e-5, warmup=2, desc=mode)
+        hist = train(TorchTrainEngine.for_lm(model, lr=1e-5), next_batch, steps=STEPS, lr=1e-5, warmup=2, desc=mode)
         _sync(dev)
         seconds = time.perf_counter() - clock["t"]
         tokens = sum(len(x) for b in batches[WARM:] for x, _ in b)

@@ -6,17 +6,17 @@
 - `logits_max_abs_diff_vs_hf`, `hf_roundtrip_exact`: the Megatron model's logits against transformers' on the same
   weights (fp32), and the exported Hugging Face tensors against the checkpoint's, bit for bit.
 - `tp2_loss_max_abs_diff`, `dp2_loss_max_abs_diff`, `cp2_loss_max_abs_diff`: the same steps on two gloo (NCCL on
-  CUDA) ranks, tensor, data and context parallel (posttrain.engines.context_parallel), against one rank's losses.
+  CUDA) ranks, tensor, data and context parallel (posttrain.engines.megatron.context_parallel), against one rank's losses.
 - `glm5_*`: the same for GLM-5's architecture (the glm5 preset at GLM5_SHAPE: latent attention, eight routed experts
-  and a shared one, the first layer dense) in Megatron's own MLA and MoE layers (posttrain.engines.megatron_glm5),
+  and a shared one, the first layer dense) in Megatron's own MLA and MoE layers (posttrain.engines.megatron.glm5),
   and `ep2_loss_max_abs_diff`: its experts over two expert-parallel ranks against one rank, beside
   `glm5_dp2_loss_max_abs_diff` (the same two data-parallel ranks with every expert on each).
 - `glm5_dsa_*`: the same GLM-5 with DSA adopted (`index_topk` a quarter of the rows' length, so every layer attends
-  to its indexer's selection: transformers' sparse attention against the engine's `engines.megatron_dsa`), and
+  to its indexer's selection: transformers' sparse attention against the engine's `engines.megatron.dsa`), and
   `glm5_dsa_cp2_loss_max_abs_diff`: over two context-parallel ranks, each rank's queries selecting among the whole
   sequence's keys.
 - `glm5_mtp_*`: the same GLM-5 with a draft (MTP) layer of DRAFT steps trained beside the LM loss at weight 0.3
-  (transformers' layer on each engine's embedding and head: `posttrain.models.mtp`, `engines.megatron_mtp`), and
+  (transformers' layer on each engine's embedding and head: `posttrain.models.mtp`, `engines.megatron.mtp`), and
   `glm5_mtp_cp2_loss_max_abs_diff` over two context-parallel ranks (each running the draft layer over the whole
   sequence).
 - `*_distributed_optimizer_*`: dp 2 (GLM-5: ep 2) with `megatron.distributed_optimizer`: the loss against one rank,
@@ -130,11 +130,12 @@ def batches(vocab: int, n: int, seed: int = 0) -> list[dict]:
 def steps(engine_or_model, data: list[dict]) -> tuple[list[float], float]:
     """(losses, seconds) of posttrain.train's loop over `data` (a model's draft layer, if any, trained beside the LM
     loss at weight 0.3, as the megatron engine's `mtp_weight`)."""
-    from posttrain.models import mtp
-    from posttrain.train import masked_lm_loss, train
+    from posttrain.engines.torch_train import TorchTrainEngine
+    from posttrain.train import train
     t = time.perf_counter()
-    hist = train(engine_or_model, lambda i: data[i], steps=len(data), lr=1e-3, warmup=1, desc="bench",
-                 loss_fn=mtp.with_loss(masked_lm_loss, 0.3, {}))
+    engine = TorchTrainEngine.for_lm(engine_or_model, lr=1e-3, mtp_weight=0.3) \
+        if isinstance(engine_or_model, torch.nn.Module) else engine_or_model
+    hist = train(engine, lambda i: data[i], steps=len(data), lr=1e-3, warmup=1, desc="bench")
     return hist["loss"], time.perf_counter() - t
 
 
@@ -152,8 +153,8 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, data: list[dic
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
 
-    from posttrain.engines.megatron_setup import Parallel
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.layout import Parallel
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     par = dict(par)
     engine = MegatronTrainEngine(path, lr=1e-3, distributed_optimizer=par.pop("distributed_optimizer", False),
                                  micro_batches=par.pop("micro_batches", 1), mtp_weight=0.3, parallel=Parallel(**par))
@@ -182,7 +183,7 @@ def ranks(path: Path, data: list[dict], par: dict, world: int) -> dict | None:
 
 
 def exactness(path: Path) -> dict:
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     from posttrain.models.preset import load_checkpoint
     hf, _ = load_checkpoint(path)
     engine = MegatronTrainEngine(path, "reference")
@@ -190,8 +191,8 @@ def exactness(path: Path) -> dict:
     ids = torch.randint(3, hf.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(ids.to(engine.device)).logits
-        h = engine._hidden(ids.to(engine.device))
-        got = engine._logits(h.reshape(-1, h.shape[-1]))[0].view_as(want)
+        h = engine.fwd.hidden(ids.to(engine.device))
+        got = engine.fwd.logits(h.reshape(-1, h.shape[-1]))[0].view_as(want)
     exported, own = engine.weights(), hf.state_dict()
     return {"logits_max_abs_diff_vs_hf": (got - want).abs().max().item(),
             "hf_roundtrip_exact": set(exported) == set(own) and all(torch.equal(exported[k].cpu(), own[k].cpu())
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b" if torch.cuda.is_available() else "tiny")
     shape = size(p.parse_args(argv if argv is not None else []).shape, "tiny")  # `python -m bench` calls main() bare
     torch.set_num_threads(threads(2))
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     from posttrain.models.preset import load_checkpoint
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     with tempfile.TemporaryDirectory() as d:

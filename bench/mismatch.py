@@ -43,7 +43,7 @@ def _inputs() -> tuple[str, str]:
 def run(train: str, rollout: str, k: int, dtype: str, seed: int, sft: str, curate: str) -> dict:
     from posttrain.config import load_config
     from posttrain.data import load_tasks
-    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron.layout import Parallel
     from posttrain.rl.loop import train_policy
     cfg = load_config(PROFILE)
     domain = DOMAIN if DOMAIN in cfg.rl.domains else cfg.rl.domains[0]

@@ -49,7 +49,8 @@ def _measure(seq_len: int, mask: bool, ckpt: bool, packed: bool, attn: str = "sd
     from posttrain.config import load_config
     from posttrain.pipeline.memory import peak_memory
     from posttrain.packing import collate, pack
-    from posttrain.train import masked_lm_loss, pad_examples
+    from posttrain.train import pad_examples
+    from posttrain.engines.lm import masked_lm_loss
 
     torch.set_num_threads(threads(2))
     torch.manual_seed(0)

@@ -161,6 +161,7 @@ def _start():
 def _ours(packed: bool = False) -> dict:
     from posttrain.packing import pack
     from posttrain.stages.sft import collator
+    from posttrain.engines.torch_train import TorchTrainEngine
     from posttrain.train import train
     s, model, tok, order = _start()
     n, steps = _packing(order, s.seq_len) if packed else (s.batch_size, STEPS)
@@ -175,8 +176,9 @@ def _ours(packed: bool = False) -> dict:
         return to_batch(rows[i * n:(i + 1) * n] if packed else order[i * s.batch_size:(i + 1) * s.batch_size])
 
     clock.start()
-    hist = train(model, next_batch, steps=steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
-                 weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="ours")
+    engine = TorchTrainEngine.for_lm(model, lr=s.lr, weight_decay=s.weight_decay)
+    hist = train(engine, next_batch, steps=steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
+                 grad_clip=s.grad_clip, desc="ours")
     tokens = [sum(len(x) for x, _ in row) for row in rows] if packed else [len(ids) for ids, _ in order]
     return {**clock.stop(), "loss": hist["loss"], "tokens": sum(tokens), "steps": steps,
             "tokens_steady": sum(tokens[warm * n:]), "params": sum(p.numel() for p in model.parameters())}

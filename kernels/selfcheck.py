@@ -128,7 +128,7 @@ def _check_w4a8(device: str, g: torch.Generator) -> dict[str, float]:
             SPLIT_K=split, fuse_quant=f, layout=layout, swap=f, asm=True))], [ref_e]) for split in (1, 2)
             for f in (False, True)))
     try:  # the model's layer (kernel or _int_mm); it loads checkpoints through compressed-tensors, not on every GPU box
-        from posttrain.quant.int_linear import IntLinear
+        from posttrain.quant.int_matmul import IntLinear
     except ImportError:
         return out
     for k, group in ((96, 32), (512, 128)):
@@ -147,7 +147,7 @@ def _check_int_experts(device: str, g: torch.Generator) -> float:
     4 experts (one never routed to), 7 tokens with 2 experts each."""
     from posttrain.models.moe import ExpertMLP, LinearExperts
     from posttrain.quant.int_experts import IntExperts
-    from posttrain.quant.int_linear import IntLinear
+    from posttrain.quant.int_matmul import IntLinear
     hidden, inter, experts = 256, 256, 4
 
     def int_linear(n, k):

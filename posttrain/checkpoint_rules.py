@@ -15,8 +15,10 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from posttrain.engines import registry
+
 if TYPE_CHECKING:
-    from posttrain.config import PipelineConfig
+    from posttrain.config import PipelineConfig, RampStage
 
 GLM5_TYPES = ("glm_moe_dsa", "deepseek_v32")  # as posttrain.models.glm5.is_glm5
 GLM5_ATTENTION = ("sdpa", "eager", "dsa")     # the implementations that build the full 4D mask GLM-5's indexer reads
@@ -43,16 +45,18 @@ def _divisors(n: int) -> str:
 
 def ramp_attention(cfg: PipelineConfig, hf, where: str) -> list[str]:
     """ramp.attention: GLM-5's DSA indexer selects keys through a full 4D mask, which only sdpa and eager build (dsa
-    trains that indexer); with the megatron engine, dsa on a dense checkpoint would need posttrain's own indexers."""
+    trains that indexer); dsa on a dense checkpoint needs an engine that trains posttrain's own indexers."""
     a, errors = cfg.ramp.attention, []
     if _glm5(hf) and a not in GLM5_ATTENTION:
         errors.append(f"ramp.attention: {where}: {a!r} with a GLM-5 checkpoint (model_type {hf.model_type}): its DSA "
                       f"indexer selects keys through a full 4D mask, which only sdpa and eager build; allowed: "
                       f"{', '.join(GLM5_ATTENTION)} (left unset, a local run takes sdpa for a GLM-5 checkpoint)")
-    if a == "dsa" and not _glm5(hf) and cfg.runtime.train_engine == "megatron":
+    name = cfg.runtime.train_engine
+    if a == "dsa" and not _glm5(hf) and not registry.supports("train", name, registry.OWN_INDEXERS):
         errors.append(f"ramp.attention: {where}: dsa on a dense checkpoint (model_type {hf.model_type}) adds "
-                      f"posttrain's own indexers, which train through the torch engine only; allowed with "
-                      f"runtime.train_engine megatron: a dense attention (sdpa, packed_sdpa, flash_attention_2)")
+                      f"posttrain's own indexers, which the {name} engine does not train "
+                      f"({registry.names('train', registry.OWN_INDEXERS)} do); allowed with runtime.train_engine "
+                      f"{name}: a dense attention (sdpa, packed_sdpa, flash_attention_2)")
     return errors
 
 
@@ -80,18 +84,25 @@ def ramp_dsa(cfg: PipelineConfig, hf, where: str) -> list[str]:
     return errors
 
 
+def rung_config(config, stage: RampStage):
+    """A copy of a model's config with a ramp rung's RoPE settings and length (what the ramp trains it at)."""
+    from transformers import AutoConfig  # transformers at first use: the CLI's checks import this module
+    config = AutoConfig.for_model(**config.to_dict())
+    config.rope_parameters = {"rope_type": "default", **dict(stage.rope_scaling), "rope_theta": stage.rope_theta}
+    config.max_position_embeddings = stage.seq_len
+    return config
+
+
 def ramp_rope(cfg: PipelineConfig, hf, where: str) -> list[str]:
-    """ramp.stages.N.rope_scaling: the RoPE each rung rebuilds the checkpoint with (`posttrain.stages.ramp.stage_config`)
-    must be one transformers builds for the checkpoint's class."""
+    """ramp.stages.N.rope_scaling: the RoPE each rung rebuilds the checkpoint with (`rung_config`) must be one
+    transformers builds for the checkpoint's class."""
     stages = [(k, st) for k, st in enumerate(cfg.ramp.stages) if st.rope_scaling]
     if not stages:
         return []
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from posttrain.stages.ramp import stage_config
     errors = []
     for k, st in stages:
-        config = stage_config(hf, st)
+        config = rung_config(hf, st)
         kind = config.rope_parameters.get("rope_type", "default")
         try:
             if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
@@ -147,42 +158,11 @@ def quantize_group_size(cfg: PipelineConfig, hf, where: str) -> list[str]:
     return [f"quantize.group_size: {where}: {g} {problem} (the int4 widths: {keys})"]
 
 
-def megatron_layout(cfg: PipelineConfig, hf, where: str) -> list[str]:
-    """runtime.train_engine megatron: the engine's own checks of the split against the checkpoint (tp dividing the
-    heads, pp the layers and GLM-5's shared-indexer groups, ep the routed experts, a model_type it maps, GLM-5's
-    group routing), as each rung, sft, RL and OPD would meet them; the allowed values are the ones those checks
-    pass."""
-    if cfg.runtime.train_engine != "megatron":
-        return []
-    from posttrain.engines import megatron_dsa, megatron_glm5
-    from posttrain.engines.megatron_setup import Parallel, check_layout
-    from posttrain.models.glm5 import DENSE_TOPK
-    g = cfg.megatron
-    if cfg.ramp.attention == "dsa" and _glm5(hf) and getattr(hf, "index_topk", DENSE_TOPK) >= DENSE_TOPK:
-        hf = type(hf).from_dict({**hf.to_dict(), "index_topk": cfg.ramp.dsa.top_k})  # as the ramp leaves it
-
-    def problem(**change) -> str | None:
-        par = Parallel(**{"tp": g.tp, "pp": g.pp, "cp": g.cp, "ep": g.ep, "sequence_parallel": g.sequence_parallel,
-                          **change})
-        try:
-            check_layout(hf, par)
-            if hf.model_type in megatron_glm5.MODEL_TYPES:
-                megatron_dsa.check(hf, par, g.recompute)
-        except ValueError as e:
-            return str(e)
-        return None
-
-    err = problem()
-    if err is None:
-        return []
-    key, _, rest = err.partition(": ")
-    bound = {"megatron.tp": hf.num_attention_heads, "megatron.pp": hf.num_hidden_layers,
-             "megatron.ep": getattr(hf, "n_routed_experts", None) or 1}.get(key)
-    if bound and "supported" not in rest:
-        field = key.split(".")[1]
-        ok = [v for v in range(1, bound + 1) if not (problem(**{field: v}) or "").startswith(key)]
-        rest += f"; allowed: {', '.join(map(str, ok))}"
-    return [f"{key}: {where}: {rest}"]
+def engine_layout(cfg: PipelineConfig, hf, where: str) -> list[str]:
+    """The train engine's own checks of its split over ranks against the checkpoint (posttrain.engines.registry:
+    megatron's tp, pp, ep, the model types it maps)."""
+    ref = registry.spec("train", cfg.runtime.train_engine).checkpoint_rules
+    return registry.load(ref)(cfg, hf, where) if ref else []
 
 
 def routing_replay(cfg: PipelineConfig, hf, where: str) -> list[str]:
@@ -237,7 +217,7 @@ def chat_tools(cfg: PipelineConfig, tok, where: str) -> list[str]:
             f"configs/templates/chatml-tools.jinja for a ChatML model"]
 
 
-RULES = (ramp_attention, ramp_dsa, ramp_rope, quantize_group_size, megatron_layout, routing_replay, mtp_head,
+RULES = (ramp_attention, ramp_dsa, ramp_rope, quantize_group_size, engine_layout, routing_replay, mtp_head,
          moe_shape)
 
 

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from posttrain.engines import registry
+
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = ROOT / "configs"
 
@@ -553,9 +555,9 @@ class MegatronConfig(_Strict):
 
 
 class RuntimeConfig(_Strict):
-    # what trains every stage's model (posttrain.engines): torch (one process, or Ray Train DDP for sft) or
+    # what trains every stage's model (posttrain.engines.registry): torch (one process, or Ray Train DDP for sft) or
     # megatron (megatron-core, split as the `megatron` section says)
-    train_engine: Literal["torch", "megatron"] = "torch"
+    train_engine: str = "torch"
     # what generates the RL rollouts, scores the OPD teachers' tokens, judges and evaluates (posttrain.engines):
     # torch (in each worker's process) or sglang (a real SGLang server per worker, teacher and checkpoint)
     rollout_engine: str = "torch"
@@ -674,25 +676,22 @@ class PipelineConfig(_Strict):
                     any(i >= m.num_layers for i in self.ramp.dsa.own_indexer):
                 errors.append(f"ramp.dsa.own_indexer: layers must be < model.num_layers {m.num_layers} "
                               f"(got {self.ramp.dsa.own_indexer})")
-        if self.runtime.train_engine == "megatron":
-            errors += self._megatron_errors()
-        else:
-            errors += [f"ramp.stages.{i}.cp: context parallelism runs in the megatron engine; set "
-                       f"runtime.train_engine megatron or drop it (got {st.cp})"
-                       for i, st in enumerate(self.ramp.stages) if st.cp not in (None, 1)]
+        errors += self._engine_errors()
         partial = {d: r for d in ["", *self.rl.per_domain] if (r := self.rl.for_domain(d)).partial_rollouts
                    and (not d or {"partial_rollouts", "max_staleness"} & set(self.rl.per_domain[d]))}
-        if self.runtime.weight_sync == "broadcast" and self.runtime.rollout_engine != "sglang":
-            errors.append(f"runtime.weight_sync: broadcast needs runtime.rollout_engine sglang (the torch engine's "
-                          f"weights load in its worker's process; got {self.runtime.rollout_engine!r})")
         w4a8 = [f"rl.per_domain.{d}" if d else "rl" for d in ["", *self.rl.per_domain]
                 if self.rl.for_domain(d).rollout_dtype == "w4a8"]
-        if w4a8 and self.runtime.rollout_engine != "torch":
-            errors.append(f"{w4a8[0]}.rollout_dtype: w4a8 runs on the torch rollout engine's integer kernels (got "
-                          f"runtime.rollout_engine {self.runtime.rollout_engine!r})")
-        if partial and self.runtime.rollout_engine != "sglang":
-            errors.append(f"rl.partial_rollouts: needs runtime.rollout_engine sglang (the torch engine cannot take "
-                          f"weights mid-generation; got {self.runtime.rollout_engine!r})")
+        for needed, capability, why in (
+                (self.runtime.weight_sync == "broadcast", registry.WEIGHT_BROADCAST,
+                 "runtime.weight_sync: broadcast needs a rollout engine that joins the trainer's process group"),
+                (w4a8, registry.INT_KERNELS, f"{(w4a8 or ['rl'])[0]}.rollout_dtype: w4a8 runs on posttrain's integer "
+                                             f"kernels"),
+                (partial, registry.PARTIAL_ROLLOUTS, "rl.partial_rollouts: needs a rollout engine that takes weights "
+                                                     "mid-generation")):
+            if needed and self._known("rollout") and \
+                    not registry.supports("rollout", self.runtime.rollout_engine, capability):
+                errors.append(f"{why} ({registry.names('rollout', capability)}; got runtime.rollout_engine "
+                              f"{self.runtime.rollout_engine!r})")
         for d, r in partial.items():
             if r.max_staleness < 1:
                 key = f"rl.per_domain.{d}" if d else "rl"
@@ -721,46 +720,42 @@ class PipelineConfig(_Strict):
             raise ValueError("\n  ".join(errors))
         return self
 
-    def _megatron_errors(self) -> list[str]:
-        """runtime.train_engine megatron: what its engine refuses, said at load (a checkpoint's shapes are checked
-        when the engine opens it)."""
-        m, g, errors = self.model, self.megatron, []
-        ranks = g.tp * g.pp * g.cp * g.ep
-        if not self.base.init_from:
-            if m.arch == "glm5" and m.n_routed_experts % g.ep:
-                errors.append(f"megatron.ep: must divide model.n_routed_experts {m.n_routed_experts} (got {g.ep})")
-            if m.arch == "glm5" and g.tp > 1 and not g.sequence_parallel:
-                errors.append("megatron.tp: Megatron splits a mixture-of-experts model (model.arch glm5) over "
-                              "tensor-parallel ranks only with megatron.sequence_parallel, which needs Transformer "
-                              "Engine; split its experts with megatron.ep instead")
-            if m.arch != "glm5" and g.ep > 1:
-                errors.append(f"megatron.ep: splits a mixture-of-experts model's experts (model.arch glm5); "
-                              f"model.arch {m.arch} has none (supported: 1)")
-            if m.num_layers % g.pp:
-                errors.append(f"megatron.pp: must divide model.num_layers {m.num_layers} (got {g.pp})")
-            kv = m.num_kv_heads or m.num_heads
-            if m.arch != "glm5" and (m.num_heads % g.tp or kv % g.tp):
-                errors.append(f"megatron.tp: must divide model.num_heads {m.num_heads} and the key-value heads {kv} "
-                              f"(got {g.tp})")
-        if self.sft.workers % ranks:
-            errors.append(f"sft.workers: the megatron ranks of sft, a multiple of tp x pp x cp x ep = {ranks} "
-                          f"(got {self.sft.workers})")
-        if self.ramp.attention == "dsa" and m.arch != "glm5" and not self.base.init_from:
-            errors.append("ramp.attention: dsa on a dense model adds posttrain's own indexers, which train through the "
-                          "torch engine only (the megatron engine trains GLM-5's, model.arch glm5). Use sdpa, "
-                          "packed_sdpa or flash_attention_2 with runtime.train_engine megatron")
-        if g.recompute and (self.rl.routing_replay or any(d.get("routing_replay") for d in self.rl.per_domain.values())):
-            errors.append("rl.routing_replay: not with megatron.recompute (the recomputed forward would route by "
-                          "itself); set one of them off")
-        for i, st in enumerate(self.ramp.stages):
-            if st.rope_scaling:
-                errors.append(f"ramp.stages.{i}.rope_scaling: the megatron engine runs default RoPE (a stage's "
-                              f"rope_theta) only; drop it or use runtime.train_engine torch (got {st.rope_scaling})")
-        if g.sequence_parallel and max(g.cp, *(st.cp or 1 for st in self.ramp.stages)) > 1:
-            errors.append("megatron.cp: with megatron.sequence_parallel needs Transformer Engine's attention, which "
-                          "the engine does not drive yet; set one of them off (here or in ramp.stages)")
-        if g.sequence_parallel and g.tp == 1:
-            errors.append("megatron.sequence_parallel: needs megatron.tp > 1")
+    def _known(self, kind: str) -> bool:
+        try:
+            registry.spec(kind, getattr(self.runtime, f"{kind}_engine"))
+            return True
+        except ValueError:
+            return False
+
+    def _engine_errors(self) -> list[str]:
+        """What the train engine cannot do (its declared capabilities, posttrain.engines.registry), and its own rules
+        over its config section, said at load (a checkpoint's shapes are checked when the engine opens it)."""
+        errors = []
+        for kind in ("train", "rollout"):
+            try:
+                registry.spec(kind, getattr(self.runtime, f"{kind}_engine"))
+            except ValueError as e:
+                errors.append(str(e))
+        if not self._known("train"):
+            return errors
+        name, m = self.runtime.train_engine, self.model
+
+        def lacks(capability: str) -> bool:
+            return not registry.supports("train", name, capability)
+        if lacks(registry.CONTEXT_PARALLEL):
+            errors += [f"ramp.stages.{i}.cp: context parallelism needs a train engine that splits sequences over "
+                       f"ranks ({registry.names('train', registry.CONTEXT_PARALLEL)}; got runtime.train_engine "
+                       f"{name!r}) or drop it (got {st.cp})" for i, st in enumerate(self.ramp.stages) if st.cp not in (None, 1)]
+        if lacks(registry.OWN_INDEXERS) and self.ramp.attention == "dsa" and m.arch != "glm5" and not self.base.init_from:
+            errors.append(f"ramp.attention: dsa on a dense model adds posttrain's own indexers, which the {name} engine "
+                          f"does not train ({registry.names('train', registry.OWN_INDEXERS)} do; it trains GLM-5's, "
+                          f"model.arch glm5). Use sdpa, packed_sdpa or flash_attention_2 with runtime.train_engine {name}")
+        if lacks(registry.ROPE_SCALING):
+            errors += [f"ramp.stages.{i}.rope_scaling: the {name} engine runs default RoPE (a stage's rope_theta) only; "
+                       f"drop it or use runtime.train_engine {registry.names('train', registry.ROPE_SCALING)} (got "
+                       f"{st.rope_scaling})" for i, st in enumerate(self.ramp.stages) if st.rope_scaling]
+        if rules := registry.rules(name):
+            errors += rules(self)
         return errors
 
     def section(self, name: str) -> Any:
@@ -782,14 +777,15 @@ class PipelineConfig(_Strict):
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def ramp_ranks(self, stage: RampStage) -> int:
-        """The ranks a ramp rung trains over: tp x pp x its cp (or megatron.cp) x ep with megatron, else one."""
-        g = self.megatron
-        return g.tp * g.pp * (stage.cp or g.cp) * g.ep if self.runtime.train_engine == "megatron" else 1
+        """The ranks a ramp rung trains over (the train engine's layout, posttrain.engines.registry)."""
+        return registry.ranks(self, "ramp", stage.cp)
 
     def sft_in_process(self) -> bool:
-        """sft's one torch rank trains in its stage's own Ray worker; more ranks (or megatron's) are Ray Train
-        workers, and the stage's task only waits on them."""
-        return self.sft.workers == 1 and self.runtime.train_engine == "torch"
+        """sft's one rank trains in its stage's own Ray worker; more ranks are Ray Train workers, and the stage's task
+        only waits on them; so are an engine's whose ranks save their own shards of the resume state (Ray Train
+        gathers them into one checkpoint)."""
+        return registry.ranks(self, "sft") == 1 and \
+            not registry.supports("train", self.runtime.train_engine, registry.SHARDED_STATE)
 
     def eval_lengths(self) -> list[int]:
         """Every ramp stage's length and the tiny preset's own context length: long_context is scored at each.

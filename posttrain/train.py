@@ -1,86 +1,45 @@
-"""The supervised training loop shared by base, ramp and sft: AdamW, warmup + cosine, masked loss, through a
-train engine (posttrain.engines)."""
+"""The supervised training loop shared by base, ramp and sft: warmup + cosine, the masked LM loss, through a train
+engine (posttrain.engines.lm_engine)."""
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
-from posttrain.config import MoEConfig
-from posttrain.models.head import sequence_nll
-from posttrain.models.moe import step_summary, with_aux_loss
+from posttrain.engines.base import TrainEngine
+from posttrain.engines.lm import masked_lm_loss
+from posttrain.engines.optim import cosine_schedule
 from posttrain.packing import collate
 
 Batch = dict[str, torch.Tensor]
 
 
-def masked_lm_loss(model, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy, the mean weighted by `loss_mask` of the target token (0: no loss; those
-    positions never reach the output head on the fused path, posttrain.models.head).
-
-    No KV cache: with one, transformers would not read packed documents out of `position_ids`."""
-    dev = next(model.parameters()).device
-    batch = {k: v.to(dev) for k, v in batch.items() if v is not None}
-    mask = batch["loss_mask"][:, 1:]
-    weights = mask[mask != 0].float() / mask.float().sum().clamp(min=1)  # the mean's divisor known beforehand
-    return sequence_nll(model, batch["input_ids"], batch["loss_mask"], weights,
-                        attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids"),
-                        use_cache=False)
-
-
-def cosine_schedule(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def make_optimizer(model, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """AdamW, fused: one kernel over all parameters (CPU and GPU; 2-3 ms of a 50 ms tiny SFT step on 2 cores
-    against the default foreach path, measured side by side; TRL's default, adamw_torch_fused, is the same).
-    `model`: a module, or the parameters to step."""
-    params = model.parameters() if isinstance(model, torch.nn.Module) else model
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
-
-
 ZERO_LOSS_STEPS = 3
 
 
-def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0.1,
-          weight_decay: float = 0.0, grad_clip: float = 1.0, desc: str = "train",
+def train(engine: TrainEngine, next_batch: Callable[[int], Batch], *, steps: int, lr: float, warmup: int,
+          min_lr_ratio: float = 0.1, grad_clip: float = 1.0, desc: str = "train",
           eval_fn: Callable[[], float] | None = None, eval_every: int = 0, grad_accum: int = 1,
           state: dict | None = None, checkpoint: Callable[[dict], None] | None = None,
-          checkpoint_every: int = 0, zero_loss_hint: str = "",
-          loss_fn: Callable[[torch.nn.Module, Batch], torch.Tensor] = masked_lm_loss,
-          moe: MoEConfig | None = None) -> dict[str, list[float]]:
-    """Run `steps` optimizer steps of `model` (a torch module, or a train engine such as the megatron one); return
-    the history (loss per step, eval loss when asked).
+          checkpoint_every: int = 0, zero_loss_hint: str = "", **_) -> dict[str, list[float]]:
+    """Run `steps` optimizer steps of `engine` (posttrain.engines.lm_engine: its LM loss, balancing, DSA and MTP terms);
+    return the history (loss per step, the engine's `step_stats` curves, eval loss when asked).
 
     Each step takes `grad_accum` micro-batches `next_batch(step * grad_accum + i)`: the data order is a
     function of the step, so resuming from `state` (what `checkpoint` was given) continues exactly.
     A loss of exactly 0 over the first steps means nothing is being trained (an empty loss mask): it stops,
-    naming `desc` and `zero_loss_hint`. `loss_fn(model, batch)` is the masked LM loss unless given. A model with
-    routers balances them under `moe` (posttrain/models/moe.py; None: not at all) and adds the `moe_*` curves.
+    naming `desc` and `zero_loss_hint`. Keywords of the engine's job (`weight_decay`, ...) are the engine's and ignored.
     """
-    from posttrain.engines.torch_train import TorchTrainEngine
-
     def schedule(s: int) -> float:
         return cosine_schedule(s, steps, warmup, min_lr_ratio)
-    if isinstance(model, torch.nn.Module):
-        engine = TorchTrainEngine(model, loss_fn, lr=lr, weight_decay=weight_decay, schedule=schedule, moe=moe)
-    else:  # a train engine the caller built (megatron: its loss the masked LM loss)
-        engine = model.with_schedule(schedule, lr)
+    engine = engine.with_schedule(schedule, lr)
     hist: dict[str, list[float]] = {"loss": [], "lr": []}
     start = 0
     if state:
         engine.load_state_dict(state["engine"])
         hist, start = state["hist"], state["step"]
-    if engine.routers is not None and engine.moe.aux_loss_weight:  # the routers' balance loss joins the LM loss
-        engine.loss_fn = with_aux_loss(loss_fn, engine.routers, engine.moe.aux_loss_weight,
-                                       hist.setdefault("moe_aux_loss", []))
     engine.train()
     bar = tqdm(range(start, steps), desc=desc, mininterval=5, leave=False, initial=start, total=steps)
     for step in bar:
@@ -90,7 +49,7 @@ def train(model, next_batch: Callable[[int], Batch], *, steps: int, lr: float, w
             total += engine.forward_backward(next_batch(step * grad_accum + micro), 1 / grad_accum).item()
         engine.step(grad_clip)
         hist["loss"].append(total)
-        for k, v in step_summary(engine).items():
+        for k, v in engine.step_stats().items():
             hist.setdefault(k, []).append(v)
         if len(hist["loss"]) == min(steps, ZERO_LOSS_STEPS) and not any(hist["loss"]):
             raise RuntimeError(f"{desc}: the loss was exactly 0 at each of the first {len(hist['loss'])} steps, so "

@@ -11,6 +11,7 @@ from environments.agentic import parse_tool_call
 from environments.episode import Episode
 from posttrain.chat import ChatFormatError, chat_format, render_ids, render_with_mask
 from posttrain.stages.sft import check_masks, conversation
+from posttrain.engines.torch_train import TorchTrainEngine
 from posttrain.train import train
 
 FAMILIES = {  # family -> (thinking switch, tool-call format, end-of-turn token)
@@ -112,7 +113,8 @@ def test_training_stops_when_the_loss_is_exactly_zero(tok):
     model = build_model(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
     batch = {"input_ids": torch.ones(2, 8, dtype=torch.long), "loss_mask": torch.zeros(2, 8)}
     with pytest.raises(RuntimeError, match="sft: the loss was exactly 0.*chat template chatml"):
-        train(model, lambda i: batch, steps=5, lr=1e-3, warmup=0, desc="sft", zero_loss_hint="chat template chatml")
+        train(TorchTrainEngine.for_lm(model, lr=1e-3), lambda i: batch, steps=5, lr=1e-3, warmup=0, desc="sft",
+              zero_loss_hint="chat template chatml")
 
 
 def test_report_names_each_checkpoints_chat_format(family_tok):
@@ -127,6 +129,10 @@ class _Babbler:
 
     def __init__(self, tok, stop_on: int | None = None):
         self.tokenizer, self.stop_on = tok, stop_on
+        self.stats: dict[str, float] = {}
+
+    def close(self) -> None:
+        pass
 
     def generate(self, prompts, *, max_new_tokens, temperature, stop_ids, generator=None):
         from posttrain.engines.base import Generation

@@ -137,7 +137,7 @@ def test_ppo_trains_on_compacted_subtraces(tok):
     from posttrain.models.preset import build_model
     from posttrain.rl.critic import ValueModel
     from posttrain.rl.step import train_step
-    from posttrain.train import make_optimizer
+    from posttrain.engines.optim import make_optimizer
     import tempfile
     from posttrain.models.preset import save_checkpoint
     tasks = _tasks("test", 8)

@@ -119,7 +119,8 @@ def warm_up(cfg, model, rows: list) -> tuple[dict, tuple[float, float], tuple[fl
         return kl, recall
 
     before = measure()
-    curves = ramp._indexer_warmup(cfg, model.train(), lambda i: collate(rows[i % len(rows):][:2], 0), "test")
+    curves, _ = ramp.indexer_warmup(cfg, model.train(), None, lambda i: collate(rows[i % len(rows):][:2], 0),
+                                    cfg.ramp.stages[-1], "test")
     after = measure()
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     assert all(not torch.equal(p, indexers[n]) for n, p in model.named_parameters() if n in indexers)

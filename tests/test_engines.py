@@ -83,7 +83,7 @@ def test_a_w4a8_rollout_engine_generates_from_integer_layers_and_quantizes_each_
     fresh = rollout_engine("torch", ckpts[1], "w4a8")
     got, want = ([g.logprobs for g in e.generate(prompts, **kw)] for e in (w4a8, fresh))
     assert got == want and w4a8.version == 1
-    with pytest.raises(ConfigError, match="rl.rollout_dtype: w4a8 runs on the torch rollout engine"):
+    with pytest.raises(ConfigError, match=r"rl.rollout_dtype: w4a8 runs on posttrain's integer kernels \(torch;"):
         load_config("smoke", ["rl.rollout_dtype=w4a8", "runtime.rollout_engine=sglang"])
 
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.models import attention
+from posttrain.models import attention, glm5
 from posttrain.engines.torch_rollout import sample
 from posttrain.models.prefix import prefix_forward
 from tests.test_megatron import forward_tol, threads
@@ -12,13 +12,47 @@ from tests.test_moe import tiny_glm
 
 
 def sparse_glm(seed: int = 0, top_k: int = 8):
-    """The toy with DSA selecting `top_k` keys per query (fewer than the sequences here)."""
-    import posttrain.models.preset  # noqa: F401  (installs the stable indexer)
-    model = tiny_glm(seed).eval()
+    """The toy with DSA selecting `top_k` keys per query (fewer than the sequences here), stably: built by
+    transformers, so its indexers are made posttrain's as every model posttrain builds or loads has them."""
+    model = glm5.stable_indexers(tiny_glm(seed).eval())
     for layer in model.model.layers:
         if layer.self_attn.indexer is not None:
             layer.self_attn.indexer.index_topk = top_k
     return model
+
+
+def test_the_stable_selection_is_bound_to_posttrains_models_only(tok, tmp_path):
+    """No library method is replaced: a GLM-5 that transformers builds on its own keeps transformers' indexer,
+    while every model posttrain builds or loads (the preset, a checkpoint, a W4A8 export, the MTP layer's own
+    indexer) has the stable one on its own modules."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer
+
+    from posttrain.config import ModelConfig, QuantizeConfig
+    from posttrain.models import moe, mtp
+    from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
+    from posttrain.quant.int_linear import load_compressed
+    from posttrain.stages.quantize import calibrate, export
+    from tests.test_glm5_model import GLM5
+    library = GlmMoeDsaIndexer.forward
+
+    def indexers(model):
+        return [m for m in model.modules() if isinstance(m, GlmMoeDsaIndexer)]
+
+    torch.manual_seed(0)
+    ours = mtp.install(build_model(ModelConfig(**GLM5), tok), 1)
+    save_checkpoint(ours, tok, tmp_path / "ckpt")
+    loaded, _ = load_checkpoint(tmp_path / "ckpt")
+    moe.unfuse_experts(loaded)  # as the quantize stage holds it
+    qcfg = QuantizeConfig(group_size=16)
+    export(loaded, tok, calibrate(loaded, torch.randint(3, len(tok), (2, 16)), qcfg), qcfg, tmp_path / "q")
+    quantized, _ = load_compressed(tmp_path / "q")
+    theirs = tiny_glm()
+    for model in (ours, load_checkpoint(tmp_path / "ckpt")[0], quantized):
+        assert all(type(m) is glm5.StableIndexer for m in indexers(model))
+        assert indexers(model.mtp) and len(indexers(model)) == 4  # three full layers and the MTP layer's own
+    assert GlmMoeDsaIndexer.forward is library
+    assert indexers(theirs) and all(type(m) is GlmMoeDsaIndexer and m.forward.__func__ is library
+                                    for m in indexers(theirs))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -78,19 +78,21 @@ def test_a_glm5_checkpoint_round_trips_exactly_and_keeps_the_router_bias_in_fp32
 
 def test_the_preset_learns_and_balances_its_experts(tok):
     from posttrain.config import MoEConfig
+    from posttrain.engines.torch_train import TorchTrainEngine
     from posttrain.train import train
     torch.manual_seed(0)
     model = build_model(ModelConfig(**GLM5), tok)
     ids = tok("12 + 7 = 19. 3 + 4 = 7. 5 + 5 = 10.", add_special_tokens=False)["input_ids"]
     batch = {"input_ids": torch.tensor([ids] * 4), "attention_mask": torch.ones(4, len(ids), dtype=torch.long),
              "loss_mask": torch.ones(4, len(ids))}
-    hist = train(model, lambda i: batch, steps=40, lr=1e-2, warmup=2, desc="glm5",
-                 moe=MoEConfig(bias_update_rate=1e-3, aux_loss_weight=1e-4))
+    engine = TorchTrainEngine.for_lm(model, lr=1e-2, moe=MoEConfig(bias_update_rate=1e-3, aux_loss_weight=1e-4))
+    hist = train(engine, lambda i: batch, steps=40, lr=1e-2, warmup=2, desc="glm5")
     assert hist["loss"][-1] < 0.5 * hist["loss"][0]
     assert len(hist["moe_cv"]) == 40 and len(hist["moe_aux_loss"]) == 40 and hist["moe_max_mean"][0] >= 1
     assert all(r.e_score_correction_bias.abs().sum() > 0 for _, r in moe.routers(model))  # balancing moved them
     before = [r.e_score_correction_bias.clone() for _, r in moe.routers(model)]
-    hist = train(model, lambda i: batch, steps=2, lr=1e-3, warmup=1, desc="glm5")  # moe None: left alone
+    hist = train(TorchTrainEngine.for_lm(model, lr=1e-3), lambda i: batch, steps=2, lr=1e-3, warmup=1,
+                 desc="glm5")  # moe None: left alone
     assert "moe_cv" not in hist
     assert all(torch.equal(b, r.e_score_correction_bias) for b, (_, r) in zip(before, moe.routers(model)))
 

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from posttrain.models import head, mtp
-from posttrain.train import masked_lm_loss
+from posttrain.engines.lm import masked_lm_loss
 
 
 @pytest.fixture

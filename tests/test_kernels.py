@@ -9,7 +9,7 @@ from kernels import selfcheck
 from posttrain.models import head
 from posttrain.config import ModelConfig
 from posttrain.models.preset import build_model
-from posttrain.train import masked_lm_loss
+from posttrain.engines.lm import masked_lm_loss
 
 TOL = 1e-3  # fp32 against fp32 references at |values| of a few units: errors are ~1e-5
 

@@ -73,8 +73,8 @@ def threads(n: int):
 
 @contextlib.contextmanager
 def steady_adam():
-    """`posttrain.train.make_optimizer` (the torch and megatron engines' AdamW) at eps ADAM_EPS inside."""
-    import posttrain.train as T
+    """`posttrain.engines.optim.make_optimizer` (the torch and megatron engines' AdamW) at eps ADAM_EPS inside."""
+    import posttrain.engines.optim as T
     make = T.make_optimizer
 
     def steady(*args, **kwargs):
@@ -174,7 +174,7 @@ def equals_transformers(path) -> dict[str, torch.Tensor]:
     """Assert the megatron engine's logits on `path` equal transformers' (fp32, within `forward_tol`) and its export
     is the checkpoint's state bit for bit; that state."""
     from posttrain.models.preset import load_checkpoint
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     hf, _ = load_checkpoint(path)
     engine = MegatronTrainEngine(path, "reference")
     samples = _samples(hf.config.vocab_size)
@@ -248,7 +248,8 @@ def test_sft_follows_the_torch_engines_loss_curve(ckpts, tok):
     """posttrain.train's loop over 20 steps, through the megatron engine and through transformers: one row of packed
     conversations (positions restart) and padded rows alternate, with the warmup + cosine schedule at train's own
     learning rate (not the one the engine was built with)."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
+    from posttrain.engines.torch_train import TorchTrainEngine
     from posttrain.models.preset import load_checkpoint
     from posttrain.train import flat_examples, pad_examples, train
     rng = random.Random(0)
@@ -262,7 +263,7 @@ def test_sft_follows_the_torch_engines_loss_curve(ckpts, tok):
     kw = dict(steps=20, lr=1e-2, warmup=3, desc="sft")
     model, _ = load_checkpoint(ckpts["llama"])
     with threads(1):
-        want = train(model, lambda i: batches[i], **kw)["loss"]
+        want = train(TorchTrainEngine.for_lm(model, lr=1.0), lambda i: batches[i], **kw)["loss"]
     with threads(2):
         got = train(MegatronTrainEngine(ckpts["llama"], lr=1.0), lambda i: batches[i], **kw)["loss"]
     assert want[-1] < want[0] - 0.1  # it learned
@@ -271,7 +272,7 @@ def test_sft_follows_the_torch_engines_loss_curve(ckpts, tok):
 
 
 def test_state_resumes_exactly(ckpts):
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     samples = _samples(300)
 
     def step(engine):
@@ -292,7 +293,7 @@ def test_state_resumes_exactly(ckpts):
 
 
 def test_recomputed_activations_give_the_same_update(ckpts):
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     samples, norms, weights = _samples(300), [], []
     for recompute in (False, True):
         engine = MegatronTrainEngine(ckpts["llama"], lr=1e-2, recompute=recompute)
@@ -343,8 +344,8 @@ def _steps(engine, samples: list, lm: bool) -> list[float]:
 def _engine(path, par: dict):
     """A policy split as `par` says (Parallel's fields, `distributed_optimizer`, `micro_batches`, `train_indexers`,
     `mtp_weight` and `moe`)."""
-    from posttrain.engines.megatron_setup import Parallel
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.layout import Parallel
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     par = dict(par)
     with steady_adam():  # as the one rank it is compared with
         return MegatronTrainEngine(path, lr=1e-3, distributed_optimizer=par.pop("distributed_optimizer", False),
@@ -361,14 +362,14 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
 
-    from posttrain.engines import megatron_train
+    from posttrain.engines.megatron import forward as megatron_forward, pipeline_stages
     schedules = []  # the micro-batches of each 1F1B schedule run
-    scheduled, dense = megatron_train.one_f_one_b, megatron_train.DENSE_MASK_MAX
-    megatron_train.DENSE_MASK_MAX = dense_max
-    megatron_train.one_f_one_b = lambda pipe, forward, m: schedules.append(m) or scheduled(pipe, forward, m)
+    scheduled, dense = pipeline_stages.one_f_one_b, megatron_forward.DENSE_MASK_MAX
+    megatron_forward.DENSE_MASK_MAX = dense_max
+    pipeline_stages.one_f_one_b = lambda pipe, forward, m: schedules.append(m) or scheduled(pipe, forward, m)
     try:  # the process may run other ranks' jobs next (tests/gloo_pair.py)
         engine = _engine(path, par)
-        dp, shard = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        shard, dp = engine.data_shard()
         losses = []
         for loss in _steps(engine, _samples(engine.vocab_size)[shard::dp], lm):
             if not lm:  # the whole batch's loss (the LM loss is the whole batch's on every rank already)
@@ -384,7 +385,7 @@ def _rank(rank: int, world: int, port: int, par: dict, path: str, out: str, lm: 
                         "mtp": engine.mtp_stats, "moe": engine.moe_stats,
                         "owned": owned / sum(p.numel() for p in engine.model.parameters() if p.requires_grad)}, out)
     finally:
-        megatron_train.one_f_one_b, megatron_train.DENSE_MASK_MAX = scheduled, dense
+        pipeline_stages.one_f_one_b, megatron_forward.DENSE_MASK_MAX = scheduled, dense
     dist.barrier()
     dist.destroy_process_group()
 
@@ -404,7 +405,7 @@ def test_two_gloo_ranks_give_one_ranks_losses_and_update(ckpts, tmp_path, gloo_p
     micro-batches in the 1F1B order; `pp2-1f1b`: sft's batches in two micro-batches through the stages in the 1F1B
     order; `dp2-distributed-optimizer`: each rank steps about half the parameters, the update still the whole
     batch's."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     out = str(tmp_path / "rank0.pt")
     gloo_pair.spawn(_rank, (2, _free_port(), par, ckpts["llama"], out, lm, dense_max))
     got = torch.load(out)
@@ -445,8 +446,8 @@ def _critic_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    from posttrain.engines.megatron_setup import Parallel
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.layout import Parallel
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     with steady_adam():
         engine = MegatronTrainEngine(path, "critic", lr=1e-2, parallel=Parallel(cp=2))
     got = _critic_steps(engine)
@@ -459,7 +460,7 @@ def _critic_rank(rank: int, world: int, port: int, path: str, out: str) -> None:
 def test_a_critic_over_two_context_parallel_ranks_learns_as_one_rank(ckpts, tmp_path, gloo_pair):
     """Its values come from the whole sequence gathered on both ranks: the value head's gradient is shared between
     them, not counted twice."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     out = str(tmp_path / "critic.pt")
     gloo_pair.spawn(_critic_rank, (2, _free_port(), ckpts["llama"], out))
     losses, head = torch.load(out)
@@ -475,11 +476,11 @@ def test_a_critic_over_two_context_parallel_ranks_learns_as_one_rank(ckpts, tmp_
 def test_attention_per_document_equals_the_whole_mask(ckpts, monkeypatch):
     """Long rows attend document by document (no [T, T] mask): the same losses and gradients as the mask on padded
     rows and on packed documents, one rank."""
-    from posttrain.engines import megatron_train
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron import forward as megatron_forward
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     got = []
     for dense_max, count in ((2048, 1), (0, 2)):  # at one thread and at two: their sums block otherwise
-        monkeypatch.setattr(megatron_train, "DENSE_MASK_MAX", dense_max)
+        monkeypatch.setattr(megatron_forward, "DENSE_MASK_MAX", dense_max)
         engine = MegatronTrainEngine(ckpts["llama"], lr=1e-3)
         engine.train()
         losses = []
@@ -500,8 +501,8 @@ def test_attention_per_document_equals_the_whole_mask(ckpts, monkeypatch):
 def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path):
     from transformers import GPT2Config
 
-    from posttrain.engines.megatron_setup import Parallel, check_layout
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.layout import Parallel, check_layout
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     with pytest.raises(ValueError, match=r"megatron.tp: must divide the attention heads \(4\) and key-value heads "
                                          r"\(2\) \(got 3; supported: \[1, 2\]\)"):
         MegatronTrainEngine(ckpts["llama"], parallel=Parallel(tp=3))
@@ -584,7 +585,7 @@ def test_the_rl_trainer_over_two_model_parallel_ranks_updates_as_one_rank(ckpts,
     import ray
 
     from posttrain.config import RLConfig
-    from posttrain.engines.megatron_setup import Parallel
+    from posttrain.engines.megatron.layout import Parallel
     from posttrain.rl.loop import build_engines
     r = RLConfig(group_size=2, lr=1e-3)
     build = dict(r=r, sft=str(ckpts["llama"]), with_critic=False, rl=False)
@@ -600,7 +601,7 @@ def test_the_rl_trainer_over_two_model_parallel_ranks_updates_as_one_rank(ckpts,
         want = [one.update(r, batch, [], None) for _ in range(2)]
 
     def steady(eps=ADAM_EPS):  # `steady_adam` in the ranks' actors (self-contained: sent by value)
-        import posttrain.train as T
+        import posttrain.engines.optim as T
         make = T.make_optimizer
 
         def made(*args, **kwargs):
@@ -654,7 +655,7 @@ def test_a_distributed_checkpoint_saved_over_two_ranks_resumes_on_one_rank(ckpts
     """Megatron's dist_checkpointing: weights and AdamW moments sharded over two tp ranks, split in two pipeline
     stages, or each data-parallel rank's moments for the parameters it steps, load into one rank (resharded on
     load), which then trains on as the two ranks did; a fresh engine alone does not."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
     gloo_pair.spawn(_sharded_rank, (2, _free_port(), str(ckpts["llama"]), str(folder), out, par))
     assert (folder / "metadata.json").exists() and list(folder.glob("*.distcp"))

@@ -72,7 +72,7 @@ def test_logits_equal_transformers_and_weights_round_trip_exactly(glm5):
 def test_a_checkpoint_that_adopted_dsa_attends_sparsely_as_transformers(glm5, adopted):
     """The indexer of layer 0 selects 4 keys for both layers (layer 1 shares its selection): transformers' logits, not
     the dense ones."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     equals_transformers(adopted)
     samples = _samples(load_checkpoint(glm5)[0].config.vocab_size)
     with torch.no_grad():
@@ -85,11 +85,9 @@ def test_the_ramps_dsa_adoption_trains_the_indexers_as_the_torch_engines(adopted
     """Three steps of the ramp's adoption: the warm-up (only the indexers train, toward the dense attention) and
     sparse training (the LM loss, and each indexer toward its selected keys' attention, weighted by kl_weight), as
     `posttrain.stages.ramp` runs them through the torch engine: the same indexer KL, recall, losses and weights."""
-    from types import SimpleNamespace
-
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
+    from posttrain.engines.torch_train import TorchTrainEngine
     from posttrain.models import dsa, glm5 as arch
-    from posttrain.stages.ramp import _indexer_warmup, _with_indexer_loss
     from posttrain.train import train
     torch.manual_seed(0)
     model, _ = load_checkpoint(adopted)
@@ -101,13 +99,10 @@ def test_the_ramps_dsa_adoption_trains_the_indexers_as_the_torch_engines(adopted
     dsa.state(model).collect = True
     start = {k: v.clone() for k, v in model.state_dict().items()}
     with threads(1):
-        if mode == "warmup":
-            cfg = SimpleNamespace(ramp=SimpleNamespace(dsa=SimpleNamespace(warmup_steps=3, warmup_lr=1e-2)))
-            want = _indexer_warmup(cfg, model, next_batch, "warm-up")
-        else:
-            want = {"indexer_kl": [], "topk_recall": []}
-            want["loss"] = train(model, next_batch, steps=3, lr=1e-2, warmup=1,
-                                 loss_fn=_with_indexer_loss(0.5, want))["loss"]
+        job = dict(indexers=(mode, 8, 1.0)) if mode == "warmup" else dict(dsa_weight=0.5)
+        torch_engine = TorchTrainEngine.for_lm(model, lr=1e-2, **job)  # the ramp's job through the torch engine
+        want = train(torch_engine, next_batch, steps=3, lr=1e-2, warmup=1)
+        torch_engine.close()
     engine = MegatronTrainEngine(adopted, lr=1e-2, train_indexers=(mode, 8, 1.0 if mode == "warmup" else 0.5),
                                  recompute=mode == "sparse")  # the ramp recomputes with activation_checkpointing
     updates = Updates(engine)
@@ -132,7 +127,7 @@ def test_a_draft_layer_passes_through_every_export(glm5, tmp_path):
     """A GLM-5 checkpoint with its MTP layer (layer num_hidden_layers), in an engine that does not train it (RL and
     OPD): the export carries it as the checkpoint has it, and the transformers model the engine saves from loads it
     (`tests/test_megatron_mtp.py` trains it)."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     from posttrain.models import mtp
     model, tok = load_checkpoint(glm5)
     mtp.install(model, 1)
@@ -199,7 +194,7 @@ def test_expert_and_pipeline_ranks_give_one_ranks_losses_and_update(request, tmp
     there as on one rank (each rank's indexer loss the share of its queries). With the balance loss each
     context-parallel rank adds its tokens' share of every row's, and two micro-batches on two stages each their
     rows' share of the batch's."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     glm5 = request.getfixturevalue(ckpt)
     out = str(tmp_path / "rank0.pt")
     gloo_pair.spawn(_rank, (2, _free_port(), par, glm5, out, lm, 2048))
@@ -229,14 +224,15 @@ def test_the_balance_loss_trains_the_routers_as_the_torch_engines(glm5, recomput
     """DeepSeek-V3's sequence-wise balance loss beside sft's LM loss (moe.aux_loss_weight), over padded rows and
     packed documents: the torch engine's `moe_aux_loss` curve, losses and weights; under recompute each value is
     counted once. The loss is no no-op: the routers end elsewhere than without it."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     from posttrain.train import train
+    from posttrain.engines.torch_train import TorchTrainEngine
     from tests.test_megatron import _lm_batches
     batches = _lm_batches(load_checkpoint(glm5)[0].config.vocab_size)
     kw = dict(steps=4, lr=1e-2, warmup=1, desc="sft")
     model, _ = load_checkpoint(glm5)
     with threads(1):  # the torch engine at one thread, megatron at two: their reductions block otherwise
-        want = train(model, lambda i: batches[i % 2], **kw, moe=AUX)
+        want = train(TorchTrainEngine.for_lm(model, lr=1.0, moe=AUX), lambda i: batches[i % 2], **kw)
     engine = MegatronTrainEngine(glm5, lr=1.0, moe=AUX, recompute=recompute)
     updates = Updates(engine)
     with threads(2):
@@ -259,7 +255,7 @@ def test_a_distributed_checkpoint_saved_over_two_expert_ranks_resumes_on_one_ran
     """Each expert-parallel rank writes its four experts and their AdamW moments (with the distributed optimizer
     also the dense layers' moments it owns); one rank holding all eight trains on from it as the two did (sft's
     resume after a SIGKILL goes through this checkpoint)."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
     gloo_pair.spawn(_sharded_rank, (2, _free_port(), glm5, str(folder), out, par))
     want = torch.load(out)
@@ -273,7 +269,7 @@ def test_a_distributed_checkpoint_saved_over_two_expert_ranks_resumes_on_one_ran
 def test_routing_replay_gives_the_rollouts_logprobs_after_the_routing_moved(glm5, tmp_path):
     """Routes recorded by the torch rollout engine, then the expert bias moved so that the router chooses otherwise:
     replayed through Megatron's router, the rollout's log-probabilities come back, and the router still learns."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     from posttrain.engines.torch_rollout import sample
     from posttrain.models import moe
     from posttrain.rl.workers import Sample
@@ -309,10 +305,33 @@ def test_routing_replay_gives_the_rollouts_logprobs_after_the_routing_moved(glm5
         replay.logprobs(samples, 1.0)
 
 
+def test_the_router_methods_stay_on_the_glm5_engines_own_routers(glm5):
+    """GLM-5's router methods (the expert load, routing replay, the balance loss) are bound to the routers of the
+    engine's model only: megatron-core's router classes keep their own, and a router built after the engine routes
+    with them."""
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
+    engine = MegatronTrainEngine(glm5, "reference")  # megatron-core imported after it (its CPU patches)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    ours = engine.gpt.decoder.layers[1].mlp.router
+    assert all(getattr(ours, m).__func__.__module__ == "posttrain.engines.megatron.glm5"
+               for m in ("routing", "_apply_expert_bias")) and \
+        ours.router_replay.get_replay_topk.__func__.__module__ == "posttrain.engines.megatron.glm5"
+    methods = [(TopKRouter, "routing"), (TopKRouter, "_apply_expert_bias"), (RouterReplay, "get_replay_topk")]
+    assert all(vars(cls)[m].__module__.startswith("megatron.core.") for cls, m in methods)
+    plain = TopKRouter(ours.config, ProcessGroupCollection.use_mpu_process_groups(["tp", "cp", "tp_cp", "tp_dp_cp"]))
+    assert plain.routing.__func__ is TopKRouter.routing
+    assert plain._apply_expert_bias.__func__ is TopKRouter._apply_expert_bias
+    assert plain.router_replay.get_replay_topk.__func__ is RouterReplay.get_replay_topk
+    assert not {"routing", "_apply_expert_bias"} & set(vars(plain))
+    assert "get_replay_topk" not in vars(plain.router_replay)
+
+
 def test_what_megatron_would_compute_differently_fails_before_any_work(glm5, adopted):
-    from posttrain.engines import megatron_glm5
-    from posttrain.engines.megatron_setup import Parallel
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron import glm5 as megatron_glm5
+    from posttrain.engines.megatron.layout import Parallel
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     with pytest.raises(ValueError, match=rf"{glm5}/config.json: megatron.ep: must divide the checkpoint's "
                                          r"n_routed_experts \(8\) \(got 3; supported: \[1, 2, 4, 8\]\)"):
         MegatronTrainEngine(glm5, parallel=Parallel(ep=3))

@@ -3,7 +3,7 @@ models', layouts divide what they split, and one megatron step measured by torch
 import pytest
 import torch
 
-from posttrain.engines.megatron_memory import Layout, Shape, per_gpu
+from bench.megatron_memory import Layout, Shape, per_gpu
 
 pytestmark = pytest.mark.usefixtures("megatron_groups")  # the measured step opens the engine's world of one
 

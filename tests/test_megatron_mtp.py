@@ -46,18 +46,19 @@ def test_sft_trains_the_draft_layer_as_the_torch_engine(drafts, tok, arch, moe):
     """posttrain.train's loop over packed and padded conversations, the MTP loss at weight 0.3 beside the LM loss:
     the torch engine's losses, MTP losses and first-step accuracies, and weights (the draft layer's included), and on
     GLM-5 the draft router's load figures, bias moves and terms of the balance loss."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
-    from posttrain.train import flat_examples, masked_lm_loss, pad_examples, train
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
+    from posttrain.engines.torch_train import TorchTrainEngine
+    from posttrain.train import flat_examples, pad_examples, train
     rng = random.Random(0)
     data = [([rng.randrange(3, len(tok)) for _ in range(n)], [0] * (n // 2) + [1] * (n - n // 2))
             for n in (rng.randrange(6, 20) for _ in range(6))]
     batches = [(flat_examples if i % 2 else pad_examples)(rng.sample(data, 3), tok.pad_token_id, 64) for i in range(6)]
-    kw = dict(steps=6, lr=1e-2, warmup=1, desc="sft", moe=moe)
+    kw = dict(steps=6, lr=1e-2, warmup=1, desc="sft")
     model, _ = load_checkpoint(drafts[arch])
     start = {k: v.clone() for k, v in model.state_dict().items() if k.startswith("mtp.")}
-    curves = {}
     with threads(1):  # the torch engine at one thread, megatron at two: their reductions block otherwise
-        want = train(model, lambda i: batches[i], **kw, loss_fn=mtp.with_loss(masked_lm_loss, 0.3, curves))
+        want = train(TorchTrainEngine.for_lm(model, lr=1.0, mtp_weight=0.3, moe=moe), lambda i: batches[i], **kw)
+    curves = want
     engine = MegatronTrainEngine(drafts[arch], lr=1.0, mtp_weight=0.3, moe=moe)
     updates = Updates(engine)
     with threads(2):
@@ -94,7 +95,7 @@ def test_two_gloo_ranks_train_the_draft_layer_as_one_rank(drafts, tmp_path, gloo
     value on each context-parallel rank) count once. pp2: the draft on the last stage reads the embedding through
     the tied output layer, or (GLM-5, untied) through a copy of the first stage's, whose gradients the two stages
     sum; in two micro-batches in the 1F1B order each adds its share of the batch's draft and balance losses."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     path, out = drafts[arch], str(tmp_path / "rank0.pt")
     par = {"moe": MOE, **par, "mtp_weight": 0.3}
     gloo_pair.spawn(_rank, (2, _free_port(), par, path, out, True, 2048))
@@ -120,7 +121,7 @@ def test_two_gloo_ranks_train_the_draft_layer_as_one_rank(drafts, tmp_path, gloo
 def test_the_draft_layer_resumes_from_a_distributed_checkpoint(drafts, tmp_path):
     """Saved after two steps (the draft's weights and AdamW moments with the model's), a new engine continues as the
     first did."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     batches = _lm_batches(load_checkpoint(drafts["glm5"])[0].config.vocab_size)
 
     def steps(engine, n):
@@ -145,7 +146,7 @@ def test_the_draft_layer_resumes_from_a_distributed_checkpoint(drafts, tmp_path)
 def test_micro_batches_train_the_draft_layer_as_the_whole_batch(drafts):
     """sft's batch in two micro-batches (`megatron.micro_batches`, the 1F1B split): each adds its share of the
     whole batch's draft loss and balance loss, so the losses, figures and weights are one forward's."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     runs, updates = [], None
     for micro in (1, 2):  # at one thread and at two: their reductions block otherwise
         engine = MegatronTrainEngine(drafts["glm5"], lr=1e-3, mtp_weight=0.3, moe=AUX, micro_batches=micro)
@@ -168,7 +169,7 @@ def test_micro_batches_train_the_draft_layer_as_the_whole_batch(drafts):
 def test_a_pipeline_checkpoint_with_a_draft_layer_resumes_on_one_rank(drafts, tmp_path, gloo_pair):
     """Saved over two pipeline stages (the draft layer and the embedding's copy on the last, its moments a replica of
     the first stage's), one rank trains on from it as the two did."""
-    from posttrain.engines.megatron_train import MegatronTrainEngine
+    from posttrain.engines.megatron.engine import MegatronTrainEngine
     folder, out = tmp_path / "dist", str(tmp_path / "losses.pt")
     gloo_pair.spawn(_sharded_rank, (2, _free_port(), drafts["glm5"], str(folder), out,
                                     {"pp": 2, "mtp_weight": 0.3, "moe": MOE}))

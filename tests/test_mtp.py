@@ -12,7 +12,9 @@ from posttrain.config import ModelConfig
 from posttrain.engines.speculative import sample_speculative, verify
 from posttrain.engines.torch_rollout import TorchRolloutEngine, sample
 from posttrain.models.preset import build_model, load_checkpoint, save_checkpoint
-from posttrain.train import masked_lm_loss, train
+from posttrain.engines.torch_train import TorchTrainEngine
+from posttrain.train import train
+from posttrain.engines.lm import masked_lm_loss
 
 
 @pytest.fixture
@@ -87,8 +89,7 @@ def test_sampled_tokens_carry_the_models_own_logprobs(model, tok):
 
 def test_mtp_trains_and_speeds_up_decoding_of_what_it_learned(model, tok, tmp_path):
     before = {n: p.detach().clone() for n, p in model.mtp.named_parameters()}
-    curves: dict[str, list[float]] = {}
-    train(model, counting, steps=60, lr=3e-3, warmup=5, loss_fn=mtp.with_loss(masked_lm_loss, 0.5, curves))
+    curves = train(TorchTrainEngine.for_lm(model, lr=3e-3, mtp_weight=0.5), counting, steps=60, lr=3e-3, warmup=5)
     assert all(not torch.equal(before[n], p) for n, p in model.mtp.named_parameters() if n.endswith("weight"))
     assert sum(curves["mtp_loss"][-5:]) < sum(curves["mtp_loss"][:5]) / 2
     assert sum(curves["mtp_acc1"][-5:]) / 5 > 0.9      # two tokens ahead, predicted

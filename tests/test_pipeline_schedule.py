@@ -1,9 +1,10 @@
-"""The megatron engine's 1F1B order (posttrain.engines.pipeline_stages.one_f_one_b) on a stand-in pipeline that records
-what each stage runs: the two-rank runs in tests/test_megatron.py check the numbers, this checks the order."""
+"""The megatron engine's 1F1B order (posttrain.engines.megatron.pipeline_stages.one_f_one_b) on a stand-in pipeline
+that records what each stage runs: the two-rank runs in tests/test_megatron.py check the numbers, this checks the
+order."""
 import pytest
 import torch
 
-from posttrain.engines.pipeline_stages import StageDone, one_f_one_b
+from posttrain.engines.megatron.pipeline_stages import StageDone, one_f_one_b
 
 
 class Recorder:

@@ -303,3 +303,41 @@ def test_cross_stage_workflow_compares_three_consolidations(first):
     assert c["compute"]["cross_stage"]["teacher_tokens"] > 0 == c["compute"]["sequential_rl"]["teacher_tokens"]
     assert set(c["forgetting"]["sequential_rl"]) == {"reasoning", "agentic"}
     assert (home / "runs" / report["run_id"] / "consolidation.md").exists()
+
+
+def test_a_third_train_engine_is_one_module_and_one_registry_line(first, tmp_path, monkeypatch):
+    """The smoke DAG's ramp, sft and one RL specialist, each run on the first run's inputs, train through an engine
+    registered with one line (posttrain.engines.registry): every training step of each goes through it, and each
+    stage's own figures say it trained."""
+    from posttrain.config import config_from_dict, load_config
+    from posttrain.engines import registry
+    from posttrain.pipeline.raysupport import ensure_ray
+    from posttrain.stages import ramp, sft, specialist
+    from tests.counting_engine import CountingEngine as counting
+    counting.calls.clear()
+    monkeypatch.setitem(registry.TRAIN, "counting",  # the one line
+                        registry.Engine("tests.counting_engine:CountingEngine", registry.TRAIN["torch"].can))
+    _, report = first
+    art = {s: report["stages"][s]["artifact"] for s in ("base", "curate")}
+    cfg = config_from_dict({**load_config("smoke").model_dump(mode="json"), "runtime": {
+        **load_config("smoke").runtime.model_dump(mode="json"), "train_engine": "counting"}}, "test")
+    ensure_ray(cfg.runtime)
+    steps = {}
+    out = ramp.run(cfg, {"base": art["base"], "curate": art["curate"]}, tmp_path / "ramp")
+    steps["ramp"] = sum(cfg.ramp.steps(st) for st in cfg.ramp.stages)
+    assert counting.calls["for_lm"] == len(cfg.ramp.stages) and counting.calls["step"] == steps["ramp"]
+    assert all(out["metrics"][f"ramp@{st.seq_len}.loss_last"] > 0 for st in cfg.ramp.stages)
+    counting.calls.clear()
+    out = sft.run(cfg, {"ramp": str(tmp_path / "ramp"), "curate": art["curate"], "base": art["base"]},
+                  tmp_path / "sft", scratch=str(tmp_path / "sft-scratch"))
+    assert counting.calls["for_lm"] == 1 and counting.calls["step"] == cfg.sft.steps
+    assert counting.calls["forward_backward"] == cfg.sft.steps * cfg.sft.grad_accum
+    from safetensors.torch import load_file
+    before, after = (load_file(tmp_path / s / "model.safetensors") for s in ("ramp", "sft"))
+    assert all(k in after for k in before) and any(not (after[k] == before[k]).all() for k in before)  # it trained
+    counting.calls.clear()
+    out = specialist.run(cfg, {"sft": str(tmp_path / "sft"), "curate": art["curate"]}, tmp_path / "rl",
+                         domain="reasoning")
+    assert counting.calls["from_checkpoint"] >= 1 and counting.calls["step"] >= cfg.rl.steps
+    assert counting.calls["logprob_losses"] >= cfg.rl.steps
+    assert (tmp_path / "rl" / "model.safetensors").is_file()

@@ -10,7 +10,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from posttrain.models import attention, packed_attention
 from posttrain.config import ConfigError, load_config
 from posttrain.packing import collate, pack
-from posttrain.train import masked_lm_loss
+from posttrain.engines.lm import masked_lm_loss
 
 
 def tiny_llama(attn: str = "sdpa", kv_heads: int = 4) -> LlamaForCausalLM:
@@ -168,7 +168,8 @@ def test_ladder_config():
     assert [s.seq_len for s in real.ramp.stages] == [4096, 32768, 131072, 200000]
     # the long rungs split each sequence over context-parallel ranks of the megatron engine
     assert real.runtime.train_engine == "megatron" and [real.ramp_ranks(s) for s in real.ramp.stages] == [1, 1, 4, 4]
-    with pytest.raises(ConfigError, match=r"ramp.stages.2.cp: context parallelism runs in the megatron engine"):
+    with pytest.raises(ConfigError, match=r"ramp.stages.2.cp: context parallelism needs a train engine that splits "
+                                          r"sequences over ranks \(megatron;"):
         load_config("real", ["runtime.train_engine=torch"])
     assert all(a.rope_theta < b.rope_theta for a, b in zip(real.ramp.stages, real.ramp.stages[1:]))
     assert all(a.long_share <= b.long_share for a, b in zip(real.ramp.stages, real.ramp.stages[1:]))

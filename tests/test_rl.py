@@ -243,7 +243,7 @@ def test_critic_learns_and_its_value_clip_binds_from_the_second_epoch(ckpt, tok)
     the explained variance rises. With one pass the values never moved since they were taken, so the clip
     cannot bind; with two passes per batch it does."""
     from posttrain.rl.critic import ValueModel
-    from posttrain.train import make_optimizer
+    from posttrain.engines.optim import make_optimizer
     worker = RolloutWorker(ckpt)
     samples, _ = worker.rollout(environments.get("agentic").generate("train", 8, 0), 1, seed=0, temperature=1.0,
                                 max_new_tokens=8, max_turns=1)

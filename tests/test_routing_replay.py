@@ -66,7 +66,7 @@ def test_replay_gives_the_rollouts_logprobs_after_the_routing_moved():
     lp_replay, _ = replay.logprobs(samples, 1.0)
     torch.testing.assert_close(lp_replay.detach()[real], behaviour[real], rtol=0, atol=1e-4)
     assert (lp_plain[real] - behaviour[real]).abs().max() > 1e-2
-    stats = replay.replay_stats()
+    stats = replay.step_stats()  # what an RL step reports (the routes replayed since the last call)
     assert stats["routes_replayed"] > 0 and stats["routes_differ"] > 0.2  # the bias moved a good share
     lp_replay.sum().backward()  # the router still learns, through the replayed experts' gate weights
     assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0

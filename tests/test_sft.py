@@ -5,7 +5,8 @@ import environments
 from posttrain.config import load_config
 from posttrain.packing import collate
 from posttrain.stages.sft import _batches, build_examples
-from posttrain.train import masked_lm_loss, pad_examples
+from posttrain.train import pad_examples
+from posttrain.engines.lm import masked_lm_loss
 from tests.test_ramp import tiny_llama
 
 

@@ -29,6 +29,7 @@ class RolloutEngine(Protocol):
     """Generation for rollouts, teachers and evaluation."""
     tokenizer: Any
     version: int               # policy version (trainer updates) of the weights it holds
+    stats: dict[str, float]    # counters since it was built (speculative decoding's drafted and accepted tokens)
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
                  generator: torch.Generator | None = None) -> list[Generation]:
@@ -46,6 +47,9 @@ class RolloutEngine(Protocol):
         """Hold new generations (a weight update in progress)."""
 
     def resume(self) -> None: ...
+
+    def close(self) -> None:
+        """Release what outlives garbage collection (a server process); a no-op for an engine in this process."""
 
 
 class TrainEngine(Protocol):
@@ -101,6 +105,28 @@ class TrainEngine(Protocol):
     def train(self) -> None: ...
 
     def eval(self) -> None: ...
+
+    # the LM loss of base, the ramp and sft (posttrain.train's loop)
+    lr: float                  # the learning rate of the last step
+
+    def with_schedule(self, schedule: Callable[[int], float], lr: float) -> "TrainEngine":
+        """This engine stepping at `lr * schedule(step)`."""
+
+    def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """An LM batch's masked loss, no gradient (validation)."""
+
+    def data_shard(self) -> tuple[int, int]:
+        """(this rank's data-parallel index, the data-parallel size): which share of a global batch it trains on."""
+
+    def step_stats(self) -> dict[str, float]:
+        """The last optimizer step's figures beyond the loss: expert load (posttrain.models.moe), routes replayed since
+        the last call, the DSA indexers' KL and recall, the draft (MTP) layer's loss and accuracy; {} where none."""
+
+    def hf_model(self) -> torch.nn.Module:
+        """The trained weights as a Hugging Face model (a collective over the ranks that hold shards of it)."""
+
+    def close(self) -> None:
+        """Release what the engine holds beyond garbage collection (process groups, ranks); may be a no-op."""
 
 
 Forward = Callable[[torch.nn.Module, list], torch.Tensor]

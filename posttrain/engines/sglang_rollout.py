@@ -11,9 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.engines.base import Generation, WeightSource
 from posttrain.engines.sglang_server import SGLangServer
+from posttrain.engines.weight_group import send, weight_group
+from posttrain.models.preset import load_pretrained, save_checkpoint
+from posttrain.quant.int_linear import is_compressed
 
 FULL_MAX = 65536  # ids a teacher returns per position when the whole distribution is needed
 
@@ -31,9 +35,9 @@ def token_versions(meta: dict, n: int) -> list[int]:
 
 
 class SGLangRolloutEngine:
-    """A checkpoint served by its own SGLang server (a child process of this one)."""
-
-    KEEPS_IN_FLIGHT = True  # rl.partial_rollouts (posttrain.engines.rollout_engine)
+    """A checkpoint served by its own SGLang server (a child process of this one). What it can do beyond the
+    RolloutEngine protocol (weights mid-generation, the trainer's broadcast) is declared in
+    posttrain.engines.registry."""
 
     def __init__(self, checkpoint: str | Path, *, seed: int = 0, dtype: str = "float32", keep_in_flight: bool = False):
         """`keep_in_flight`: updates reach the generations in flight (GLM-5's partial rollouts): the server retracts
@@ -41,13 +45,13 @@ class SGLangRolloutEngine:
         update is exactly the new weights' given what came before; each Generation says which version produced each
         token (SGLang's per-request weight-version spans). The server then keeps no prefix cache: a cached prefix
         would be the old weights' encoding."""
-        from transformers import AutoTokenizer
         self.checkpoint = str(checkpoint)
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.partial = keep_in_flight
         self.server = SGLangServer(checkpoint, seed=seed, extra_args=(
             "--dtype", dtype, *(("--disable-radix-cache",) if keep_in_flight else ())))
         self.version = 0
+        self.stats: dict[str, float] = {}  # the server's speculative decoding is its own: no counters here
         self._weights: str | dict = self.checkpoint  # what a restarted server reloads: a folder or a state dict
         self._weights_version = 0
         self._group = self._group_server = None  # the process group broadcasting weights to the server
@@ -59,7 +63,6 @@ class SGLangRolloutEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: str = "float32", keep_in_flight: bool = False
                         ) -> "SGLangRolloutEngine":
-        from posttrain.quant.int_linear import is_compressed
         if is_compressed(path):
             raise ValueError(f"runtime.rollout_engine sglang: {path} is a W4A8 compressed-tensors export; SGLang's int4 / "
                              f"int8 kernels are CUDA's, and posttrain's mixed export has not been tried there")
@@ -151,7 +154,6 @@ class SGLangRolloutEngine:
         (`update_weights_from_distributed`: gloo on CPU, NCCL on CUDA; no file written). New generations wait
         meanwhile; the server lets the running ones finish on the old weights first, or with `keep_in_flight`,
         retracts them and continues them on the new weights."""
-        from posttrain.engines.weight_group import send, weight_group
         # flush_cache: a server keeping generations in flight has no prefix cache, and refuses a flush while the
         # retracted requests wait in its queue
         with self._updating():
@@ -213,9 +215,6 @@ class SGLangRolloutEngine:
 
     def _write(self, state: dict) -> str:
         """A state dict as a checkpoint folder beside the served one's config and tokenizer (replacing the last)."""
-        from transformers import AutoModelForCausalLM
-
-        from posttrain.models.preset import load_pretrained, save_checkpoint
         if self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="posttrain-sglang-weights-")
             self._model = load_pretrained(AutoModelForCausalLM, self.checkpoint)

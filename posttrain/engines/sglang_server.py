@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
+from posttrain.engines import registry
+from posttrain.pipeline.store import home_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "POSTTRAIN_SGLANG_PYTHON"
-LOG_DIR_ENV = "POSTTRAIN_SGLANG_LOG_DIR"
 START_TIMEOUT_S = 300.0
 MIN_CONTEXT = 32768  # tokens a request may hold, at least
 
@@ -77,8 +79,7 @@ class SGLangServer:
         self.checkpoint, self.seed, self.extra_args = str(checkpoint), seed, extra_args
         self._view = tempfile.TemporaryDirectory(prefix="posttrain-sglang-view-")
         self.served = without_eos(checkpoint, Path(self._view.name))
-        if log_dir is None and not (log_dir := os.environ.get(LOG_DIR_ENV)):
-            from posttrain.pipeline.store import home_dir
+        if log_dir is None and not (log_dir := os.environ.get(registry.LOG_DIR_VAR)):
             log_dir = home_dir() / "logs" / "sglang"
         log_dir = Path(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)

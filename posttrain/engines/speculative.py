@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.models import mtp as mtp_module
 from posttrain.engines.base import Generation
+from posttrain.engines.sampling import exponential_noise, gumbel_draw, on_device
+from posttrain.models import mtp as mtp_module
 from posttrain.models.kv_cache import decode_cache
-from posttrain.engines.torch_rollout import exponential_noise, gumbel_draw, on_device
 from posttrain.models.prefix import prefill_distinct
 
 

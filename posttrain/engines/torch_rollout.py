@@ -9,37 +9,19 @@ import numpy as np
 import torch
 
 from posttrain.chat import chat_format
+from posttrain.device import device
 from posttrain.engines.base import Generation, WeightSource
+from posttrain.engines.sampling import gumbel_draw, on_device
+from posttrain.engines.speculative import sample_speculative
+from posttrain.models import mtp
+from posttrain.models.attention import fast_decoding, padding_free
 from posttrain.models.kv_cache import decode_cache
+from posttrain.models.moe import RouterHooks
 from posttrain.models.prefix import micro_batches, prefill_distinct, prefix_forward
+from posttrain.models.preset import load_checkpoint
+from posttrain.quant.int_linear import is_compressed, load_any
+from posttrain.quant.rollout import w4a8_copy
 from posttrain.routing_replay import RolloutRoutes
-
-
-def on_device(generator: torch.Generator | None, device) -> torch.Generator | None:
-    """A generator on `device` seeded by one draw of `generator`, so noise is drawn where the logits are: drawn on
-    the host, it took 0.7 ms a decoding step of 120 rows (profiling bench/mtp's RL rollouts on an H100), plus a
-    blocking copy.
-    The same seed gives the same stream on the same kind of device; CPU and GPU streams differ."""
-    device = torch.device(device)
-    if generator is None or generator.device.type == device.type:
-        return generator
-    return torch.Generator(device).manual_seed(int(torch.randint(2 ** 62, (1,), generator=generator)))
-
-
-def exponential_noise(shape: tuple[int, ...], generator: torch.Generator | None, device) -> torch.Tensor:
-    """Exp(1) noise on `device` (from `generator`, which `on_device` put there, or the device's default), as
-    -log U with U uniform on [0, 1): on CPU torch's `exponential_` draws one value at a time (1.0 ms for
-    128 x 512 against 0.17 ms here, 2 cores), a seventh of a tiny GRPO rollout."""
-    return torch.rand(shape, generator=generator, device=device).log_().neg_()
-
-
-def gumbel_draw(logp: torch.Tensor, generator: torch.Generator | None, noise: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """One draw per row of log-probabilities (Gumbel-max: exact, cheaper than multinomial); `noise`: Exp(1) noise
-    of `logp`'s shape, drawn here (`exponential_noise`) when not given."""
-    if noise is None:
-        noise = exponential_noise(logp.shape, on_device(generator, logp.device), logp.device)
-    return (logp - noise.log()).argmax(-1)
 
 
 @torch.no_grad()
@@ -99,11 +81,14 @@ def sample(model, prompts: list[list[int]], *, max_new_tokens: int, temperature:
 
 class TorchRolloutEngine:
     """A causal LM in this process. `model` is shared, not copied: an engine over the trainer's own policy
-    (validation) sees its updates at once; workers and teachers hold their own copy."""
+    (validation) sees its updates at once; workers and teachers hold their own copy (`from_checkpoint`)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, max_cells: int = 4096, w4a8: bool = False):
-        # w4a8: generate from a W4A8 copy of `model` (posttrain.quant.rollout), made again at each weight update
+    def __init__(self, model: torch.nn.Module, tokenizer, max_cells: int = 4096, w4a8: bool = False,
+                 owns_model: bool = False):
+        # w4a8: generate from a W4A8 copy of `model` (posttrain.quant.rollout), made again at each weight update;
+        # owns_model: no one else runs `model` (`from_checkpoint`), so scoring may switch its attention (`score`)
         self.master = model if w4a8 else None
+        self.owns_model = owns_model
         self.model, self.tokenizer = self._serving(model), tokenizer
         self.pad_id, self.max_cells = chat_format(tokenizer).pad_id, max_cells
         self.version = 0
@@ -115,9 +100,7 @@ class TorchRolloutEngine:
         self._open.set()
 
     def _serving(self, model: torch.nn.Module) -> torch.nn.Module:
-        from posttrain.models.attention import fast_decoding
         if self.master is not None:
-            from posttrain.quant.rollout import w4a8_copy
             model = w4a8_copy(model)
         fast_decoding(model)
         return model.eval()
@@ -125,22 +108,19 @@ class TorchRolloutEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: str = "float32") -> "TorchRolloutEngine":
         """`dtype`: what the weights, activations and KV cache are held in (the sampling distribution is fp32);
-        `w4a8`: the quantize stage's integer scheme, rounded to nearest (posttrain.quant.rollout)."""
-        from posttrain.device import device
-        from posttrain.quant.int_linear import is_compressed, load_any  # plain or W4A8 compressed-tensors
+        `w4a8`: the quantize stage's integer scheme, rounded to nearest (posttrain.quant.rollout). The checkpoint is
+        plain or W4A8 compressed-tensors (posttrain.quant.int_linear)."""
         if dtype == "w4a8" and is_compressed(path):
             raise ValueError(f"rollout dtype w4a8: {path} is a W4A8 export already; give its unquantized checkpoint")
         model, tok = load_any(path)
         if dtype == "w4a8":
-            return cls(model.to(device()), tok, w4a8=True)
-        return cls(model.to(device(), getattr(torch, dtype)), tok)
+            return cls(model.to(device()), tok, w4a8=True, owns_model=True)
+        return cls(model.to(device(), getattr(torch, dtype)), tok, owns_model=True)
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, stop_ids: set[int],
                  generator: torch.Generator | None = None) -> list[Generation]:
         self._open.wait()
-        from posttrain.models import mtp
         if self.speculative and self.routes is None and mtp.get(self.model) is not None:
-            from posttrain.engines.speculative import sample_speculative
             return sample_speculative(self.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
                                       stop_ids=stop_ids, pad_id=self.pad_id, generator=generator, stats=self.stats)
         return sample(self.model, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -148,8 +128,8 @@ class TorchRolloutEngine:
 
     def record_routes(self) -> None:
         """From now on every Generation carries the experts each of its tokens went through (routing replay);
-        decoding is plain then, without the MTP draft. A model without routers is refused."""
-        from posttrain.models.moe import RouterHooks
+        decoding is plain then, without the MTP draft. A model without routers is refused. (Not part of the
+        RolloutEngine protocol: the engines that declare ROUTING_RECORD in posttrain.engines.registry have it.)"""
         hooks = RouterHooks(self.model)
         if not hooks.routers:
             raise ValueError(f"routing replay: {type(self.model).__name__} has no mixture-of-experts router to record")
@@ -158,7 +138,11 @@ class TorchRolloutEngine:
     @torch.no_grad()
     def score(self, items: list[tuple[list[int], list[int], list[int]]], *, mode: str = "sampled", top_k: int = 16,
               temperature: float = 1.0) -> list:
-        """The teacher's distribution over each generated token, at the student's sampling temperature."""
+        """The teacher's distribution over each generated token, at the student's sampling temperature. A model the
+        engine owns scores the samples as one row without padding where it can (posttrain.models.attention
+        .padding_free: what a teacher and the guard's judge do with their engines)."""
+        if self.owns_model:
+            padding_free(self.model)
         samples = [SimpleNamespace(prompt_ids=p, ids=ids) for p, ids, _ in items]
         out: list = [None] * len(items)
         for idx in micro_batches(samples, self.max_cells):  # bounded memory for the [rows, T, V] logits
@@ -179,7 +163,6 @@ class TorchRolloutEngine:
 
     def update_weights(self, source: WeightSource, version: int) -> None:
         if isinstance(source, (str, Path)):  # weights by disk: a checkpoint folder
-            from posttrain.models.preset import load_checkpoint
             source = load_checkpoint(source)[0].state_dict()
         self.pause()
         try:
@@ -199,3 +182,6 @@ class TorchRolloutEngine:
 
     def resume(self) -> None:
         self._open.set()
+
+    def close(self) -> None:
+        """Nothing outlives garbage collection here: the model is in this process."""

@@ -11,7 +11,9 @@ import torch
 
 from posttrain.config import MoEConfig
 from posttrain.device import autocast
+from posttrain.engines import optim
 from posttrain.engines.base import Forward, one_by_one
+from posttrain.engines.lm import LMLoss, masked_lm_loss
 from posttrain.models.moe import RouterHooks
 
 
@@ -31,11 +33,10 @@ class TorchTrainEngine:
                  schedule: Callable[[int], float] | None = None, device: str | torch.device | None = None,
                  tokenizer=None, pad_id: int = 0, moe: MoEConfig | None = None, routing_replay: bool = False):
         from posttrain.device import device as default_device
-        from posttrain.train import make_optimizer
         self.device = torch.device(device) if device is not None else default_device()
         self.model, self.tokenizer = model.to(self.device), tokenizer
         self._forward, self.pad_id = forward, pad_id
-        self.opt = optimizer or (make_optimizer(model, lr, weight_decay) if lr is not None else None)
+        self.opt = optimizer or (optim.make_optimizer(model, lr, weight_decay) if lr is not None else None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
         # `moe` given, a model with routers trained: expert load per step and its balancing (posttrain/models/moe.py);
         # `routing_replay`: the policy's forwards run through the experts the samples' rollouts chose
@@ -48,6 +49,24 @@ class TorchTrainEngine:
             raise ValueError(f"rl.routing_replay: {type(self._module).__name__} has no mixture-of-experts router")
         self.routing_replay, self._balance = routing_replay, trained and self.routers is not None
         self.moe_stats: dict[str, float] = {}
+        self._lm: LMLoss | None = None
+
+    @classmethod
+    def for_lm(cls, model: torch.nn.Module | None, tok=None, checkpoint: str | Path | None = None, *, lr: float,
+               weight_decay: float = 0.0, moe: MoEConfig | None = None, mtp_weight: float = 0.0,
+               dsa_weight: float = 0.0, indexers: tuple | None = None, recompute: bool = False,
+               prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None, **_) -> "TorchTrainEngine":
+        """`model` itself (`checkpoint`'s only where no model is given) trained on the LM loss (posttrain.engines.lm);
+        `prepare` readies it for the ranks (Ray Train's DDP and device). `close` undoes what the job changed on it."""
+        if model is None:
+            from posttrain.models.preset import load_checkpoint
+            model, tok = load_checkpoint(checkpoint)
+        engine = cls(prepare(model) if prepare else model, masked_lm_loss, lr=lr, weight_decay=weight_decay,
+                     tokenizer=tok, moe=moe)
+        engine._lm = engine._forward = LMLoss(
+            model, mtp_weight=mtp_weight, dsa_weight=dsa_weight, indexers=indexers, recompute=recompute,
+            routers=engine.routers, aux_weight=engine.moe.aux_loss_weight if engine.routers is not None else 0.0)
+        return engine
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None,
@@ -72,15 +91,6 @@ class TorchTrainEngine:
                        routing_replay=routing_replay)
         except ValueError as e:
             raise ValueError(f"{e} (checkpoint {path})") from None
-
-    @property
-    def loss_fn(self) -> Forward:
-        """What `forward` runs: (model, batch) -> the caller's loss input (a loss for LM training)."""
-        return self._forward
-
-    @loss_fn.setter
-    def loss_fn(self, fn: Forward) -> None:
-        self._forward = fn
 
     @property
     def _module(self) -> torch.nn.Module:  # the model itself under a DDP wrapper
@@ -123,9 +133,11 @@ class TorchTrainEngine:
         with autocast(self.device), self._replaying(samples):
             return completion_reverse_kl_loss(self.model, samples, self.pad_id, teacher, temperature, token_weights)
 
-    def replay_stats(self) -> dict[str, float]:
-        """Routes replayed since the last call and the share the router would have chosen otherwise."""
-        return self.routers.take_replayed() if self.routing_replay else {}
+    def step_stats(self) -> dict[str, float]:
+        """The last step's expert load, the routes replayed since the last call (and the share the router would have
+        chosen otherwise), and the LM job's per-forward figures averaged over the step."""
+        replayed = self.routers.take_replayed() if self.routing_replay else {}
+        return self.moe_stats | replayed | (self._lm.figures() if self._lm else {})
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -176,3 +188,25 @@ class TorchTrainEngine:
 
     def eval(self) -> None:
         self.model.eval()
+
+    def with_schedule(self, schedule: Callable[[int], float], lr: float) -> "TorchTrainEngine":
+        for group in self.opt.param_groups:
+            group["lr"] = group["initial_lr"] = lr
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        return self
+
+    @torch.no_grad()
+    def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return masked_lm_loss(self.model, batch)
+
+    def data_shard(self) -> tuple[int, int]:
+        dist = torch.distributed
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+    def hf_model(self) -> torch.nn.Module:
+        return self._module
+
+    def close(self) -> None:
+        """Undo what the LM job changed on the model (frozen weights, DSA's modes, activation checkpointing)."""
+        if self._lm is not None:
+            self._lm.close()

@@ -14,7 +14,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from posttrain.models import dsa as _dsa  # noqa: F401  (registers "dsa")
-from posttrain.models import packed_attention
+from posttrain.models import mtp, packed_attention
 from posttrain.models.glm5 import is_glm5
 
 
@@ -56,7 +56,6 @@ def fast_decoding(model) -> None:
 
 def _switch(model, name: str) -> None:
     """`model` to attention `name`, its MTP layer following."""
-    from posttrain.models import mtp
     use(model, name)
     if (draft := mtp.get(model)) is not None:
         draft.follow_attention(model)

@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kernels.dsa import causal, indexer_scores, indexer_topk, selected_mask, sparse_attention, use_triton
+from posttrain.models.added_weights import load_added_weights
 
 CONFIG_KEY = "posttrain_dsa"
 
@@ -224,7 +225,6 @@ def restore(model, checkpoint: str | Path | None = None):
         return model
     install(model, **settings)
     if checkpoint is not None:
-        from posttrain.models.preset import load_added_weights
         load_added_weights(model, checkpoint, lambda k: ".indexer." in k, "DSA indexers")
     return model
 

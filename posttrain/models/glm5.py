@@ -5,8 +5,9 @@ DSA's indexer in transformers selects its top-k keys with `torch.topk`, whose or
 the length of the row: the indexer's scores are sums of ReLUs, so exact ties (often exact zeros) are common, and a
 30-token forward then attends to other keys than the first 30 positions of a 40-token one (0.03-0.05 in logits on
 the toy preset), as do cached decoding and packing. For RL that is a mismatch between the rollout and the trainer
-that no importance weight explains. `patch_indexer` selects with a stable sort instead: ties go to the earliest key,
-whatever the length, padding or cache.
+that no importance weight explains. `StableIndexer` selects with a stable sort instead: ties go to the earliest key,
+whatever the length, padding or cache; `stable_indexers` makes a model's indexers that (its own modules, not the
+library's class: posttrain.models.preset does it wherever a model is built or loaded).
 
 DSA's adoption in the ramp (`install_dsa`) drives these same indexers: GLM-5's recipe, a dense warm-up where only
 the indexers learn the dense attention distribution (KL), then sparse training at top-k with that KL on the selected
@@ -16,6 +17,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, apply_rotary_pos_emb_interleave
+
+from kernels.dsa import selected_mask
+from posttrain.models.dsa import DSAState, allowed_keys, indexer_loss
 
 DENSE_TOPK = 1 << 30  # an index_topk no row reaches: every key selected, DSA not adopted yet
 
@@ -53,7 +61,6 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
     # transformers 5.23's GlmMoeDsaIndexer.forward (Apache-2.0) with the selection made stable; `train`: the scores
     # keep their graph (from detached inputs: the indexer learns only from its own loss) for `install_dsa`'s KL;
     # `gather_keys`: the whole sequence's keys from this rank's [b, s, d] (the megatron engine's context parallelism)
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
     if train:
         hidden_states, q_resid = hidden_states.detach(), q_resid.detach()
     b, s, _ = hidden_states.shape
@@ -85,18 +92,25 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
     return index_scores.detach().sort(dim=-1, descending=True, stable=True).indices[..., :topk].to(torch.int32)
 
 
-def patch_indexer() -> None:
-    """Make every GLM-5 indexer select stably (idempotent; class-level, so checkpoints load unchanged)."""
-    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
-    if m.GlmMoeDsaIndexer.forward is not _stable:
-        m.GlmMoeDsaIndexer.forward = _stable
+class StableIndexer(GlmMoeDsaIndexer):
+    """transformers' GLM-5 indexer selecting stably (`_indexer_forward`), and training from its own loss while its
+    `dsa_state` collects (`install_dsa`). The same parameters and state-dict keys as the library's."""
+
+    def forward(self, *args, **kwargs):
+        st = getattr(self, "dsa_state", None)  # set by install_dsa only
+        train = st is not None and st.collect and torch.is_grad_enabled()
+        with torch.set_grad_enabled(train):
+            return _indexer_forward(self, *args, train=train, **kwargs)
 
 
-def _stable(self, *args, **kwargs):
-    st = getattr(self, "dsa_state", None)
-    train = st is not None and st.collect and torch.is_grad_enabled()
-    with torch.set_grad_enabled(train):
-        return _indexer_forward(self, *args, train=train, **kwargs)
+def stable_indexers(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with every GLM-5 indexer under it (itself included) a `StableIndexer`: the modules of this model
+    only, never the library's class (a model built elsewhere keeps its own selection). Idempotent; what builds or
+    loads a model for posttrain calls it (posttrain.models.preset, the MTP layer, `install_dsa`)."""
+    for m in module.modules():
+        if type(m) is GlmMoeDsaIndexer:
+            m.__class__ = StableIndexer
+    return module
 
 
 def dsa_attention(module, query, key, value, attention_mask, scaling: float | None = None, dropout: float = 0.0,
@@ -104,10 +118,6 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
     """GLM-5's sparse attention (transformers' sdpa path: the causal mask narrowed to the indexer's top-k keys), plus
     the indexer loss while the ramp trains it: transformers hands an attention implementation other than eager and
     sdpa the causal mask and the selected `indices` apart, both of which the KL needs."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from kernels.dsa import selected_mask
-    from posttrain.models.dsa import allowed_keys, indexer_loss
     st = module.dsa_state
     b, _, lq, _ = query.shape
     lk = key.shape[2]
@@ -127,13 +137,9 @@ def install_dsa(model, top_k: int, kl_queries: int = 64):
     reuses the full layer's before it): each keeps `top_k` keys from now on, and the model attends through
     `dsa_attention`, which collects the indexers' KL on the model's `DSAState` (`posttrain.models.dsa.state`) while
     its `collect` is set."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from posttrain.models.dsa import DSAState
     if top_k < 1:
         raise ValueError(f"dsa: top_k must be >= 1 (got {top_k})")
-    patch_indexer()
+    stable_indexers(model)
     AttentionInterface.register("glm5_dsa", dsa_attention)
     AttentionMaskInterface.register("glm5_dsa", sdpa_mask)
     state, group = DSAState(top_k, kl_queries), 0

@@ -13,9 +13,14 @@ import os
 import torch
 import torch.nn.functional as F
 
+from kernels.logprob import linear_logprob, linear_logprob_loss, linear_weighted_logprob_loss
+from kernels.reverse_kl import linear_reverse_kl_loss
+from posttrain.models.logits import SCALING, scaling
+from posttrain.models.prefix import pad_rows, prefix_forward
+
 FUSED_MIN_VOCAB = 32768
 ENV = "POSTTRAIN_FUSED_LOGPROB"
-_SCALING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_SCALING = SCALING  # the name posttrain.checkpoint_rules reads
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -39,7 +44,7 @@ def _head_weight(model, out) -> torch.Tensor:
     m = unwrap(model)
     head = m.get_output_embeddings()
     if not getattr(m, "_posttrain_head_checked", False):
-        scaled = {k: getattr(m.config, k) for k in _SCALING if getattr(m.config, k, None) not in (None, 1, 1.0)}
+        scaled = scaling(m.config)
         with torch.no_grad():
             got = out.hidden_states[-1][:, -1] @ head.weight.t()
             want = out.logits[:, -1].to(got.dtype)
@@ -93,7 +98,6 @@ def sequence_logprobs(model, input_ids: torch.Tensor, targets_mask: torch.Tensor
     if not bool(sel.any()):
         return _nothing_scored(model, use_fused, input_ids, inputs)
     if use_fused:
-        from kernels.logprob import linear_logprob
         out = model(input_ids=input_ids, **inputs, output_hidden_states=True, logits_to_keep=1)
         return linear_logprob(out.hidden_states[-1][:, :-1][sel], _head_weight(model, out), target[sel])[0]
     if input_ids.shape[0] == 1:  # one row (padding-free batches): the head runs on the scored positions only
@@ -114,7 +118,6 @@ def sequence_nll(model, input_ids: torch.Tensor, targets_mask: torch.Tensor, wei
     inputs.setdefault("use_cache", False)
     if not fused(model) or not bool(sel.any()):
         return -(sequence_logprobs(model, input_ids, targets_mask, **inputs) * weights).sum()
-    from kernels.logprob import linear_weighted_logprob_loss
     out = model(input_ids=input_ids, **inputs, output_hidden_states=True, logits_to_keep=1)
     return linear_weighted_logprob_loss(out.hidden_states[-1][:, :-1][sel], _head_weight(model, out), target[sel],
                                         -weights)[0]
@@ -123,7 +126,6 @@ def sequence_nll(model, input_ids: torch.Tensor, targets_mask: torch.Tensor, wei
 def completion_scores(model, samples: list, pad_id: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability, entropy) [samples, longest completion] of each completion token at `temperature`
     (0 past a completion's end), in posttrain.models.prefix's completion layout."""
-    from posttrain.models.prefix import pad_rows, prefix_forward
     dev = next(model.parameters()).device
     ids = pad_rows([s.ids for s in samples], 0, device=dev)
     real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, dev)
@@ -131,7 +133,6 @@ def completion_scores(model, samples: list, pad_id: int, temperature: float) -> 
         logp_all = torch.log_softmax(prefix_forward(model, samples, pad_id).float() / temperature, -1)
         logp, ent = logp_all.gather(-1, ids[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
         return logp.masked_fill(~real, 0.0), ent.masked_fill(~real, 0.0)
-    from kernels.logprob import linear_logprob
     hidden, out = prefix_forward(model, samples, pad_id, "hidden")
     logp, ent = linear_logprob(hidden[real], _head_weight(model, out), ids[real], temperature)
     return logp.new_zeros(ids.shape).masked_scatter(real, logp), ent.new_zeros(ids.shape).masked_scatter(real, ent)
@@ -149,8 +150,6 @@ def completion_loss(model, samples: list, pad_id: int, temperature: float, loss_
     if not fused(model):
         logp, ent = completion_scores(model, samples, pad_id, temperature)
         return loss_of(logp, ent), logp.detach(), ent.detach()
-    from kernels.logprob import linear_logprob_loss
-    from posttrain.models.prefix import pad_rows, prefix_forward
     dev = next(model.parameters()).device
     ids = pad_rows([s.ids for s in samples], 0, device=dev)
     real = pad_rows([[True] * len(s.ids) for s in samples], False, torch.bool, dev)
@@ -173,7 +172,6 @@ def completion_reverse_kl_loss(model, samples: list, pad_id: int, teacher: list[
     KL(student || teacher) [samples, longest completion] at each sample's generated positions (0 elsewhere);
     `teacher[i]` holds the teacher's log-probabilities there, [generated, vocab]. On the fused path the gradient is
     made in the forward (`kernels.reverse_kl.linear_reverse_kl_loss`)."""
-    from posttrain.models.prefix import pad_rows, prefix_forward
     dev = next(model.parameters()).device
     mask = pad_rows([s.gen_mask for s in samples], 0, device=dev) > 0
     lt = torch.cat([t.float() for t in teacher]).to(dev)
@@ -183,7 +181,6 @@ def completion_reverse_kl_loss(model, samples: list, pad_id: int, teacher: list[
         kl = (ls.exp() * (ls - lt)).sum(-1)
         loss = (kl * w).sum()
     else:
-        from kernels.reverse_kl import linear_reverse_kl_loss
         hidden, out = prefix_forward(model, samples, pad_id, "hidden")
         loss, kl = linear_reverse_kl_loss(hidden[mask], _head_weight(model, out), lt,
                                           lambda k, rows: (k * w[rows]).sum(), temperature)

@@ -233,16 +233,6 @@ def count_routes(load: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor | No
 SUMMARY = ("moe_cv", "moe_max_mean", "moe_dead", "routes_differ")  # a step's figures across layers (and what routing
 # replay changed), what curves and MLflow keep
 
-
-def step_summary(engine) -> dict[str, float]:
-    """The last optimizer step's expert-load figures of a train engine, per layer and across layers, under routing
-    replay the routes replayed since the last call, and while the megatron engine trains DSA's indexers or a draft
-    (MTP) layer their KL and recall, or its loss and accuracy ({} for a dense model)."""
-    replayed = engine.replay_stats() if hasattr(engine, "replay_stats") else {}
-    return (dict(getattr(engine, "moe_stats", {})) | getattr(engine, "indexer_stats", {}) | replayed
-            | getattr(engine, "mtp_stats", {}))
-
-
 PLOT = "expert_load.png"
 
 
@@ -252,7 +242,7 @@ def plot_load(hist: dict[str, list[float]], path, title: str) -> bool:
     layers = sorted(int(m[1]) for k in hist if (m := re.fullmatch(r"moe_cv_(\d+)", k)))
     if not layers:
         return False
-    import matplotlib
+    import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))

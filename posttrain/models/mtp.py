@@ -25,9 +25,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
-from posttrain.models.glm5 import is_glm5
+from posttrain.models.added_weights import load_added_weights
+from posttrain.models.glm5 import is_glm5, stable_indexers
+from posttrain.models.logits import scaling
 
 CONFIG_KEY = "posttrain_mtp"
 # our MTP module's names -> GLM-5's under layer num_hidden_layers (the decoder layer's own names are kept)
@@ -89,7 +92,7 @@ class MTP(nn.Module):
             # saved as layer num_hidden_layers); a last layer sharing its indexer leaves the new one at its init
             for key, kind in (("mlp_layer_types", config.mlp_layer_types[-1]), ("indexer_types", "full")):
                 setattr(config, key, [kind] + list(getattr(config, key))[1:])
-        self.layer = type(last)(config, layer_idx=0)
+        self.layer = stable_indexers(type(last)(config, layer_idx=0))  # GLM-5's indexer selects stably (models.glm5)
         # posttrain's own DSA indexers belong to the model's layers. A last layer on the meta device has nothing to
         # copy: the megatron engine's host (`engines.megatron_mtp`), which loads the layer from a checkpoint
         if not any(p.is_meta for p in last.parameters()):
@@ -132,8 +135,7 @@ def install(model, depth: int):
     """Give `model` an MTP layer of `depth` draft steps (new: a copy of its last layer); kept if it has one."""
     if depth < 1:
         raise ValueError(f"mtp: depth must be >= 1 (got {depth})")
-    from posttrain.models.head import _SCALING
-    scaled = [k for k in _SCALING if getattr(model.config, k, None) not in (None, 1, 1.0)]
+    scaled = list(scaling(model.config))
     head = model.get_output_embeddings()
     if scaled or not isinstance(head, nn.Linear) or head.bias is not None:
         raise ValueError(f"mtp: {type(model).__name__}'s logits are not its last hidden state times the output "
@@ -162,7 +164,6 @@ def restore(model, checkpoint: str | Path | None = None):
     if checkpoint is not None and is_glm5(model):
         _load_glm5_layer(model, checkpoint)
     elif checkpoint is not None:
-        from posttrain.models.preset import load_added_weights
         load_added_weights(model, checkpoint, lambda k: k.startswith("mtp."), "an MTP layer")
     return model
 
@@ -201,7 +202,6 @@ def from_glm5_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 def _glm5_layer(model, checkpoint: str | Path, keys_only: bool = False) -> dict[str, torch.Tensor | None]:
     """A checkpoint's layer num_hidden_layers as stored (names only, read from the file headers, with
     `keys_only`); DeepSeek-V3's copies of the shared embedding and head left out."""
-    from safetensors import safe_open
     prefix = f"model.layers.{model.config.num_hidden_layers}."
     raw = {}
     for f in sorted(Path(checkpoint).glob("*.safetensors")):

@@ -7,14 +7,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from safetensors import safe_open
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GlmMoeDsaConfig, GlmMoeDsaForCausalLM,
+                          LlamaConfig, LlamaForCausalLM)
 from transformers.utils import logging as hf_logging
 
-from posttrain.models import glm5, mtp
 from posttrain.config import ModelConfig
+from posttrain.models import dsa, glm5, mtp
 
 hf_logging.disable_progress_bar()  # per-load bars drown the stage progress
-glm5.patch_indexer()  # GLM-5's DSA selection, stable across lengths (posttrain/models/glm5.py)
 
 
 def seed_all(seed: int) -> None:
@@ -43,8 +44,7 @@ def build_model(cfg: ModelConfig, tok) -> torch.nn.Module:
 def build_glm5(cfg: ModelConfig, tok) -> torch.nn.Module:
     """GLM-5's architecture (transformers' GlmMoeDsaForCausalLM) at `cfg`'s size. Untied embeddings as GLM-5's;
     the router weights get the initialiser's normal draw (transformers leaves them at zero, where every expert
-    ties and top-k picks by index)."""
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    ties and top-k picks by index). Its DSA indexers select stably (posttrain.models.glm5.stable_indexers)."""
     n_dense = cfg.first_k_dense_replace
     config = GlmMoeDsaConfig(
         vocab_size=len(tok), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
@@ -60,7 +60,7 @@ def build_glm5(cfg: ModelConfig, tok) -> torch.nn.Module:
         max_position_embeddings=cfg.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = GlmMoeDsaForCausalLM(config).float()
+    model = glm5.stable_indexers(GlmMoeDsaForCausalLM(config).float())
     with torch.no_grad():
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
@@ -79,7 +79,6 @@ class CheckpointError(ValueError):
 def check_folder(path: str | Path) -> None:
     """Fail before any work on a folder that is not a loadable Hugging Face chat checkpoint: config, a known
     architecture, weights (single or sharded), a tokenizer with a chat template, embeddings for every token."""
-    from transformers import AutoConfig
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(f"{p}: not a directory")
@@ -106,7 +105,6 @@ def check_folder(path: str | Path) -> None:
 
 
 def _embedding_rows(p: Path) -> int | None:
-    from safetensors import safe_open
     for f in sorted(p.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
             for key in st.keys():
@@ -126,32 +124,21 @@ def load_checkpoint(path: str | Path) -> tuple[LlamaForCausalLM, object]:
 
 
 def load_pretrained(auto_class, path: str | Path):
-    """`auto_class.from_pretrained` in fp32, with the DSA indexers and MTP layer the checkpoint's config names
-    reinstalled."""
-    from posttrain.models import dsa
+    """`auto_class.from_pretrained` in fp32, as posttrain runs it (`restore`)."""
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # else transformers reports the indexers' weights as unexpected
     try:
         model = auto_class.from_pretrained(path, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(level)
-    return mtp.restore(dsa.restore(model, path), path)
+    return restore(model, path)
 
 
-def load_added_weights(model, checkpoint: str | Path, keep, what: str) -> None:
-    """Load the tensors `keep(name)` selects (weights posttrain adds to a model: DSA indexers, the MTP layer, which
-    `from_pretrained` drops as unexpected) from `checkpoint`'s safetensors; all of them or a loud error."""
-    from safetensors import safe_open
-    prefix = "" if hasattr(model, "model") else "model."  # a bare backbone's keys lack the `model.` prefix
-    weights = {}
-    for f in sorted(Path(checkpoint).glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            weights.update({k.removeprefix(prefix): st.get_tensor(k) for k in st.keys() if keep(k)})
-    expected = {k for k in model.state_dict() if keep(k)}
-    if set(weights) != expected:
-        raise ValueError(f"{checkpoint}: config.json names {what}, but the weights hold "
-                         f"{len(set(weights) & expected)} of its {len(expected)} tensors")
-    model.load_state_dict(weights, strict=False)
+def restore(model, checkpoint: str | Path | None = None):
+    """A model transformers built (from a checkpoint or a config) as posttrain runs it: GLM-5's indexers selecting
+    stably (posttrain.models.glm5), the DSA indexers and MTP layer its config names reinstalled, their weights from
+    `checkpoint` when given. Every path that builds or loads a model for posttrain's use goes through it."""
+    return mtp.restore(dsa.restore(glm5.stable_indexers(model), checkpoint), checkpoint)
 
 
 def save_checkpoint(model, tok, out: str | Path, max_shard_size: str = MAX_SHARD) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.config import PipelineConfig
+from posttrain.engines import registry
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,9 @@ class Stage:
 CHAINS = ("xs", "seq")  # cross-stage distillation; plain sequential RL
 
 
-# what trains a stage's model, and how megatron splits it: part of the cache key of the stages that use it
-TRAIN_ENGINE = ("runtime.train_engine", "megatron")
+# what trains a stage's model, and the engines' own settings (megatron's split): part of the cache key of the stages
+# that use it
+TRAIN_ENGINE = ("runtime.train_engine", *(e.section for e in registry.TRAIN.values() if e.section))
 # what generates the rollouts, teachers' scores and evaluations (its samples differ from another engine's)
 ROLLOUT_ENGINE = "runtime.rollout_engine"
 ENGINES = (*TRAIN_ENGINE, ROLLOUT_ENGINE)  # the RL stages': both

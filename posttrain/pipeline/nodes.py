@@ -22,7 +22,7 @@ from posttrain.config import PipelineConfig, config_from_dict
 from posttrain.device import CPU_BF16
 from posttrain.device import ENV as DEVICE_VAR
 from posttrain.device import stage_gpus
-from posttrain.engines.sglang_server import LOG_DIR_ENV as SERVER_LOGS_VAR
+from posttrain.engines.registry import LOG_DIR_VAR
 from posttrain.pipeline.graph import (CHAINS, ENGINES, ROLLOUT_ENGINE, TRAIN_ENGINE, Stage, _chain_inputs,  # noqa: F401
                              downstream, graph, stage_name, upstream, waves)  # the DAG itself, re-exported
 from posttrain.pipeline.lease import hold
@@ -141,7 +141,7 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
         gpus = stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) if stage.gpu else 0.0
         # this stage's own variables: set in its worker for the call (and passed to the actors it starts), so that
         # the run-wide runtime_env above stays one and Ray reuses the workers, imports and all, stage after stage
-        stage_env = {SERVER_LOGS_VAR: str(Path(ctx.home) / "runs" / ctx.run_id / "logs" / name)}  # beside the report
+        stage_env = {LOG_DIR_VAR: str(Path(ctx.home) / "runs" / ctx.run_id / "logs" / name)}  # beside the report
         if scratch_url:  # resume checkpoints go to the store too (posttrain.pipeline.store.checkpointed)
             stage_env[SCRATCH_VAR] = scratch_url
         # same key after a crash: resume from it

@@ -8,10 +8,12 @@ expert, one block table); on CPU, or where a projection does not fit the kernel,
 from __future__ import annotations
 
 import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from kernels import use_triton
+from kernels.w4a8 import default_config, kernel_layout, w4a8_grouped
 from posttrain.models.moe import LinearExperts
-from posttrain.quant.int_linear import IntLinear
+from posttrain.quant.int_matmul import IntLinear
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -29,9 +31,6 @@ class IntExperts(LinearExperts):
             len({(getattr(x, p).group_size, getattr(x, p).in_features) for x in self}) == 1 for p in PROJECTIONS)
 
     def _project(self, name: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-        from kernels.w4a8 import default_config, kernel_layout, w4a8_grouped
         first = getattr(self[0], name)
         cfg = default_config(max(1, x.size(0) // len(self)), first.in_features, first.group_size, grouped=True)
         key = (name, cfg["layout"])

@@ -1,4 +1,4 @@
-"""Reinforcement learning and distillation: the loop (loop.py) and its update (step.py), losses, batches,
-rollout episodes and workers, the critic, teachers, and the nodes built on the loop: the specialists
-(specialist.py), multi-teacher OPD (opd.py), the GLM-5 cross-stage chains (cross_stage.py) and their
-comparison (consolidation.py)."""
+"""Reinforcement learning and distillation: the loop (loop.py), its trained models and their update (trainer.py,
+step.py; over several ranks: ranks.py), losses, batches, rollout episodes and workers, the critic and the teachers.
+The nodes built on the loop (the specialists, multi-teacher OPD, the GLM-5 cross-stage chains and their comparison)
+are in posttrain/stages/."""

@@ -8,7 +8,9 @@ No library watches RL curves for these patterns, so the rules are written out he
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from statistics import mean, median
 
 from posttrain.config import AlarmConfig
@@ -95,8 +97,6 @@ def tags(events: list[dict]) -> dict[str, str]:
 def publish(events: list[dict], out, label: str = "", hist: dict | None = None) -> dict:
     """A stage's alarms: alarms.json in its artifact, a summary line per kind on the console, and the result keys
     the stage runner logs (tags, count)."""
-    import json
-    from pathlib import Path
     (Path(out) / "alarms.json").write_text(json.dumps(events, indent=1))
     for line in summary(events, hist or {}):
         print(f"[{label}] {line}", flush=True)
@@ -110,7 +110,7 @@ def _tag_live(event: dict) -> None:
     if not run_id:
         return
     try:
-        from posttrain.pipeline import tracking
+        from posttrain.pipeline import tracking  # MLflow: heavy, and needed only where a stage runner set the run
         tracking.client(os.environ.get(HOME_VAR, "")).set_tag(run_id, tag_name(event), event["message"])
     except Exception as e:  # noqa: BLE001
         print(f"alarm not tagged live on MLflow run {run_id}: {e}", flush=True)

@@ -25,15 +25,15 @@ from tqdm import tqdm
 
 from environments.base import Task
 from posttrain.config import MoEConfig, RLConfig
-from posttrain.engines import TrainEngine, as_rollout_engine, train_engine
+from posttrain.engines import as_rollout_engine
 from posttrain.models.preset import seed_all
 from posttrain.pipeline.store import checkpointed
 from posttrain.rl import alarms
-from posttrain.rl.opd_loss import distill_backward
+from posttrain.rl.ranks import RankedEngines
 from posttrain.rl.rollout import run_episodes
-from posttrain.rl.step import train_step
-from posttrain.rl.workers import RolloutBuffer, Sample, WorkerPool
 from posttrain.rl.teachers import TeacherPool
+from posttrain.rl.trainer import Engines, local_engines
+from posttrain.rl.workers import RolloutBuffer, Sample, WorkerPool
 
 COUNTS = ("verifications", "accepted", "judge_tokens", "episodes")  # summed over a step's rollout requests
 
@@ -109,57 +109,18 @@ class State:
     alarms: list[dict] = field(default_factory=list)  # reward-hacking alarms raised (posttrain.rl.alarms)
 
 
-@dataclass
-class Engines:
-    """The trained models of the loop, each behind a train engine (posttrain.engines)."""
-    policy: TrainEngine
-    critic: TrainEngine | None = None   # ppo: a value head on the policy's backbone
-    ref: TrainEngine | None = None      # the sft checkpoint, frozen: kl_coef > 0, or the KL alarm
-
-    def save(self, path: Path, st: State) -> None:
-        tmp = path.with_suffix(".tmp")
-        torch.save({"policy": self.policy.state_dict(), "critic": self.critic.state_dict() if self.critic else None,
-                    "state": st}, tmp)
-        os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint intact
-
-    def load(self, path: Path) -> State:
-        ck = torch.load(path, weights_only=False)  # our own scratch file, written by save
-        if "ranks" in ck:
-            raise ValueError(f"{path}: a checkpoint of {len(ck['ranks'])} trainer ranks, not one")
-        if self.critic is not None:
-            self.critic.load_state_dict(ck["critic"])
-        self.policy.load_state_dict(ck["policy"])  # last: its RNG state is the one that continues
-        return ck["state"]
-
-    def update(self, r: RLConfig, batch: list[Sample], dbatch: list[Sample], distill: Distill | None) -> dict:
-        return update(r, self, batch, dbatch, distill)
-
-    def close(self) -> None:
-        """Nothing to release: these engines live in this process (RankedEngines stops its rank actors)."""
-
-
 def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None,
-                  engine: tuple[str, dict] = ("torch", {})):
-    """The loop's trained models: `Engines` in this process, or over several megatron ranks (tp x pp x cp x ep > 1) the
-    same calls on Ray actors (posttrain.rl.ranks). `rl`: the loop trains on rollouts (not distillation only), so
+                  engine: tuple[str, dict] = ("torch", {})) -> Engines | RankedEngines:
+    """The loop's trained models: `Engines` in this process (posttrain.rl.trainer), or over the several ranks an
+    engine's `parallel` option splits the model over (megatron's tp x pp x cp x ep > 1) the same calls on Ray actors
+    (posttrain.rl.ranks). `rl`: the loop trains on rollouts (not distillation only), so
     the KL alarm has tokens to watch; `moe`: how a policy with routers balances them; `engine`: the train engine's
     name and options (posttrain.engines)."""
     parallel = engine[1].get("parallel")
     if parallel is not None and parallel.model_ranks > 1:
-        from posttrain.rl.ranks import RankedEngines
         return RankedEngines(parallel.model_ranks, dict(r=r, sft=sft, with_critic=with_critic, rl=rl, moe=moe,
                                                         engine=engine), threads=torch.get_num_threads())
     return local_engines(r, sft, with_critic, rl, moe, engine)
-
-
-def local_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None,
-                  engine: tuple[str, dict] = ("torch", {})) -> Engines:
-    """`build_engines` on this process's rank."""
-    watch_kl = rl and r.alarms.enabled and r.alarms.reference_kl
-    name, opts = engine
-    return Engines(train_engine(name, sft, lr=r.lr, moe=moe, routing_replay=r.routing_replay, **opts),
-                   train_engine(name, sft, "critic", lr=r.critic_lr, **opts) if with_critic else None,
-                   train_engine(name, sft, "reference", **opts) if r.kl_coef > 0 or watch_kl else None)
 
 
 def val_scores(policy, tok, val: list[Task], **kw) -> dict[str, float]:
@@ -296,19 +257,6 @@ def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Fe
     return row
 
 
-def update(r: RLConfig, eng: Engines, batch: list[Sample], dbatch: list[Sample],
-           distill: Distill | None) -> dict[str, float]:
-    """One optimizer step: the RL loss on `batch`, plus the distillation loss on `dbatch`."""
-    extra = (lambda: distill_backward(
-        eng.policy, dbatch, mode=distill.mode, coef=distill.coef, reward_weight=distill.reward_weight,
-        temperature=r.temperature, clip_eps=r.clip_eps, is_lower=r.is_lower, is_upper=r.is_upper,
-        max_cells=r.micro_batch_cells)) if dbatch else None
-    eng.policy.train()
-    stats = train_step(r, eng.policy, batch, eng.critic, eng.ref, extra)
-    eng.policy.eval()
-    return stats
-
-
 def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, seed: int, label: str = "rl",
                  scratch: str | Path | None = None, distill: Distill | None = None, judge: str = "",
                  moe: MoEConfig | None = None, engine: tuple[str, dict] = ("torch", {}), rollout_engine: str = "torch",
@@ -335,7 +283,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
     kill_at, hist = kill_step(label), st.history
     domains = sorted({t.domain for t in val})
     def validate(step: int, wall_s: float) -> None:  # generated from the trained weights
-        scores = val_scores(as_rollout_engine(hf_model(eng.policy), tok), tok, val, **kw)
+        scores = val_scores(as_rollout_engine(eng.policy.hf_model(), tok), tok, val, **kw)
         hist["val_score"].append((step, scores["all"]))
         for d in domains if len(domains) > 1 or distill else ():  # distillation reads its domains' curves
             hist.setdefault(f"val_score/{d}", []).append((step, scores[d]))
@@ -384,7 +332,7 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
                 if kill_at == done:  # fault injection for the resume test
                     os.kill(os.getpid(), signal.SIGKILL)
         st = feed.snapshot(r.steps, hist, st.attempts, time.perf_counter() - t0, drain=False, alarms=st.alarms)
-        model = hf_model(eng.policy)
+        model = eng.policy.hf_model()
     finally:
         feed.close()
         workers.close()
@@ -392,11 +340,6 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             teachers.close()
         eng.close()
     return model, tok, st
-
-
-def hf_model(engine: TrainEngine) -> torch.nn.Module:
-    """A train engine's policy as a transformers model with its current weights (the torch engine's is its own)."""
-    return engine.hf_model() if hasattr(engine, "hf_model") else engine.model
 
 
 def _passed(cumulative: list[float], every: int) -> bool:

@@ -38,8 +38,7 @@ def run_episodes(engine, tok, tasks: list[Task], *, enable_thinking: bool = True
                                            max_new_tokens=max_new_tokens, temperature=temperature,
                                            stop_ids=set(fmt.stop_ids), generator=generator)
             active = [i for i, g in zip(active, results)
-                      if not episodes[i].step(g.ids, g.logprobs, getattr(g, "routes", None),
-                                              getattr(g, "versions", None)).done]
+                      if not episodes[i].step(g.ids, g.logprobs, g.routes, g.versions).done]
     finally:
         for e in episodes:
             e.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from posttrain.models import moe
 from posttrain.config import RLConfig
 from posttrain.engines import TrainEngine
 from posttrain.rl.batches import completion_batch
@@ -26,7 +25,7 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         policy.zero_grad()
         stats = extra() if extra else {}
         stats["grad_norm"] = policy.step(1.0)
-        return stats | moe.step_summary(policy)
+        return stats | policy.step_stats()
     if critic is None and any(s.subtrace for s in samples):
         raise ValueError("GRPO got compacted sub-traces: its group comparison needs whole episodes (rl.algorithm: ppo)")
     dev = policy.device
@@ -93,7 +92,7 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
         if extra:
             stats.update(extra())
         stats["grad_norm"] = policy.step(1.0)
-        stats |= moe.step_summary(policy)
+        stats |= policy.step_stats()
         if critic is not None:
             stats |= first if epoch == 0 else critic_pass(r, critic, chunks, batches, n_tokens, trained,
                                                            old_values=old_vs, returns=returns)[0]

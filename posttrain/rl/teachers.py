@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import ray
 import torch
 
 from posttrain.engines import rollout_engine
@@ -28,18 +29,15 @@ class Teacher:
     def __init__(self, checkpoint: str, threads: int = 1, engine: str = "torch"):
         if threads:  # 0: keep the process's (a teacher inside a rollout worker)
             torch.set_num_threads(threads)
+        # its own engine, which scores as fast as it can (the torch engine: one row without padding)
         self.engine = rollout_engine(engine, checkpoint)
-        if isinstance(getattr(self.engine, "model", None), torch.nn.Module):  # the torch engine scores the student's
-            from posttrain.models.attention import padding_free  # one row, no padding (models.prefix)
-            padding_free(self.engine.model)
 
     def ready(self) -> bool:
         return True
 
     def close(self) -> None:
         """Stop what the engine runs besides this process (an SGLang server)."""
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()
 
     def score(self, items: list[tuple[list[int], list[int], list[int]]], mode: Mode = "sampled",
               top_k: int = 16, temperature: float = 1.0) -> list:
@@ -56,7 +54,6 @@ class TeacherPool:
 
     def __init__(self, checkpoints: dict[str, str], route: dict[str, str] | None = None, num_cpus: float = 0.2,
                  threads: int = 1, engine: str = "torch", placement: Literal["actor", "worker"] = "actor"):
-        import ray
         self.route, self.checkpoints, self.engine = dict(route or {}), dict(checkpoints), engine
         self.use_ray = ray.is_initialized() and placement == "actor"
         if self.use_ray:
@@ -88,14 +85,12 @@ class TeacherPool:
         """Score each domain's items with the teacher it is routed to; with Ray the teachers work concurrently
         (one batched call per teacher per request)."""
         if self.use_ray:
-            import ray
             refs = {d: self.teacher_of(d).score.remote(items, mode, top_k, temperature) for d, items in batches.items()}
             return {d: ray.get(r) for d, r in refs.items()}
         return {d: self.teacher_of(d).score(items, mode, top_k, temperature) for d, items in batches.items()}
 
     def close(self) -> None:
         if self.use_ray:
-            import ray
             try:  # the engines' servers stopped cleanly first; a stuck teacher is killed all the same
                 ray.get([t.close.remote() for t in self.teachers.values()], timeout=60)
             except Exception:  # noqa: BLE001 (closing: any failure ends in the kill below)

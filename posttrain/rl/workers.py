@@ -14,12 +14,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 import torch
 
 from environments.base import Task
 from posttrain.chat import ChatFormatError, chat_format
-from posttrain.engines import RolloutEngine, rollout_engine
+from posttrain.engines import RolloutEngine, registry, rollout_engine
 from posttrain.engines.base import WeightSource
+from posttrain.engines.weight_group import send, weight_group
+from posttrain.judge import ModelJudge
 from posttrain.pipeline.raysupport import actor_options
 from posttrain.rl.rollout import run_episodes
 
@@ -87,28 +90,28 @@ class RolloutWorker:
         torch.set_num_threads(threads)
         self.engine: RolloutEngine = rollout_engine(engine, checkpoint, dtype, keep_in_flight=partial)
         if record_routes:  # routing replay: the samples carry the experts that produced them
-            if not hasattr(self.engine, "record_routes"):
-                raise ValueError(f"rl.routing_replay: the {engine!r} rollout engine does not record expert routes")
-            self.engine.record_routes()
+            if not registry.supports("rollout", engine, registry.ROUTING_RECORD):
+                raise ValueError(f"rl.routing_replay: the {engine!r} rollout engine does not record expert routes "
+                                 f"(engines that do: {registry.names('rollout', registry.ROUTING_RECORD)})")
+            self.engine.record_routes()  # what ROUTING_RECORD declares (posttrain.engines.registry)
         self._updated = threading.Condition()
         self._update_error: BaseException | None = None
         self.landed = 0  # the newest version whose update completed (a restarted server may hold an older one)
         self.tok = self.engine.tokenizer
         self.teachers = teachers  # a TeacherPool: distillation samples are scored here, off the trainer
+        self.judge: ModelJudge | None = None  # the guard's model judge, loaded by the first rollout that names it
 
     def ready(self) -> bool:
         return True
 
     def close(self) -> None:
         """Stop what the engine runs besides this process (an SGLang server)."""
-        if hasattr(self.engine, "close"):
-            self.engine.close()
+        self.engine.close()
 
     def _judge(self, spec: tuple | None):
         if spec is None:
             return None
-        if getattr(self, "judge", None) is None or (self.judge.checkpoint, self.judge.features) != spec:
-            from posttrain.judge import ModelJudge
+        if self.judge is None or (self.judge.checkpoint, self.judge.features) != spec:
             self.judge = ModelJudge(spec[0], tuple(spec[1]))
         return self.judge
 
@@ -120,7 +123,8 @@ class RolloutWorker:
         if version >= self.landed:  # else a later push landed first (a threaded Ray actor may reorder calls)
             self._land(version, lambda: self.engine.update_weights(source, version))
 
-    # runtime.weight_sync broadcast: the trainer's rank 0 sends to every worker's SGLang server in one group
+    # runtime.weight_sync broadcast: the trainer's rank 0 sends to every worker's SGLang server in one group (the
+    # engines that declare WEIGHT_BROADCAST in posttrain.engines.registry have these three)
     def in_weight_group(self) -> bool:
         return self.engine.in_group()
 
@@ -164,7 +168,7 @@ class RolloutWorker:
         never stops is an error (check_stops); `min_version`: wait for the weights of that version first."""
         self._wait_for(min_version)
         t0 = time.perf_counter()
-        spec0 = dict(getattr(self.engine, "stats", {}))
+        spec0 = dict(self.engine.stats)
         gen = torch.Generator().manual_seed(seed)
         todo = [t for t in tasks for _ in range(group_size)] + list(distill)
         j = self._judge(judge)
@@ -176,7 +180,7 @@ class RolloutWorker:
         out = samples_of(eps, group_size, n_rl, self.version)
         info = {"seconds": time.perf_counter() - t0, "tokens": sum(s.n_generated for s in out),
                 "episodes": len(eps), "judge_tokens": (j.tokens - j0) if j else 0,
-                **{k: v - spec0.get(k, 0) for k, v in getattr(self.engine, "stats", {}).items()}}  # MTP drafts
+                **{k: v - spec0.get(k, 0) for k, v in self.engine.stats.items()}}  # MTP drafts
         if distill:
             by_domain: dict[str, list[Sample]] = {}
             for s in (s for s in out if s.group >= len(tasks)):  # the distillation episodes' sub-traces
@@ -200,9 +204,10 @@ class WorkerPool:
     def __init__(self, checkpoint: str, n: int, num_cpus: float, threads: int = 1, teachers=None,
                  engine: str = "torch", record_routes: bool = False, partial: bool = False,
                  weight_sync: str = "store", dtype: str = "float32"):
-        import ray
-        if weight_sync == "broadcast" and engine != "sglang":
-            raise ValueError(f"runtime.weight_sync broadcast: needs runtime.rollout_engine sglang (got {engine!r})")
+        if weight_sync == "broadcast" and not registry.supports("rollout", engine, registry.WEIGHT_BROADCAST):
+            raise ValueError(f"runtime.weight_sync broadcast: the {engine!r} rollout engine cannot join the trainer's "
+                             f"process group (runtime.rollout_engine: one of "
+                             f"{registry.names('rollout', registry.WEIGHT_BROADCAST)})")
         self.use_ray, self.partial, self.version = ray.is_initialized(), partial, 0
         self.broadcast, self.group = weight_sync == "broadcast", None
         args = (checkpoint, threads, teachers, engine, record_routes, partial, dtype)
@@ -231,7 +236,6 @@ class WorkerPool:
         if self.broadcast:
             return self._broadcast(state_dict, version)
         if self.use_ray:
-            import ray
             ref = ray.put(state_dict)  # a copy: the trainer's next update does not reach it
             for w in self.workers:
                 (w.set_weights.options(concurrency_group="weights") if self.partial else w.set_weights).remote(
@@ -245,19 +249,16 @@ class WorkerPool:
         """A call on worker i's weights channel (its own thread with `partial`), waited for."""
         w = self.workers[i]
         if self.use_ray:
-            import ray
             f = getattr(w, method)
             return ray.get((f.options(concurrency_group="weights") if self.partial else f).remote(*args))
         return self.weight_pools[i].submit(getattr(w, method), *args).result()
 
     def _broadcast(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        from posttrain.engines.weight_group import send, weight_group
         n = len(self.workers)
         # a group with every server, built again when one of them restarted since (it left the group with its process)
         if self.group is None or not all(self._weights_call(i, "in_weight_group") for i in range(n)):
             address = "127.0.0.1"
             if self.use_ray:
-                import ray
                 address = ray.util.get_node_ip_address()
             self.group = weight_group([lambda p, i=i: self._weights_call(i, "join_weight_group", p) for i in range(n)],
                                       address)
@@ -273,7 +274,6 @@ class WorkerPool:
 
     def close(self) -> None:
         if self.use_ray:
-            import ray
             try:  # a weight update under way finishes first (partial: on its own thread), then the servers stop
                 if self.partial:
                     ray.get([w.ready.options(concurrency_group="weights").remote() for w in self.workers], timeout=60)

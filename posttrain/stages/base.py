@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from posttrain import checkpoint_rules
+from posttrain.engines import lm_engine
 from posttrain.models import moe
 from posttrain.pipeline.artifacts import SOURCE, dir_digest
 from posttrain.chat import ChatFormatError, chat_format, doc_end_id, train_tokenizer
@@ -63,9 +64,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     val_rows, train_rows = rows[:n_val][:64], rows[n_val:]
     val_batches = [{"input_ids": b, "loss_mask": torch.ones_like(b)} for b in val_rows.split(cfg.base.batch_size)]
     b = cfg.base
-    hist = train(model, row_sampler(train_rows, b.batch_size, cfg.seed), steps=b.steps, lr=b.lr, warmup=b.warmup,
-                 min_lr_ratio=b.min_lr_ratio, weight_decay=b.weight_decay, grad_clip=b.grad_clip, desc="base",
-                 eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, b.steps // 5), moe=cfg.moe)
+    # the tiny preset's pretraining runs in this process on the local engine whatever runtime.train_engine says (the
+    # stage's cache key leaves the engine out; a real checkpoint skips this)
+    engine = lm_engine(cfg, model, tok, lr=b.lr, weight_decay=b.weight_decay, moe=cfg.moe, engine="torch")
+    hist = train(engine, row_sampler(train_rows, b.batch_size, cfg.seed), steps=b.steps, lr=b.lr, warmup=b.warmup,
+                 min_lr_ratio=b.min_lr_ratio, grad_clip=b.grad_clip, desc="base",
+                 eval_fn=lambda: eval_loss(model, val_batches), eval_every=max(1, b.steps // 5))
+    engine.close()
     save_checkpoint(model, tok, out)
     moe.plot_load(hist, out / moe.PLOT, "base")
     metrics = {"params": n_params(model), "vocab_size": len(tok), "train_tokens": int(train_rows.numel()),

@@ -57,7 +57,7 @@ def table(c: dict) -> str:
 
 
 def plot(c: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     domains = list(c["n_test_per_domain"])

@@ -12,7 +12,9 @@ import shutil
 from math import comb
 from pathlib import Path
 
+import ray
 import torch
+from transformers import AutoTokenizer
 
 import environments
 from environments import long_context
@@ -25,7 +27,7 @@ from posttrain.config import PipelineConfig
 from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
 from posttrain.device import device
-from posttrain.engines import rollout_engine
+from posttrain.engines import registry, rollout_engine
 from posttrain.quant.int_linear import is_compressed
 from posttrain.stages.ramp import eval_sets
 from posttrain.pipeline.raysupport import map_tasks
@@ -80,10 +82,12 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
     checkpoint with an MTP layer (decoded speculatively), the mean tokens per model forward."""
     torch.manual_seed(cfg.seed)
     name = cfg.runtime.rollout_engine
-    if name == "sglang" and is_compressed(path):  # its W4A8 kernels are CUDA's, and our mixed export is untried there
-        print(f"[evaluate] {path}: a W4A8 export, evaluated with the torch engine (runtime.rollout_engine sglang serves "
-              f"the unquantized checkpoints)", flush=True)
-        name = "torch"
+    if is_compressed(path) and not registry.supports("rollout", name, registry.INT_KERNELS):
+        # a W4A8 export runs on posttrain's integer kernels: an engine that has them evaluates it
+        runs = next(n for n in registry.ROLLOUT if registry.supports("rollout", n, registry.INT_KERNELS))
+        print(f"[evaluate] {path}: a W4A8 export, evaluated with the {runs} rollout engine (runtime.rollout_engine "
+              f"{name} serves the unquantized checkpoints)", flush=True)
+        name = runs
     engine = rollout_engine(name, path)
     tok = engine.tokenizer
     scores, tokens, passk = {}, {}, {}
@@ -109,9 +113,8 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
             passed = [sum(r[i + j * len(tasks)] >= 1.0 for j in range(samples)) for i in range(len(tasks))]
             passk[name] = {f"pass@{k}": round(sum(pass_at_k(samples, c, k) for c in passed) / len(tasks), 4)
                            for k in sorted({1, samples})}
-    if hasattr(engine, "close"):  # a server process (sglang): gone with the evaluation, not at garbage collection
-        engine.close()
-    st = getattr(engine, "stats", {})
+    engine.close()  # a server process: gone with the evaluation, not at garbage collection
+    st = engine.stats
     if not st.get("verifications"):
         return scores, tokens, passk, {}
     return scores, tokens, passk, {"acceptance_length": round(st["accepted"] / st["verifications"], 3)}
@@ -127,7 +130,6 @@ def _each(calls: list[tuple]) -> list[tuple[dict, dict, dict, dict]]:
     greedy decoding of a small model gains little from a second thread (1.2x at 64 rows on 2 cores) and much
     from a second process. On a GPU, one after the other in this task (Ray hides the GPU from a task that
     asks for none)."""
-    import ray
     if device().type != "cpu" or not ray.is_initialized():
         return [evaluate_checkpoint(*c) for c in calls]
     # chat checkpoints first: they have the most suites, so the short completion ones fill the gaps at the end
@@ -146,7 +148,7 @@ def table(scores: dict[str, dict[str, float]]) -> str:
 
 
 def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     cks, sts = list(scores), report_html.columns(scores)
@@ -166,7 +168,6 @@ def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
-    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(inputs["sft"])
     chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
     result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {},

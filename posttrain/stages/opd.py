@@ -9,6 +9,7 @@ from pathlib import Path
 
 from posttrain.models import moe
 from posttrain.config import PipelineConfig, RLConfig
+from posttrain.pipeline.artifacts import read_manifest
 from posttrain.data import load_tasks
 from posttrain.models.preset import save_checkpoint
 from posttrain.engines import rollout_options, train_options
@@ -35,7 +36,7 @@ def tokens_to_reach(hist: dict, key: str, target: float) -> float | None:
 
 
 def plot(hist: dict, targets: dict[str, float], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -57,7 +58,6 @@ def plot(hist: dict, targets: dict[str, float], path: Path) -> None:
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "") -> dict:
-    from posttrain.pipeline.artifacts import read_manifest
     o, domains = cfg.opd, cfg.rl.domains
     pool = [t for d in domains for t in load_tasks(inputs["curate"], "rl", d)]
     val = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]

@@ -7,15 +7,13 @@ CompressedTensorsW8A8Int8. Our own evaluation runs it on CPU through posttrain/q
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
-from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                             apply_quantization_config)
+from compressed_tensors.quantization import apply_quantization_config
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
@@ -25,77 +23,14 @@ from posttrain.tools import loadcheck
 from posttrain.models import moe, mtp
 from posttrain.chat import render_ids
 from posttrain.pipeline.artifacts import TIMINGS
-from posttrain.checkpoint_rules import group_size_problem, module_pattern
 from posttrain.config import PipelineConfig, QuantizeConfig
 from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
 from posttrain.models.glm5 import is_glm5
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import load_compressed
+from posttrain.quant.scheme import SCALE_DTYPE, scheme, targets
 from posttrain.models.preset import load_checkpoint, seed_all
-
-MLP = ("gate_proj", "up_proj", "down_proj")
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLA = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # GLM-5's latent attention
-EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj$")
-SCALE_DTYPE = torch.bfloat16  # scales and the unquantized tensors (embeddings, norms) are stored in bf16
-
-
-def scheme(qcfg: QuantizeConfig, glm5: bool = False) -> QuantizationConfig:
-    """A dense model: int4 groups for the MLP, int8 channels for attention. GLM-5 as it deploys: int4 groups for
-    the routed experts (nearly all its weights), int8 channels for attention, the dense MLP and the shared expert;
-    its DSA indexer stays 16-bit beside the router (small, and selection is sensitive)."""
-    act = QuantizationArgs(num_bits=qcfg.act_bits, type="int", symmetric=True, strategy="token", dynamic=True)
-    w4 = QuantizationArgs(num_bits=qcfg.mlp_bits, type="int", symmetric=True, strategy="group",
-                          group_size=qcfg.group_size)
-    w8 = QuantizationArgs(num_bits=qcfg.attn_bits, type="int", symmetric=True, strategy="channel")
-    if glm5:
-        groups = {
-            "experts_w4a8": QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
-                                               input_activations=act, format="pack-quantized", weights=w4),
-            "dense_w8a8": QuantizationScheme(
-                targets=[r"re:.*self_attn\.(" + "|".join(MLA) + ")$",
-                         r"re:.*mlp\.(shared_experts\.)?(gate|up|down)_proj$"],
-                input_activations=act, format="int-quantized", weights=w8)}
-    else:
-        groups = {
-            "mlp_w4a8": QuantizationScheme(targets=[r"re:.*mlp\.(gate|up|down)_proj$"], input_activations=act,
-                                           format="pack-quantized", weights=w4),
-            "attn_w8a8": QuantizationScheme(targets=[r"re:.*self_attn\.(q|k|v|o)_proj$"], input_activations=act,
-                                            format="int-quantized", weights=w8)}
-    return QuantizationConfig(config_groups=groups, ignore=["lm_head", r"re:mtp\..*", r"re:.*indexer\..*"],
-                              format="mixed-precision")
-
-
-def targets(model, qcfg: QuantizeConfig) -> dict[str, tuple[torch.nn.Linear, int, int]]:
-    """Quantized Linear name -> (module, bits, group size), as `scheme` says; refuses a group size that does not
-    divide (the rule checked against a checkpoint before the first stage: posttrain.checkpoint_rules). A GLM-5
-    model's experts must be unfused first (posttrain.models.moe.unfuse_experts)."""
-    glm, out, grouped = is_glm5(model), {}, {}
-    for name, m in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        # the MTP layer only drafts (every token is checked by the quantized model): it stays in 16-bit
-        if not isinstance(m, torch.nn.Linear) or name.startswith("mtp.") or ".indexer." in name:
-            continue
-        if glm:
-            if EXPERT.search(name):
-                bits, g = qcfg.mlp_bits, qcfg.group_size
-            elif leaf in MLA + MLP:
-                bits, g = qcfg.attn_bits, m.in_features
-            else:
-                continue
-        elif leaf in MLP + ATTN:
-            bits = qcfg.mlp_bits if leaf in MLP else qcfg.attn_bits
-            g = qcfg.group_size if leaf in MLP else m.in_features
-        else:
-            continue
-        if bits == qcfg.mlp_bits:  # int4 groups (int8 is per channel: a group of every input column)
-            grouped.setdefault(module_pattern(name), m.in_features)
-        out[name] = (m, bits, g)
-    if problem := group_size_problem(qcfg.group_size, grouped):
-        raise ValueError(f"quantize.group_size={qcfg.group_size} {problem}")
-    return out
-
 
 def calibration_rows(cfg: PipelineConfig, curate_dir: str, tok) -> torch.Tensor:
     """`calib_samples` SFT conversations (domains interleaved, thinking on), concatenated and cut into rows."""

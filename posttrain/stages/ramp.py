@@ -13,7 +13,7 @@ import json
 import random
 from pathlib import Path
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from environments import long_context
 from environments.base import Task
@@ -25,11 +25,11 @@ from posttrain.config import PipelineConfig, RampStage
 from posttrain.pipeline.console import kv
 from posttrain.data import load_pretrain_texts
 from posttrain.pipeline.memory import peak_memory
-from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
+from posttrain.models.preset import load_checkpoint, restore, save_checkpoint, seed_all
 from posttrain.packing import collate, pack, packing_efficiency
 from posttrain.stages.ramp_ranks import train_rung
 from posttrain.pipeline.store import checkpointed
-from posttrain.train import eval_loss, masked_lm_loss, moe_metrics, summarize, train
+from posttrain.train import eval_loss, moe_metrics, summarize
 
 
 def prose_len(tok, task: Task, extra: int = 0) -> int:
@@ -76,19 +76,10 @@ def long_context_accuracy(cfg: PipelineConfig, model, tok, sets: dict[int, list[
     return acc
 
 
-def stage_config(config, stage: RampStage):
-    """A copy of a model's config with this stage's RoPE settings and length (checked against a checkpoint before
-    the first stage: posttrain.checkpoint_rules.ramp_rope)."""
-    config = AutoConfig.for_model(**config.to_dict())
-    config.rope_parameters = {"rope_type": "default", **dict(stage.rope_scaling), "rope_theta": stage.rope_theta}
-    config.max_position_embeddings = stage.seq_len
-    return config
-
-
 def with_rope(model, stage: RampStage):
     """Rebuild the model with this stage's RoPE settings (inv_freq derives from config, is not stored)."""
-    config = stage_config(model.config, stage)
-    new = mtp.restore(dsa.restore(AutoModelForCausalLM.from_config(config).float()))
+    config = checkpoint_rules.rung_config(model.config, stage)
+    new = restore(AutoModelForCausalLM.from_config(config).float())
     new.load_state_dict(model.state_dict())
     return new
 
@@ -131,48 +122,16 @@ def plot_accuracy(curves: dict[str, dict[int, float]], trained: dict[str, int], 
     plt.close(fig)
 
 
-def _with_indexer_loss(weight: float, curves: dict[str, list[float]]):
-    """The LM loss, plus the indexers' KL as a gradient only (the reported loss stays comparable with dense)."""
-    def loss_fn(model, batch):
-        loss = masked_lm_loss(model, batch)
-        aux, kl, recall = dsa.state(model).pop()
-        if aux is None:
-            return loss
-        curves["indexer_kl"].append(kl)
-        curves["topk_recall"].append(recall)
-        return loss + weight * (aux - aux.detach())
-    return loss_fn
+DSA_CURVES = ("indexer_kl", "topk_recall")
 
 
-def _indexer_warmup(cfg: PipelineConfig, model, next_batch, name: str) -> dict:
+def indexer_warmup(cfg: PipelineConfig, model, tok, next_batch, stage: RampStage, name: str) -> tuple[dict, object]:
     """GLM-5's adoption of DSA: dense attention, everything frozen but the new indexers, which learn the dense
-    attention distribution (KL) before sparse training starts."""
-    d, st = cfg.ramp.dsa, dsa.state(model)
-    curves: dict[str, list[float]] = {"indexer_kl": [], "topk_recall": []}
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.requires_grad_(False)
-    for p in dsa.indexer_parameters(model):
-        p.requires_grad_(True)
-
-    def indexer_loss(m, batch):
-        batch = {k: v.to(next(m.parameters()).device) for k, v in batch.items() if v is not None}
-        m.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                position_ids=batch.get("position_ids"), use_cache=False)  # the indexers hook into the layers
-        aux, kl, recall = st.pop()
-        curves["indexer_kl"].append(kl)
-        curves["topk_recall"].append(recall)
-        return aux
-
-    collecting, st.mode, st.collect = st.collect, "warmup", True
-    try:
-        train(model, next_batch, steps=d.warmup_steps, lr=d.warmup_lr, warmup=max(1, d.warmup_steps // 10),
-              desc=f"{name} indexer warm-up", loss_fn=indexer_loss)
-    finally:
-        st.mode, st.collect = "sparse", collecting
-        for p in trainable:
-            p.requires_grad_(True)
-    return curves
+    attention distribution (KL) before sparse training starts. (history, the model after it)"""
+    d = cfg.ramp.dsa
+    return train_rung(cfg, model, tok, next_batch, dict(
+        steps=d.warmup_steps, lr=d.warmup_lr, warmup=max(1, d.warmup_steps // 10), desc=f"{name} indexer warm-up"),
+        stage, dict(indexers=("warmup", d.kl_queries, 1.0), recompute=cfg.ramp.activation_checkpointing))
 
 
 def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: list[list[int]],
@@ -193,48 +152,25 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
         model = attention.use(model, ("sdpa" if own else "packed_sdpa") if r.attention == "dsa" else r.attention)
     if cfg.mtp.depth and mtp.get(model) is None:
         mtp.install(model, cfg.mtp.depth)
-    megatron = cfg.runtime.train_engine == "megatron"
-    if r.activation_checkpointing and not megatron:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     short_rows = pack([(d, [1] * len(d)) for d in docs], st.seq_len)
     long_rows = pack(long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight), st.seq_len)
     name, steps = f"ramp@{st.seq_len}", r.steps(st)
     next_batch = _sampler(cfg, k, short_rows, long_rows, st, pad_id(tok))
-    curves: dict[str, list[float]] = {"indexer_kl": [], "topk_recall": []}
     extra: dict[str, float] = {}
 
     def warm_batch(i: int) -> dict:
         return next_batch(10_000_000 + i)
     with peak_memory() as peak:
-        if dsa.state(model):
-            dsa.state(model).collect = True
-        if adopt and r.dsa.warmup_steps and not adopted and not megatron:
-            warm = _indexer_warmup(cfg, model, warm_batch, name)
-            extra = {f"dsa_warmup.{key}": v for c in warm for key, v in summarize(warm, c).items()}
-        loss_fn = _with_indexer_loss(r.dsa.kl_weight, curves) if dsa.state(model) else masked_lm_loss
+        if adopt and r.dsa.warmup_steps and not adopted:
+            warm, model = indexer_warmup(cfg, model, tok, warm_batch, st, name)
+            extra = {f"dsa_warmup.{key}": v for c in DSA_CURVES for key, v in summarize(warm, c).items()}
         kw = dict(steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
-                  weight_decay=r.weight_decay, desc=name)
-        if megatron:  # the config refuses what only the torch path has (RoPE scaling, DSA on a dense model)
-            curves |= {"mtp_loss": [], "mtp_acc1": []}  # the engine logs them in its history
-            if adopt and r.dsa.warmup_steps and not adopted:  # GLM-5's indexers alone, toward the dense attention
-                d = r.dsa
-                warm, model = train_rung(cfg, model, tok, warm_batch, dict(
-                    steps=d.warmup_steps, lr=d.warmup_lr, warmup=max(1, d.warmup_steps // 10),
-                    desc=f"{name} indexer warm-up"), st, indexers=("warmup", d.kl_queries, 1.0))
-                extra = {f"dsa_warmup.{key}": v for c in curves for key, v in summarize(warm, c).items()}
-            hist, model = train_rung(cfg, model, tok, next_batch, kw, st,
-                                     indexers=("sparse", r.dsa.kl_queries, r.dsa.kl_weight) if adopt else None)
-        else:
-            hist = train(model, next_batch, **kw, loss_fn=mtp.with_loss(loss_fn, cfg.mtp.loss_weight, curves),
-                         moe=cfg.moe)
-        if dsa.state(model):
-            dsa.state(model).collect = False
-    if r.activation_checkpointing and not megatron:
-        model.activation_checkpointing_disable()
-    curves = {c: xs or hist.get(c, []) for c, xs in curves.items()}  # megatron's engine logs them in its history
-    curves = {c: xs for c, xs in curves.items() if xs}
-    hist.update(curves)
-    extra.update({key: v for c in curves for key, v in summarize(curves, c).items()})
+                  desc=name)
+        job = dict(weight_decay=r.weight_decay, moe=cfg.moe, mtp_weight=cfg.mtp.loss_weight,
+                   dsa_weight=r.dsa.kl_weight, recompute=r.activation_checkpointing,
+                   indexers=("sparse", r.dsa.kl_queries, r.dsa.kl_weight) if adopt else None)
+        hist, model = train_rung(cfg, model, tok, next_batch, kw, st, job)
+    extra.update({key: v for c in (*DSA_CURVES, "mtp_loss", "mtp_acc1") for key, v in summarize(hist, c).items()})
     acc = long_context_accuracy(cfg, model, tok, sets)  # beyond the stage's length too: the contrast
     metrics = {**summarize(hist), **moe_metrics(hist), **extra, "steps": steps,
                "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,

@@ -1,7 +1,7 @@
-"""A ramp rung through the megatron train engine (runtime.train_engine megatron), on one rank in this process or over
-tp x pp x cp ranks (`megatron.tp`, `megatron.pp`, the rung's `cp` or else `megatron.cp`): Ray Train workers as in sft, every rank
-running the same loop on the same packed rows (the ranks hold one replica, so they see one batch), the rung's
-weights gathered and saved by rank 0.
+"""A ramp rung through the run's train engine (posttrain.engines.lm_engine), on one rank in this process or over as many
+ranks as the engine lays the rung out on (posttrain.engines.registry.ranks: megatron's tp x pp x the rung's cp x ep):
+Ray Train workers as in sft, every rank running the same loop on the same packed rows (the ranks hold one replica,
+so they see one batch), the rung's weights gathered and saved by rank 0.
 Context parallelism is what the long rungs need: each rank holds 1/cp of every sequence's activations."""
 from __future__ import annotations
 
@@ -16,37 +16,32 @@ from pathlib import Path
 import torch
 
 from posttrain.config import PipelineConfig, RampStage
+from posttrain.engines import lm_engine, registry
 from posttrain.models.preset import load_checkpoint, save_checkpoint
 from posttrain.train import train
 
 
-def _engine(cfg: PipelineConfig, path: str, kw: dict, cp: int, indexers: tuple | None):
-    """`indexers`: (mode, kl_queries, kl_weight) while DSA's indexers train; the warm-up trains nothing else, so
-    the experts' bias and the draft (MTP) layer stay too."""
-    from posttrain.engines.megatron_setup import Parallel
-    from posttrain.engines.megatron_train import MegatronTrainEngine
-    g = cfg.megatron
-    warmup = indexers is not None and indexers[0] == "warmup"
-    return MegatronTrainEngine(path, lr=kw["lr"], parallel=Parallel(g.tp, g.pp, cp, g.ep, g.sequence_parallel),
-                               weight_decay=kw.get("weight_decay", 0.0), seed=cfg.seed,
-                               recompute=g.recompute or cfg.ramp.activation_checkpointing,
-                               moe=None if warmup else cfg.moe, distributed_optimizer=g.distributed_optimizer,
-                               micro_batches=g.micro_batches, train_indexers=indexers,
-                               mtp_weight=0.0 if warmup else cfg.mtp.loss_weight)
+def _train(cfg: PipelineConfig, model, tok, checkpoint: str | None, next_batch: Callable[[int], dict], kw: dict,
+           cp: int | None, job: dict) -> tuple[dict, torch.nn.Module]:
+    engine = lm_engine(cfg, model, tok, checkpoint, lr=kw["lr"], cp=cp, **job)
+    try:
+        hist = train(engine, next_batch, **kw)
+        return hist, engine.hf_model()  # a collective over the ranks that hold shards of it
+    finally:
+        engine.close()
 
 
 def _worker(c: dict) -> None:
     """One rank: the rung's checkpoint from Ray's object store (the driver's disk may be another node's), the rung's
-    loop, then (every rank gathering its shards) rank 0 reports the weights and history as the run's checkpoint."""
+    loop, then rank 0 reports the weights and history as the run's checkpoint."""
     import ray
     import ray.train
     torch.set_num_threads(c["threads"])
     with tempfile.TemporaryDirectory() as init, tempfile.TemporaryDirectory() as out:
         for name, data in ray.get(c["init"]).items():
             (Path(init) / name).write_bytes(data)
-        engine = _engine(c["cfg"], init, c["kw"], c["cp"], c["indexers"])
-        hist = train(engine, c["next_batch"], **c["kw"])
-        model = engine.hf_model()  # a collective over the tensor-parallel ranks
+        # no model: the engine loads the checkpoint itself, as it holds it (megatron: this rank's shards)
+        hist, model = _train(c["cfg"], None, c["tok"], init, c["next_batch"], c["kw"], c["cp"], c["job"])
         first = ray.train.get_context().get_world_rank() == 0
         if first:
             save_checkpoint(model, c["tok"], out)
@@ -56,21 +51,19 @@ def _worker(c: dict) -> None:
 
 
 def train_rung(cfg: PipelineConfig, model, tok, next_batch: Callable[[int], dict], kw: dict,
-               stage: RampStage, indexers: tuple[str, int, float] | None = None) -> tuple[dict, object]:
-    """(the rung's history, the model holding its trained weights) after `train(engine, next_batch, **kw)` over
-    megatron's tp x pp and the rung's context-parallel ranks (`PipelineConfig.ramp_ranks`); with `indexers`
-    (`MegatronTrainEngine`'s `train_indexers`) GLM-5's DSA indexers train too, or alone in the warm-up."""
-    cp, ranks = stage.cp or cfg.megatron.cp, cfg.ramp_ranks(stage)
-    with tempfile.TemporaryDirectory(prefix="posttrain-ramp-megatron-") as d, \
+               stage: RampStage, job: dict) -> tuple[dict, torch.nn.Module]:
+    """(the rung's history, the model holding its trained weights) after `train(engine, next_batch, **kw)`, the
+    engine from `lm_engine(cfg, model, tok, **job)` on one rank here or on each of the rung's ranks."""
+    ranks = registry.ranks(cfg, "ramp", stage.cp)
+    if ranks == 1:
+        return _train(cfg, model, tok, None, next_batch, kw, stage.cp, job)
+    import ray
+    with tempfile.TemporaryDirectory(prefix="posttrain-ramp-ranks-") as d, \
             tempfile.TemporaryDirectory(prefix="posttrain-ramp-train-") as storage:
-        save_checkpoint(model, tok, d)  # the rung's RoPE and weights, as the engine loads them
-        if ranks == 1:
-            engine = _engine(cfg, d, kw, cp, indexers)
-            return train(engine, next_batch, **kw), engine.hf_model()
-        import ray
+        save_checkpoint(model, tok, d)  # the rung's RoPE and weights, as each rank loads them
         files = ray.put({f.name: f.read_bytes() for f in Path(d).iterdir() if f.is_file()})
         result = _over_ranks(cfg, ranks, storage, {
-            "cfg": cfg, "init": files, "tok": tok, "kw": kw, "next_batch": next_batch, "cp": cp, "indexers": indexers,
+            "cfg": cfg, "init": files, "tok": tok, "kw": kw, "next_batch": next_batch, "cp": stage.cp, "job": job,
             "threads": max(1, cfg.runtime.torch_threads // ranks)})
         with result.checkpoint.as_directory() as out:
             trained, _ = load_checkpoint(out)

@@ -19,6 +19,7 @@ import environments
 from environments import long_context
 from environments.base import Task
 from posttrain import checkpoint_rules, replay
+from posttrain.engines import lm_engine, registry, supports
 from posttrain.models import attention, moe, mtp
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
@@ -27,7 +28,7 @@ from posttrain.device import stage_gpus
 from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
 from posttrain.pipeline.store import train_storage
-from posttrain.train import flat_examples, masked_lm_loss, moe_metrics, pad_examples, summarize, train
+from posttrain.train import flat_examples, moe_metrics, pad_examples, summarize, train
 
 STATE = "state.pt"
 ENGINE = "engine"  # megatron: the ranks' distributed checkpoint (MegatronTrainEngine.save_sharded)
@@ -125,29 +126,29 @@ def _worker(config: dict) -> None:
     import ray.train.torch
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
-    megatron = config["cfg"].runtime.train_engine == "megatron"
-    state, resume = None, tempfile.mkdtemp(prefix="posttrain-sft-resume-")  # megatron reads it once training starts
+    sharded = supports(config["cfg"], registry.SHARDED_STATE)
+    state, resume = None, tempfile.mkdtemp(prefix="posttrain-sft-resume-")  # a sharded engine reads it when it starts
     if (ckpt := ray.train.get_checkpoint()) is not None:
         ckpt.to_directory(resume)
-        state = _load_state(Path(resume), megatron)
+        state = _load_state(Path(resume), sharded)
 
     def report(metrics: dict, d: str) -> None:  # Ray Train gathers every worker's files into the one checkpoint
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 or megatron
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 or sharded
                          else None)
     try:
-        _train_rank(config, rank, ctx.get_world_size(), state, report, ray.train.torch.prepare_model)
+        _train_rank(config, rank, state, report, ray.train.torch.prepare_model)
     finally:
         shutil.rmtree(resume, ignore_errors=True)
 
 
-def _load_state(d: Path, megatron: bool) -> dict:
+def _load_state(d: Path, sharded: bool) -> dict:
     state = torch.load(d / STATE, weights_only=False)
-    if megatron:  # the ranks' shards and optimizer moments: a Megatron distributed checkpoint
+    if sharded:  # the ranks' shards and optimizer moments (megatron: a distributed checkpoint)
         state["engine"] = {"dist_checkpoint": str(d / ENGINE)}
     return state
 
 
-def _train_rank(config: dict, rank: int, world: int, state: dict | None, report: Callable[[dict, str], None],
+def _train_rank(config: dict, rank: int, state: dict | None, report: Callable[[dict, str], None],
                 prepare: Callable) -> None:
     """One rank's training loop from `state` (None: from the start); each checkpoint is written to a folder
     and given to `report` with its metrics; `prepare` readies the model for the ranks (DDP, its device)."""
@@ -156,26 +157,15 @@ def _train_rank(config: dict, rank: int, world: int, state: dict | None, report:
     torch.set_num_threads(config["threads"])
     seed_all(cfg.seed)
     model, tok = with_mtp(cfg, *load_checkpoint(config["init"]))
-    megatron = cfg.runtime.train_engine == "megatron"
+    sharded = supports(cfg, registry.SHARDED_STATE)
     if state is not None:
         model.load_state_dict(state["model"])
         print(f"[sft] resuming at step {state['step']} of {s.steps}", flush=True)
     to_batch, to_val = collator(tok, model, s.seq_len, s.packing), collator(tok, model, s.seq_len)
-    if megatron:  # the Ray Train workers are the ranks: tp x pp x cp of them hold one replica, and see one batch
-        from megatron.core import parallel_state as ps
-
-        from posttrain.engines import train_options
-        from posttrain.engines.megatron_train import MegatronTrainEngine
-        model = MegatronTrainEngine(config["init"], lr=s.lr, weight_decay=s.weight_decay, seed=cfg.seed,
-                                    moe=cfg.moe, mtp_weight=cfg.mtp.loss_weight, **train_options(cfg))
-        shard, shards = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        evaluate = model.lm_loss
-    else:
-        model = prepare(model)  # DDP when there is more than one worker
-        shard, shards = rank, world
-
-        def evaluate(b: dict) -> torch.Tensor:
-            return masked_lm_loss(model, b)
+    # the engine's ranks: DDP replicas (torch), or tp x pp x cp of them holding one replica and seeing one batch
+    engine = lm_engine(cfg, model, tok, config["init"], lr=s.lr, weight_decay=s.weight_decay, moe=cfg.moe,
+                       mtp_weight=cfg.mtp.loss_weight, prepare=prepare)
+    shard, shards = engine.data_shard()
     global_batch = _batches(cfg, config["examples"])
 
     def next_batch(i: int) -> dict:  # this data-parallel rank's share of the global batch
@@ -183,28 +173,25 @@ def _train_rank(config: dict, rank: int, world: int, state: dict | None, report:
 
     val_batches = [to_val(config["val"][i:i + s.batch_size]) for i in range(0, len(config["val"]), s.batch_size)]
 
-    # the MTP curves live in the history (the same lists), so a resumed run continues them
-    curves = {k: state["hist"][k] for k in ("mtp_loss", "mtp_acc1") if state and k in state["hist"]}
-
     def checkpoint(st: dict) -> None:
-        st["hist"].update(curves)
         with tempfile.TemporaryDirectory() as d:
             if rank == 0:
                 torch.save(st, Path(d) / STATE)
-            if megatron:  # every rank writes its own shards
-                model.save_sharded(Path(d) / ENGINE)
+            if sharded:  # every rank writes its own shards
+                engine.save_sharded(Path(d) / ENGINE)
             report({"step": st["step"], "loss": st["hist"]["loss"][-1]}, d)
         if os.environ.get("POSTTRAIN_SFT_KILL_AT_STEP") == str(st["step"]):  # fault injection for the resume test
             time.sleep(3)  # die mid-way through the next step (Ray Train: once it registered the checkpoint)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    train(model, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
-          weight_decay=s.weight_decay, grad_clip=s.grad_clip, desc="sft", grad_accum=s.grad_accum,
-          zero_loss_hint=f"chat template {chat_format(tok).template}",
-          eval_fn=lambda: sum(evaluate(b).item() for b in val_batches) / max(1, len(val_batches)),
-          eval_every=max(1, s.steps // 5),
-          state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every,
-          loss_fn=mtp.with_loss(masked_lm_loss, cfg.mtp.loss_weight, curves), moe=cfg.moe)
+    try:
+        train(engine, next_batch, steps=s.steps, lr=s.lr, warmup=s.warmup, min_lr_ratio=s.min_lr_ratio,
+              grad_clip=s.grad_clip, desc="sft", grad_accum=s.grad_accum,
+              zero_loss_hint=f"chat template {chat_format(tok).template}",
+              eval_fn=lambda: sum(engine.lm_loss(b).item() for b in val_batches) / max(1, len(val_batches)),
+              eval_every=max(1, s.steps // 5), state=state, checkpoint=checkpoint, checkpoint_every=s.checkpoint_every)
+    finally:
+        engine.close()
 
 
 def with_mtp(cfg: PipelineConfig, model, tok):
@@ -263,7 +250,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     config = {"cfg": cfg, "init": inputs["ramp"], "examples": examples, "val": val,
               "threads": max(1, cfg.runtime.torch_threads // s.workers)}
     with tempfile.TemporaryDirectory(prefix="posttrain-sft-init-") as init:
-        if new_draft and cfg.runtime.train_engine == "megatron":  # the engine loads a draft layer from its checkpoint
+        if new_draft:  # the new draft layer in the checkpoint the ranks start from (an engine may load it from there)
             save_checkpoint(model, tok, init)
             config["init"] = init
         if cfg.sft_in_process():
@@ -302,7 +289,7 @@ def _in_process(config: dict, scratch: Path) -> dict:
                 shutil.rmtree(old)
         checkpointed(scratch)
     scratch.mkdir(parents=True, exist_ok=True)
-    _train_rank(config, 0, 1, _load_state(latest(), False) if latest() else None, report,
+    _train_rank(config, 0, _load_state(latest(), False) if latest() else None, report,
                 lambda m: m.to(device()))
     return _load_state(latest(), False)
 

@@ -19,7 +19,7 @@ from posttrain.train import moe_metrics, summarize
 
 
 def plot_curves(hist: dict, path: Path, title: str) -> None:
-    import matplotlib
+    import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     gap = "logratio_abs" in hist

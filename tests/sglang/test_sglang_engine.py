@@ -35,7 +35,7 @@ def ckpts(tok, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ckpts, tmp_path_factory):
-    os.environ["POSTTRAIN_SGLANG_LOG_DIR"] = str(tmp_path_factory.mktemp("sglang-logs"))
+    os.environ["POSTTRAIN_ENGINE_LOG_DIR"] = str(tmp_path_factory.mktemp("sglang-logs"))
     e = SGLangRolloutEngine(ckpts[0])
     yield e
     e.close()
@@ -231,7 +231,7 @@ def test_partial_rollouts_over_two_servers_train_with_every_token_versioned(ckpt
     import environments
     from posttrain.config import RLConfig
     from posttrain.rl.loop import train_policy
-    monkeypatch.setenv("POSTTRAIN_SGLANG_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("POSTTRAIN_ENGINE_LOG_DIR", str(tmp_path))
     tasks = environments.get("reasoning").generate("train", 32, 0)
     r = RLConfig(steps=4, prompts_per_step=2, group_size=2, max_new_tokens=48, max_staleness=1, val_every=0,
                  lr=1e-3, stop_check=False, rollout_workers=2, partial_rollouts=True)

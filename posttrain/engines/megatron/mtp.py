@@ -15,20 +15,44 @@ and each keeps 1/cp, as the embedding and head do for it. With pipeline stages t
 through its own copy, as Megatron's own MTP does: a tied model's output layer already is one, an untied model's is
 broadcast from the first stage (`embedding_copy`), and the two stages sum their gradients before each step, so the
 copy moves as the embedding does.
+
+The layer reads the Megatron model through a `Backbone` (its embedding, its head, the config), nothing else of the
+engine.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoModelForCausalLM
 
-from posttrain.engines import context_parallel, vocab_parallel
+from posttrain.engines.megatron import context_parallel, vocab_parallel
+from posttrain.engines.megatron.forward import document_mask
+from posttrain.engines.megatron.pipeline_stages import Pipeline
 from posttrain.models import mtp
 from posttrain.models.moe import count_routes, load_stats, sequence_balance
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """What the draft layer reads of the Megatron model it sits on (the last pipeline stage's)."""
+    hf_config: Any
+    device: torch.device
+    vocab_size: int  # the real vocabulary (the head's rows past it pad it to a multiple of tp)
+    # this stage's word-embedding weight, its tensor-parallel slice of the vocabulary: the embedding itself on one
+    # stage, the last stage's copy of it with pipeline stages (`embedding_copy`; tied: the output layer)
+    embedding: Callable[[], torch.Tensor]
+    # the head on final hidden states [n, h] of the whole sequence: (this rank's vocabulary slice of the logits, its
+    # first token id), the head's gradient a context-parallel share (`context_parallel.shared`)
+    logits: Callable[[torch.Tensor], tuple[torch.Tensor, int]]
 
 
 def calls(steps: int, length: int) -> int:
@@ -46,18 +70,18 @@ def routed(hf_config) -> bool:
     return _glm5(hf_config) and bool(types) and types[-1] == "sparse"
 
 
-def embedding_copy(engine) -> nn.Parameter | None:
+def embedding_copy(gpt, pipe: Pipeline, tied: bool) -> nn.Parameter | None:
     """An untied model's word embedding on the last pipeline stage, broadcast from the first (on the last stage; None
     elsewhere, and with one stage or tied embeddings, whose output layer there is the copy). Every first- and
     last-stage rank calls it."""
     from megatron.core import parallel_state as ps
-    if engine.pipe.size == 1 or engine.tied or not ps.is_rank_in_embedding_group():
+    if pipe.size == 1 or tied or not ps.is_rank_in_embedding_group():
         return None
     src, group = ps.get_pipeline_model_parallel_first_rank(), ps.get_embedding_group()
-    if engine.pipe.first:
-        dist.broadcast(engine.gpt.embedding.word_embeddings.weight.data, src=src, group=group)
+    if pipe.first:
+        dist.broadcast(gpt.embedding.word_embeddings.weight.data, src=src, group=group)
         return None
-    copy = nn.Parameter(torch.empty_like(engine.gpt.output_layer.weight))
+    copy = nn.Parameter(torch.empty_like(gpt.output_layer.weight))
     dist.broadcast(copy.data, src=src, group=group)
     copy.shared = True  # counted once in the gradient norm (the first stage's)
     return copy
@@ -73,7 +97,7 @@ def sharded_copy(copy: torch.Tensor):
                                                  allow_shape_mismatch=True)
 
 
-def export(draft: "Draft | None", pipe) -> dict[str, torch.Tensor]:
+def export(draft: Draft | None, pipe: Pipeline) -> dict[str, torch.Tensor]:
     """The draft layer's tensors under transformers' in-memory names (`mtp.`), on every rank (from the last stage)."""
     got = [{f"mtp.{k}": v.detach().cpu().clone() for k, v in draft.module.state_dict().items()} if draft else None]
     if pipe.size > 1:
@@ -81,7 +105,7 @@ def export(draft: "Draft | None", pipe) -> dict[str, torch.Tensor]:
     return got[0]
 
 
-def pop_stats(draft: "Draft | None", pipe) -> dict[str, float]:
+def pop_stats(draft: Draft | None, pipe: Pipeline) -> dict[str, float]:
     """The step's draft figures (`Draft.pop_stats`) on every pipeline stage, from the last."""
     got = [draft.pop_stats() if draft else None]
     if pipe.size > 1:
@@ -107,7 +131,6 @@ class _Host(nn.Module):
     def __init__(self, hf_config, embed, device):
         super().__init__()
         with torch.device("meta"):
-            from transformers import AutoModelForCausalLM
             meta = AutoModelForCausalLM.from_config(hf_config).base_model
         self.config = hf_config
         self.base_model = nn.Module()
@@ -126,14 +149,15 @@ class _Host(nn.Module):
 
 class Draft:
     """The draft layer of a megatron engine's checkpoint: `module` (a `models.mtp.MTP`), `loss` over an LM batch,
-    `balance` (GLM-5: its router's expert bias, as the torch engine's `RouterHooks` moves it)."""
+    `balance` (GLM-5: its router's expert bias, as the torch engine's `RouterHooks` moves it). It sits on `backbone`,
+    the last pipeline stage's model."""
 
-    def __init__(self, engine, checkpoint: str | Path, steps: int):
+    def __init__(self, backbone: Backbone, checkpoint: str | Path, steps: int):
         from megatron.core import parallel_state as ps
-        self.engine, self.tp = engine, ps.get_tensor_model_parallel_world_size()
-        self.host = _Host(engine.hf_config, self._embed, engine.device)
+        self.backbone, self.tp = backbone, ps.get_tensor_model_parallel_world_size()
+        self.host = _Host(backbone.hf_config, self._embed, backbone.device)
         self.module = mtp.MTP(self.host, steps)
-        got, want = _stored(engine.hf_config, checkpoint), set(self.module.state_dict())
+        got, want = _stored(backbone.hf_config, checkpoint), set(self.module.state_dict())
         if set(got) != want:
             raise ValueError(f"{checkpoint}: config.json names a draft (MTP) layer, but its weights hold "
                              f"{len(set(got) & want)} of its {len(want)} tensors (missing e.g. "
@@ -162,10 +186,8 @@ class Draft:
         end, and its balance loss would move that row)."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-        engine, pad = self.engine, self.host.padding_idx
-        # the embedding on one stage; the last stage's copy with pipeline stages (tied: its output layer)
-        w = engine._draft_copy if engine._draft_copy is not None else engine.gpt.shared_embedding_or_output_weight()
-        w = context_parallel.shared(w)
+        pad = self.host.padding_idx
+        w = context_parallel.shared(self.backbone.embedding())
         if self.tp == 1:
             return F.embedding(ids, w, padding_idx=pad)
         start = ps.get_tensor_model_parallel_rank() * w.shape[0]  # Megatron's vocabulary split, embedding and head
@@ -219,10 +241,10 @@ class Draft:
         """`models.mtp.loss` on the engine's final hidden states `h` [b, T, h] (the whole sequence) of a micro-batch
         of the batch `start` announced: the mean over draft steps of the cross-entropy of token i + k + 1 where the
         loss mask trains it, in token i's document (its share of the batch's); and the first step's top-1 hits."""
-        m, engine = self.module, self.engine
+        m, vocab = self.module, self.backbone.vocab_size
         ids, lmask, pos = batch["input_ids"], batch["loss_mask"], self._positions(batch)
         B, T = ids.shape
-        allowed = ~engine._document_mask(pos, batch.get("attention_mask"))  # [b, 1, T, T]: True may attend
+        allowed = ~document_mask(pos, batch.get("attention_mask"))  # [b, 1, T, T]: True may attend
         mask = batch.get("attention_mask")
         self._valid, self._rows = None if mask is None else mask.reshape(-1).bool(), B
         totals, first_step = self._targets, self._first()
@@ -233,12 +255,11 @@ class Draft:
             state = m.step(self.host, state, nxt, pos, allowed)
             if not tmask.any():
                 continue
-            logits, first = engine._logits(m.norm_out(state[tmask]), whole=True)
-            logp, _ = vocab_parallel.token_scores(logits, first, engine.vocab_size, 1.0, target=target[tmask],
-                                                  entropy=False)
+            logits, first = self.backbone.logits(m.norm_out(state[tmask]))
+            logp, _ = vocab_parallel.token_scores(logits, first, vocab, 1.0, target=target[tmask], entropy=False)
             losses.append(-logp.sum() / totals[k - 1])
             if k == first_step:
-                hits = _top1(logits, first, target[tmask], engine.vocab_size)
+                hits = _top1(logits, first, target[tmask], vocab)
         self._valid = None
         steps = sum(1 for n in totals if n)  # the batch's steps with a target
         return (torch.stack(losses).sum() / steps if losses else h.sum() * 0.0), hits
@@ -246,7 +267,7 @@ class Draft:
     def train_loss(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor], weight: float, aux,
                    aux_weight: float) -> torch.Tensor:
         """`loss` on this rank's final hidden states [b, s, h] times `weight`, and its router's terms of the balance
-        loss (`aux`, `megatron_glm5.SeqAux`, while it has a weight), as gradients only: the value 0, so the LM loss
+        loss (`aux`, `glm5.SeqAux`, while it has a weight), as gradients only: the value 0, so the LM loss
         stays comparable with a run without them (as `models.mtp.with_loss` and `models.moe.with_aux_loss` have it)."""
         if context_parallel.size() > 1:  # the layer attends over the whole sequence
             hidden = context_parallel.GatherOutput.apply(hidden.transpose(0, 1).contiguous()).transpose(0, 1)
@@ -286,7 +307,7 @@ class Draft:
             return None
         load, self.load = self.load, torch.zeros_like(self.load)
         if dist.get_world_size(group := ps.get_data_parallel_group()) > 1:  # not over cp: each rank saw every token
-            load = load.to(self.engine.device)
+            load = load.to(self.backbone.device)
             dist.all_reduce(load, group=group)
         load = load.cpu()
         if not float(load.sum()):
@@ -323,7 +344,6 @@ def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) ->
 def _stored(hf_config, checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """The draft layer's weights as `checkpoint` holds them (GLM-5's layer num_hidden_layers, or posttrain's `mtp.`
     tensors) under the module's own names."""
-    from safetensors import safe_open
     if _glm5(hf_config):
         got = mtp.glm5_layer_state(SimpleNamespace(config=hf_config), checkpoint)
     else:

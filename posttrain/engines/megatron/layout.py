@@ -1,4 +1,5 @@
-"""Megatron-core's process groups and the HF <-> Megatron weight bridges, for `engines.megatron_train`.
+"""How the megatron engine lays a model out over ranks: the split (`Parallel`), megatron-core's process groups, and
+the HF <-> Megatron weight bridges that build this rank's part of the model (for `engine`).
 
 Weights go through mbridge (0.15.1): it maps Hugging Face Llama / Qwen2 / Qwen3 tensors to Megatron's fused
 layouts (QKV interleaved per query group, gate and up stacked) and splits or gathers them over tensor-parallel
@@ -6,14 +7,19 @@ ranks. We patch two things, both because we build Megatron's *local* layer spec 
 Transformer Engine's, which has no CPU build: the spec (mbridge hard-codes TE's), and the two norm names that
 spec uses (`input_layernorm`, `pre_mlp_layernorm`; TE folds them into the next linear). Megatron-Bridge, the
 other converter, imports Transformer Engine at load, so it cannot run without a GPU. GLM-5's mapping (mbridge's
-DeepSeek-V3 bridge, patched likewise) is in `engines.megatron_glm5`.
+DeepSeek-V3 bridge, patched likewise) is in `glm5`.
 
 On a machine without CUDA, megatron-core 0.16 allocates RoPE frequencies and attention buffers on
 `torch.cuda.current_device()`; `cpu_patches` answers "cpu" there (only when torch has no CUDA at all).
+
+megatron-core and mbridge are imported inside the functions, here and in the package's other modules: only once
+`cpu_patches` has run, which quiets their import-time warnings and answers their CUDA calls on a machine without it.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import importlib.util
 import os
 import tempfile
 import warnings
@@ -21,8 +27,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "glm_moe_dsa")  # HF model_type -> mbridge's bridge (glm5: megatron_glm5)
+from posttrain.engines.megatron import context_parallel, glm5
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "glm_moe_dsa")  # HF model_type -> mbridge's bridge (GLM-5: `glm5`)
 
 
 @dataclass(frozen=True)
@@ -39,7 +49,7 @@ class Parallel:
     def model_ranks(self) -> int:
         """The fewest ranks that hold the model: tp x pp x cp x ep. Where a stage trains one replica (RL, OPD, a
         ramp rung) its ep ranks each see the whole batch: the experts split, the dense layers repeat, and the
-        gradients are the one replica's (`MegatronTrainEngine._sync_grads`)."""
+        gradients are the one replica's (`optimizer.sync_grads`)."""
         return self.tp * self.pp * self.cp * self.ep
 
 
@@ -58,9 +68,7 @@ def cpu_patches() -> None:
         import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
         if not torch.cuda.is_available():  # its CP slice of the RoPE table moves an index to CUDA
             from megatron.core.models.common.embeddings import rotary_pos_embedding
-
-            from posttrain.engines.context_parallel import rope_slice
-            rotary_pos_embedding.get_pos_emb_on_this_cp_rank = rope_slice
+            rotary_pos_embedding.get_pos_emb_on_this_cp_rank = context_parallel.rope_slice
             # with pipeline stages and tied embeddings the last stage's copy of the embeddings is moved to CUDA
             # before the all-reduce that initialises it
             from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -132,18 +140,17 @@ def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
     if kind not in SUPPORTED:
         raise ValueError(f"runtime.train_engine megatron: no Megatron mapping for model_type {kind!r} "
                          f"(supported: {', '.join(SUPPORTED)}); use runtime.train_engine torch for it")
-    from posttrain.engines import megatron_glm5
-    glm5 = kind in megatron_glm5.MODEL_TYPES
-    if glm5:
-        megatron_glm5.check(hf_config, par, where)
+    moe = kind in glm5.MODEL_TYPES
+    if moe:
+        glm5.check(hf_config, par, where)
     heads, kv = hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None) or \
         hf_config.num_attention_heads
-    if not glm5 and (heads % par.tp or kv % par.tp):
+    if not moe and (heads % par.tp or kv % par.tp):
         raise ValueError(f"{where}.tp: must divide the attention heads ({heads}) and key-value heads ({kv}) "
                          f"(got {par.tp}; supported: {sorted(d for d in range(1, kv + 1) if kv % d == 0)})")
     if par.pp > hf_config.num_hidden_layers or hf_config.num_hidden_layers % par.pp:
         raise ValueError(f"{where}.pp: must divide the layers ({hf_config.num_hidden_layers}) (got {par.pp})")
-    if par.ep != 1 and not glm5:
+    if par.ep != 1 and not moe:
         raise ValueError(f"{where}.ep: must be 1 for the dense model_type {kind!r} (got {par.ep})")
     if par.sequence_parallel and par.tp == 1:
         raise ValueError(f"{where}.sequence_parallel: needs tp > 1 (got tp {par.tp})")
@@ -157,7 +164,6 @@ def check_layout(hf_config, par: Parallel, where: str = "megatron") -> None:
 
 
 def _has_te() -> bool:
-    import importlib.util
     return importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -201,20 +207,18 @@ def init_parallel(par: Parallel, seed: int = 0) -> None:
 
 def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompute: bool = False):
     """An mbridge bridge for `hf_config` building Megatron's local layer spec, every fusion off (they need TE or
-    Apex), the vocabulary padded to a multiple of tp (the padded rows never score: `engines.megatron_train`).
+    Apex), the vocabulary padded to a multiple of tp (the padded rows never score: `vocab_parallel`).
     `recompute` on CUDA: Megatron's full-layer recomputation (its RNG tracker has no CPU form; `recompute_layers`
     does the same on CPU)."""
     from mbridge.core.bridge import _MODEL_REGISTRY
     from mbridge.core.parallel_states import ParallelStates
-
-    from posttrain.engines import megatron_glm5
     if getattr(hf_config, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
         hf_config.rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     if (getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default") != "default":
         raise ValueError(f"megatron: rope_type {hf_config.rope_parameters['rope_type']!r} has no Megatron mapping "
                          f"here (default RoPE only); use runtime.train_engine torch")
-    if hf_config.model_type in megatron_glm5.MODEL_TYPES:  # GLM-5 is DeepSeek-V3's attention and MoE
-        cls = megatron_glm5.bridge_class(_MODEL_REGISTRY["deepseek_v3"], local_spec(par), sdpa_attention)
+    if hf_config.model_type in glm5.MODEL_TYPES:  # GLM-5 is DeepSeek-V3's attention and MoE
+        cls = glm5.bridge_class(_MODEL_REGISTRY["deepseek_v3"], local_spec(par), sdpa_attention)
     else:
         cls = _dense_bridge_class(_MODEL_REGISTRY[hf_config.model_type], par,
                                   bool(getattr(hf_config, "tie_word_embeddings", False)))
@@ -254,7 +258,6 @@ def _dense_bridge_class(base, par: Parallel, tied: bool):
 def recompute_layers(gpt) -> None:
     """Full-layer activation recomputation without CUDA: each decoder layer's forward under torch's checkpoint
     (dropout is off, so no RNG state needs replaying)."""
-    from torch.utils.checkpoint import checkpoint
     for layer in gpt.decoder.layers:
         run = layer.forward
         layer.forward = lambda *a, _run=run, **kw: checkpoint(_run, *a, use_reentrant=False, **kw)
@@ -264,15 +267,10 @@ def sdpa_attention():
     """Megatron's local core attention with torch's scaled_dot_product_attention in place of its explicit
     [b, heads, s, s] scores and softmax (which also builds its causal mask on CUDA): one fused kernel where torch
     has one, grouped-query heads without repeating the keys. No mask given: causal. With context parallelism
-    (`engines.context_parallel`) the keys and values of the whole sequence are gathered and the mask (always given
+    (`context_parallel`) the keys and values of the whole sequence are gathered and the mask (always given
     then) is this rank's queries' rows. An integer `attention_mask` holds document ids [b, T] instead of a mask:
     attention then runs per document (`context_parallel.document_attention`), with no [T, T] mask."""
-    import copy
-
-    import torch.nn.functional as F
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    from posttrain.engines import context_parallel
 
     class SdpaAttention(DotProductAttention):
         def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def group():
@@ -131,8 +133,6 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segmen
     q [b, heads, s, d] at this rank's positions (`query_runs`); k, v [b, groups, T, d] the whole sequence;
     segments [b, T]: a document is a run of equal ids (padding runs too: no real token sees them, and no real
     token's loss depends on what they see)."""
-    import torch.nn.functional as F
-    from torch.nn.attention.bias import causal_lower_right
     T = k.shape[2]
     runs, rows = query_runs(T), []
     for b in range(q.shape[0]):

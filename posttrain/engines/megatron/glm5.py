@@ -9,23 +9,31 @@ the layer spec; the norm names of that spec (latent attention's query / key-valu
 not fused into the next linear); the routed experts' names (`local_experts.{i}` of a SequentialMLP, numbered per
 expert-parallel rank, instead of TE's grouped `weight{i}`); the model provider (mbridge's DeepSeek one hard-codes
 TE's MTP spec and leaves the vocabulary unpadded); plain safetensors reading (its FP8 dequantising reader is bf16
-only); and the latent norms' epsilon (transformers builds them at 1e-6 whatever `rms_norm_eps` says).
+only); and the latent norms' epsilon (transformers builds them at 1e-6 whatever `rms_norm_eps` says). Megatron's
+routers get three methods of their own (`own_routers`: the expert load without a compile per batch shape, the
+rollout's routes replayed, the sequence-wise balance loss), bound to the routers of the model being built, never to
+megatron-core's classes: another model in the process routes as megatron-core does.
 
-DeepSeek sparse attention's indexer is `engines.megatron_dsa`'s (transformers' own indexer inside each layer's core
+DeepSeek sparse attention's indexer is `dsa`'s (transformers' own indexer inside each layer's core
 attention: megatron-core's `DSAttention` computes something else, that module says what). It needs Megatron's local
 layers: with Transformer Engine's, the indexers' weights pass through from the checkpoint unchanged into every export,
 which is exact only while the indexer selects every key of a row, and `check_rows` refuses longer rows. GLM-5's MTP
-draft layer is `engines.megatron_mtp`'s (transformers' layer beside the Megatron model).
+draft layer is `mtp`'s (transformers' layer beside the Megatron model).
 """
 from __future__ import annotations
 
 import re
 from contextlib import contextmanager
+from pathlib import Path
+from types import MethodType
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
-from posttrain.engines import megatron_dsa
+from posttrain.engines.megatron import context_parallel, dsa
+from posttrain.models.moe import load_stats, load_summary
+from posttrain.routing_replay import check_routes
 
 MODEL_TYPES = ("glm_moe_dsa",)
 _LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc\d)\.weight$")
@@ -75,7 +83,6 @@ def bridge_class(base, local_spec: bool, sdpa_attention):
     from mbridge.core.llm_bridge import LLMBridge
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     layer = "model.layers.{layer_number}."
-    patch_router()
 
     class Glm5(base):
         _ATTENTION_MAPPING = {**base._ATTENTION_MAPPING,
@@ -111,7 +118,7 @@ def bridge_class(base, local_spec: bool, sdpa_attention):
             if not local_spec:  # Transformer Engine's fused layers, mbridge's own mapping
                 return get_gpt_decoder_block_spec(self.config, use_transformer_engine=True)
             spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=False, normalization="RMSNorm")
-            attention = megatron_dsa.core_attention(sdpa_attention(), self.hf_config)  # one class: shared selections
+            attention = dsa.core_attention(sdpa_attention(), self.hf_config)  # one class: shared selections
             for s in spec.layer_specs:
                 s.submodules.self_attention.submodules.core_attention = attention
             return spec
@@ -166,7 +173,7 @@ def _replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_t
     the router would have chosen otherwise are counted (posttrain.routing_replay's contract)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
-        return _MEGATRON_REPLAY_TOPK(self, scores, topk, num_groups, group_topk, default_compute_topk)
+        return type(self).get_replay_topk(self, scores, topk, num_groups, group_topk, default_compute_topk)
     _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
     forced = self.target_topk_idx.to(own.device, own.dtype)
     fresh = (forced < 0).any(-1, keepdim=True)
@@ -208,8 +215,6 @@ class SeqAux:
         """The step's loss per batch (`moe_aux_loss`, the torch engine's curve), over every pipeline stage's routers
         and context-parallel rank's shares; {} without a batch."""
         from megatron.core import parallel_state as ps
-
-        from posttrain.engines import context_parallel
         if not self.batches:
             return {}
         total = torch.tensor(float(sum(self.values)), dtype=torch.float64)
@@ -224,7 +229,6 @@ class SeqAux:
              ) -> torch.Tensor:
         """This rank's share of the batch's loss from one router call: logits [s, b, E], routing_map [s * b, E]
         (sequence-major, as Megatron flattens), padding [s, b] (True: padding) or None."""
-        from posttrain.engines import context_parallel
         s, b, n_exp = logits.shape
         scores = _DenseGrad.apply(logits).float().sigmoid()
         probs = scores / scores.sum(-1, keepdim=True)
@@ -255,30 +259,27 @@ class _DenseGrad(torch.autograd.Function):
 def _routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
     """Megatron's `TopKRouter.routing`, with `SeqAux`'s loss attached to the probabilities while the engine sets a
     weight."""
-    probs, routing_map = _MEGATRON_ROUTING(self, logits, padding_mask)
+    probs, routing_map = type(self).routing(self, logits, padding_mask)
     aux = getattr(self, "seq_aux", None)
     if aux is not None and aux.weight and torch.is_grad_enabled():
         loss = aux.loss(logits, routing_map, padding_mask, self.topk)
-        if not megatron_dsa.recomputing():  # a recomputed forward's value was counted in the first
+        if not dsa.recomputing():  # a recomputed forward's value was counted in the first
             aux.values.append(loss.detach())  # summed at the step's end: no host sync per router call
-        probs = megatron_dsa.attach(probs, loss, aux.weight)
+        probs = dsa.attach(probs, loss, aux.weight)
     return probs, routing_map
 
 
-_MEGATRON_REPLAY_TOPK = _MEGATRON_ROUTING = None
-
-
-def patch_router() -> None:
-    global _MEGATRON_REPLAY_TOPK, _MEGATRON_ROUTING
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-    TopKRouter._apply_expert_bias = _count_load
-    if _MEGATRON_REPLAY_TOPK is None:
-        _MEGATRON_REPLAY_TOPK = RouterReplay.get_replay_topk
-        RouterReplay.get_replay_topk = _replay_topk
-    if _MEGATRON_ROUTING is None:
-        _MEGATRON_ROUTING = TopKRouter.routing
-        TopKRouter.routing = _routing
+def own_routers(gpt) -> None:
+    """This model's routers (this pipeline stage's) with `_count_load`, `_replay_topk` and `_routing` in place of
+    megatron-core's methods: bound to each instance, so its classes, and any other model's routers, stay as they are."""
+    for layer in gpt.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is None:
+            continue
+        router._apply_expert_bias = MethodType(_count_load, router)
+        router.routing = MethodType(_routing, router)
+        if router.router_replay is not None:
+            router.router_replay.get_replay_topk = MethodType(_replay_topk, router.router_replay)
 
 
 def n_routers(hf_config) -> int:
@@ -301,8 +302,6 @@ def balance_experts(gpt, hf_config, rate: float, sequence_parallel: bool, stages
     under the same names (every stage's), and each router's bias moved `rate` toward uniform load; the draft (MTP)
     layer's router after the model's, as the torch engine counts it."""
     from megatron.core import parallel_state as ps
-
-    from posttrain.models.moe import load_stats, load_summary
     stats = {}
     for i, router in moe_layers(gpt, hf_config):
         load = router.local_tokens_per_expert.detach().float().clone()
@@ -328,7 +327,6 @@ def balance_experts(gpt, hf_config, rate: float, sequence_parallel: bool, stages
 def replay_targets(samples: list, length: int, hf_config) -> torch.Tensor:
     """The samples' routes (posttrain.routing_replay) laid out as the engine's rows, prompt + completion from
     position 0, right-padded to `length`: [routers, samples, length, k], -1 where a position has no route."""
-    from posttrain.routing_replay import check_routes
     k = check_routes(samples, n_routers(hf_config))
     out = torch.full((n_routers(hf_config), len(samples), length, k), -1, dtype=torch.long)
     for b, s in enumerate(samples):
@@ -369,10 +367,11 @@ def take_replayed(gpt, hf_config) -> tuple[int, int]:
 
 
 def finish(gpt) -> None:
-    """What the built model still needs: the latent norms' epsilon; on the local layers, latent attention handing its
-    core attention the hidden states and compressed queries the DSA indexer reads (Megatron does that for its own
-    `DSAttention` only, and refuses context parallelism at config time with it set), and the indexers frozen (only the
-    ramp's DSA adoption trains them, from a loss of their own)."""
+    """What the built model still needs: its routers' own methods (`own_routers`); the latent norms' epsilon; on the
+    local layers, latent attention handing its core attention the hidden states and compressed queries the DSA
+    indexer reads (Megatron does that for its own `DSAttention` only, and refuses context parallelism at config time
+    with it set), and the indexers frozen (only the ramp's DSA adoption trains them, from a loss of their own)."""
+    own_routers(gpt)
     for layer in gpt.decoder.layers:
         attention = layer.self_attention
         for norm in (attention.q_layernorm, attention.kv_layernorm):
@@ -391,9 +390,6 @@ def sparse_layers(gpt) -> bool:
 def passthrough(checkpoint: str, hf_config, indexers: bool) -> dict[str, torch.Tensor]:
     """The DSA indexers' tensors of the checkpoint where the engine's layers have none (`indexers`: Transformer
     Engine's), for every export under transformers' names."""
-    from pathlib import Path
-
-    from safetensors import safe_open
     if not indexers:
         return {}
     n, out = hf_config.num_hidden_layers, {}

@@ -6,9 +6,9 @@ Why not megatron-core's own `DSAttention` (0.16): it rotates the indexer's queri
 does (transformers' interleaved rope on the first `qk_rope_head_dim` dims), layer-norms the keys under its own names,
 selects with an unstable `topk`, has no cross-layer sharing (GLM-5's IndexShare: `indexer_types` "shared" layers reuse
 the previous full layer's selection) and ignores document and padding masks in its attention. Here the indexer *is*
-transformers' `GlmMoeDsaIndexer` (with `posttrain.models.glm5`'s stable selection), held by the core attention under
-the checkpoint's names, so the selection is the torch engine's by construction; the attention is the engine's SDPA
-under the allowed-and-selected mask.
+transformers' `GlmMoeDsaIndexer` (as `posttrain.models.glm5.StableIndexer`, its stable selection), held by the core
+attention under the checkpoint's names, so the selection is the torch engine's by construction; the attention is the
+engine's SDPA under the allowed-and-selected mask.
 
 Rows no longer than `index_topk` select every key: they skip the indexer (dense attention, as before). RoPE in the
 indexer runs at the row's sequence positions: within a packed row's document that is a constant offset, which RoPE's
@@ -23,8 +23,13 @@ micro-batch.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRotaryEmbedding
 
-from posttrain.models.glm5 import DENSE_TOPK
+from kernels.dsa import selected_mask
+from posttrain.engines.megatron import context_parallel
+from posttrain.models.dsa import DSAState, indexer_loss
+from posttrain.models.glm5 import DENSE_TOPK, StableIndexer
 
 
 def adopted(hf_config) -> bool:
@@ -65,7 +70,6 @@ def train_indexers(gpt, hf_config, mode: str, kl_queries: int):
     """The model's indexers learning (the ramp's DSA adoption): their weights trainable, and a
     `posttrain.models.dsa.DSAState` collecting their losses on every layer. `warmup`: every key kept, the rest of
     the model frozen, the indexers learning the dense attention; `sparse`: the selected keys, the model trains on."""
-    from posttrain.models.dsa import DSAState
     st = DSAState(hf_config.index_topk, kl_queries)
     st.mode, st.collect, st.weight, st.length = mode, True, 1.0, None  # the engine sets weight and length
     if mode == "warmup":
@@ -80,9 +84,6 @@ def train_indexers(gpt, hf_config, mode: str, kl_queries: int):
 
 
 def _sum_over_context(n: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    from posttrain.engines import context_parallel
     dist.all_reduce(n, group=context_parallel.group())
     return n
 
@@ -128,15 +129,7 @@ def allowed_keys(mask: torch.Tensor | None, queries: torch.Tensor, length: int) 
 def core_attention(base: type, hf_config) -> type:
     """`base` (the engine's SDPA core attention) narrowed to each query's DSA selection; one class per model: its
     layers share the selections of this forward (IndexShare) through it."""
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaRotaryEmbedding
-
     from megatron.core import parallel_state as ps
-
-    from kernels.dsa import selected_mask
-    from posttrain.engines import context_parallel
-    from posttrain.models.dsa import indexer_loss
-    from posttrain.models.glm5 import patch_indexer
-    patch_indexer()
     layer_group = groups(hf_config)
     rope = GlmMoeDsaRotaryEmbedding(hf_config)  # not a submodule: no parameters, and no state to save
     selections: dict[int, torch.Tensor] = {}
@@ -146,7 +139,7 @@ def core_attention(base: type, hf_config) -> type:
             super().__init__(config, *args, **kwargs)
             self.index = self.layer_number - 1  # global, 0-based: transformers' layer index
             self.group = layer_group[self.index]
-            self.indexer = GlmMoeDsaIndexer(hf_config, self.index) if self.group == self.index else None
+            self.indexer = StableIndexer(hf_config, self.index) if self.group == self.index else None
             self.dsa_state = None  # set while the indexers train (`train_indexers`)
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -208,10 +201,7 @@ def pop_stats(st, stages: int) -> dict[str, float]:
     """The step's indexer KL (mean over its layers' losses, as the torch ramp's) and top-k recall of the dense
     attention mass in `st` (`train_indexers`' state), over every pipeline stage's layers and context-parallel rank's
     queries; {} without one."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-
-    from posttrain.engines import context_parallel
     losses, recalls = st.losses, st.recalls
     st.losses, st.recalls = [], []
     st.scores.clear()
