@@ -15,7 +15,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import environments
+from posttrain.chat import chat_format
+from posttrain.config import DSAConfig
 from posttrain.engines import registry
+from posttrain.models.head import _SCALING
 
 if TYPE_CHECKING:
     from posttrain.config import PipelineConfig, RampStage
@@ -66,7 +70,6 @@ def ramp_dsa(cfg: PipelineConfig, hf, where: str) -> list[str]:
     r = cfg.ramp
     if r.attention != "dsa":
         return []
-    from posttrain.config import DSAConfig
     if _glm5(hf):
         default = DSAConfig().model_dump()
         return [f"ramp.dsa.{k}: {where}: GLM-5's own indexers are laid out by the checkpoint's indexer_types "
@@ -99,6 +102,7 @@ def ramp_rope(cfg: PipelineConfig, hf, where: str) -> list[str]:
     stages = [(k, st) for k, st in enumerate(cfg.ramp.stages) if st.rope_scaling]
     if not stages:
         return []
+    # transformers: at first use (the CLI's checks import this module)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     errors = []
     for k, st in stages:
@@ -181,7 +185,6 @@ def routing_replay(cfg: PipelineConfig, hf, where: str) -> list[str]:
 def mtp_head(cfg: PipelineConfig, hf, where: str) -> list[str]:
     """mtp.depth: the draft layer shares the output head, so the logits must be the last hidden state times the output
     embeddings (`posttrain.models.mtp.install`): no logit scaling in the config."""
-    from posttrain.models.head import _SCALING
     scaled = {k: getattr(hf, k) for k in _SCALING if getattr(hf, k, None) not in (None, 1, 1.0)}
     if not cfg.mtp.depth or not scaled:
         return []
@@ -206,9 +209,7 @@ def moe_shape(cfg: PipelineConfig, hf, where: str) -> list[str]:
 
 def chat_tools(cfg: PipelineConfig, tok, where: str) -> list[str]:
     """A domain that calls tools needs a template that renders them (sft's demonstrations, RL's rollouts)."""
-    import environments
 
-    from posttrain.chat import chat_format
     tooled = [d for d in environments.names(cfg.world.environments) if hasattr(environments.get(d), "open_workspace")]
     if not tooled or chat_format(tok).tool_format != "none":
         return []
@@ -223,7 +224,7 @@ RULES = (ramp_attention, ramp_dsa, ramp_rope, quantize_group_size, engine_layout
 
 def check(cfg: PipelineConfig, path: str | Path) -> list[str]:
     """Every rule against the checkpoint folder `path` (already a loadable one: `preset.check_folder`)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: at first use (the CLI's checks import this module)
     hf = AutoConfig.from_pretrained(path)
     where = str(Path(path) / "config.json")
     return [e for rule in RULES for e in rule(cfg, hf, where)]

@@ -1,4 +1,7 @@
-"""`posttrain`: run the pipeline, rerun one node, audit lineage, open the MLflow UI, show a report."""
+"""`posttrain`: run the pipeline, rerun one node, audit lineage, open the MLflow UI, show a report.
+
+Each command imports what it needs inside its function: `--help` and argument errors import no torch, Ray, Flyte or
+MLflow (tests/test_cli_entry.py)."""
 from __future__ import annotations
 
 import argparse

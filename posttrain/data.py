@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from environments.base import Task
+
 
 def hash64(text: str) -> int:
     """A stable 64-bit hash (Python's `hash` is salted per process)."""
@@ -17,7 +19,6 @@ def load_tasks(folder: str | Path, name: str, domain: str) -> list:
     """One split (`sft`, `rl`, `val`, `test`) of one domain's tasks. RL prompts are tasks to solve: training data
     for SFT only (forms resumed as after a compaction, the guard judge's questions: environments.agentic) is left
     out of them."""
-    from environments.base import Task
     table = pq.read_table(Path(folder) / f"{name}-{domain}.parquet")
     tasks = [Task.from_json(s) for s in table.column("task").to_pylist()]
     return [t for t in tasks if not t.meta.get("sft_only")] if name == "rl" else tasks

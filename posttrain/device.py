@@ -7,6 +7,7 @@ import contextlib
 import os
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ENV = "POSTTRAIN_DEVICE"  # the stage's Ray task has it from runtime.device
 
@@ -24,7 +25,7 @@ def stage_gpus(setting: str, per_stage: float) -> float:
     """Ray GPUs a stage's task reserves: Ray hides the GPUs from a task that asks for none."""
     if setting == "cpu":
         return 0.0
-    import ray
+    import ray  # ray: only where the work spreads over Ray workers
     has = ray.cluster_resources().get("GPU", 0) > 0
     if setting == "cuda" and not has:
         raise RuntimeError("runtime.device is cuda but the Ray cluster has no GPU resources")
@@ -44,7 +45,6 @@ def autocast(dev: torch.device):
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
     if not cudnn_sdpa_trusted(torch.cuda.get_device_capability(dev)):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         # the backward follows the kernel the forward picked, so the forward's choice is enough
         stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
     return stack

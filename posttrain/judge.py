@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from environments.guard import ANSWERS, FEATURES, judge_prompt, suspicion
 from posttrain.chat import ids_around_plain, render_ids, render_text
+from posttrain.engines import rollout_engine
 
 
 @dataclass
@@ -28,7 +29,6 @@ class ModelJudge:
 
     def __post_init__(self) -> None:
         if self.engine is None:
-            from posttrain.engines import rollout_engine
             self.engine = rollout_engine(self.engine_name, self.checkpoint)
         self.tok = self.engine.tokenizer
 

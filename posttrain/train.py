@@ -11,6 +11,7 @@ from tqdm import tqdm
 from posttrain.engines.base import TrainEngine
 from posttrain.engines.lm import masked_lm_loss
 from posttrain.engines.optim import cosine_schedule
+from posttrain.models.moe import SUMMARY
 from posttrain.packing import collate
 
 Batch = dict[str, torch.Tensor]
@@ -118,6 +119,5 @@ def summarize(hist: dict[str, list[float]], key: str = "loss", k: int = 10) -> d
 
 def moe_metrics(hist: dict[str, list[float]], k: int = 10) -> dict[str, float]:
     """The expert-load curves' first and last means (a model with routers; {} for a dense one)."""
-    from posttrain.models.moe import SUMMARY
     return {key: v for c in SUMMARY for key, v in summarize(hist, c, k).items()}
 

@@ -135,7 +135,7 @@ def test_ppo_trains_on_compacted_subtraces(tok):
     from posttrain.config import ModelConfig
     from posttrain.engines.torch_train import TorchTrainEngine, policy_logits
     from posttrain.models.preset import build_model
-    from posttrain.rl.critic import ValueModel
+    from posttrain.models.value import ValueModel
     from posttrain.rl.step import train_step
     from posttrain.engines.optim import make_optimizer
     import tempfile

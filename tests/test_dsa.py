@@ -80,7 +80,7 @@ def test_checkpoint_reloads_with_its_indexers(model, tok, tmp_path):
     again, _ = load_checkpoint(tmp_path)
     assert again.config._attn_implementation == "dsa"
     torch.testing.assert_close(logits(again.eval()), before)
-    from posttrain.rl.critic import ValueModel  # the critic's backbone too
+    from posttrain.models.value import ValueModel  # the critic's backbone too
     assert dsa.state(ValueModel(str(tmp_path)).backbone).top_k == 8
 
 

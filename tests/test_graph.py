@@ -23,7 +23,7 @@ def test_waves_are_the_dags_levels():
 
 def test_a_user_environment_with_rl_gets_specialist_teacher_chain_and_gates(parity):
     from posttrain.stages.consolidation import methods, midway
-    from posttrain.stages.evaluate import checkpoints
+    from posttrain.pipeline.graph import checkpoints
     from posttrain.pipeline.gates import suite_names
     cfg = load_config("smoke", parity)
     check_domains(cfg)

@@ -126,7 +126,7 @@ def test_padding_free_forward_equals_the_cached_forward_with_its_gradients(ckpt,
 
     from posttrain.models.attention import padding_free
     from posttrain.models.prefix import cached_tokens, flat_tokens, pad_rows
-    from posttrain.rl.critic import ValueModel
+    from posttrain.models.value import ValueModel
     g = torch.Generator().manual_seed(0)
 
     def sample(prompt: list[int], n: int):
@@ -181,7 +181,7 @@ def test_groups_without_signal_skip_the_forward_pass_and_the_update_is_unchanged
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_micro_batches_accumulate_to_the_full_batch_update(ckpt, tok, algorithm):
     """Length-sorted micro-batches (one sample each here) give the same policy and critic update as one batch."""
-    from posttrain.rl.critic import ValueModel
+    from posttrain.models.value import ValueModel
     worker = RolloutWorker(ckpt)
     samples, _ = worker.rollout(environments.get("agentic").generate("train", 2, 0), 4, seed=3, temperature=1.0,
                                 max_new_tokens=10, max_turns=2)
@@ -242,7 +242,7 @@ def test_critic_learns_and_its_value_clip_binds_from_the_second_epoch(ckpt, tok)
     """Critic PPO on one fixed batch (Monte Carlo returns, so the target stays put): the value loss falls and
     the explained variance rises. With one pass the values never moved since they were taken, so the clip
     cannot bind; with two passes per batch it does."""
-    from posttrain.rl.critic import ValueModel
+    from posttrain.models.value import ValueModel
     from posttrain.engines.optim import make_optimizer
     worker = RolloutWorker(ckpt)
     samples, _ = worker.rollout(environments.get("agentic").generate("train", 8, 0), 1, seed=0, temperature=1.0,

@@ -17,7 +17,7 @@ class GateFailed(ValueError):
 
 
 def _context():
-    import great_expectations as gx
+    import great_expectations as gx  # great_expectations: seconds to import, only when the gates run
     from great_expectations.data_context.types.base import ProgressBarsConfig
     ctx = gx.get_context(mode="ephemeral")
     ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
@@ -50,7 +50,7 @@ def validate(name: str, df: pd.DataFrame, expectations: list) -> dict:
 
 
 def input_expectations(min_nonempty: float = 0.5) -> list:
-    import great_expectations as gx
+    import great_expectations as gx  # great_expectations: seconds to import, only when the gates run
     E = gx.expectations
     return [
         E.ExpectTableColumnsToMatchSet(column_set=["id", "text", "source"], exact_match=False),
@@ -62,7 +62,7 @@ def input_expectations(min_nonempty: float = 0.5) -> list:
 
 
 def output_expectations(min_chars: int, max_chars: int) -> list:
-    import great_expectations as gx
+    import great_expectations as gx  # great_expectations: seconds to import, only when the gates run
     E = gx.expectations
     return [
         E.ExpectColumnValuesToBeUnique(column="id"),
@@ -73,10 +73,10 @@ def output_expectations(min_chars: int, max_chars: int) -> list:
 
 def global_id_expectations() -> list:
     """Ids unique across all files (each file's output gate checks its own rows)."""
-    import great_expectations as gx
+    import great_expectations as gx  # great_expectations: seconds to import, only when the gates run
     return [gx.expectations.ExpectColumnValuesToBeUnique(column="id_hash")]
 
 
 def split_expectations() -> list:
-    import great_expectations as gx
+    import great_expectations as gx  # great_expectations: seconds to import, only when the gates run
     return [gx.expectations.ExpectColumnValuesToBeUnique(column="task_id")]

@@ -9,17 +9,24 @@ from pathlib import Path
 
 import torch
 
+from posttrain.chat import pad_id
 from posttrain.config import MoEConfig
 from posttrain.device import autocast
+from posttrain.device import device as default_device
 from posttrain.engines import optim
 from posttrain.engines.base import Forward, one_by_one
 from posttrain.engines.lm import LMLoss, masked_lm_loss
+from posttrain.models.attention import padding_free
+from posttrain.models.head import completion_loss, completion_reverse_kl_loss, completion_scores
 from posttrain.models.moe import RouterHooks
+from posttrain.models.prefix import prefix_forward
+from posttrain.models.preset import load_checkpoint
+from posttrain.models.value import ValueModel
+from posttrain.routing_replay import prefix_calls
 
 
 def policy_logits(pad_id: int) -> Forward:
     """A causal LM's logits in the completion layout (each distinct prompt run once)."""
-    from posttrain.models.prefix import prefix_forward
     return lambda model, samples: prefix_forward(model, samples, pad_id)
 
 
@@ -32,7 +39,6 @@ class TorchTrainEngine:
                  weight_decay: float = 0.0, optimizer: torch.optim.Optimizer | None = None,
                  schedule: Callable[[int], float] | None = None, device: str | torch.device | None = None,
                  tokenizer=None, pad_id: int = 0, moe: MoEConfig | None = None, routing_replay: bool = False):
-        from posttrain.device import device as default_device
         self.device = torch.device(device) if device is not None else default_device()
         self.model, self.tokenizer = model.to(self.device), tokenizer
         self._forward, self.pad_id = forward, pad_id
@@ -59,7 +65,6 @@ class TorchTrainEngine:
         """`model` itself (`checkpoint`'s only where no model is given) trained on the LM loss (posttrain.engines.lm);
         `prepare` readies it for the ranks (Ray Train's DDP and device). `close` undoes what the job changed on it."""
         if model is None:
-            from posttrain.models.preset import load_checkpoint
             model, tok = load_checkpoint(checkpoint)
         engine = cls(prepare(model) if prepare else model, masked_lm_loss, lr=lr, weight_decay=weight_decay,
                      tokenizer=tok, moe=moe)
@@ -71,16 +76,12 @@ class TorchTrainEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None,
                         moe: MoEConfig | None = None, routing_replay: bool = False) -> "TorchTrainEngine":
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers: at first use (the CLI's checks import this module)
 
-        from posttrain.chat import pad_id
-        from posttrain.models.preset import load_checkpoint
         if role == "critic":
-            from posttrain.rl.critic import ValueModel
             tok = AutoTokenizer.from_pretrained(path)
             pad = pad_id(tok)
             return cls(ValueModel(path), lambda m, samples: m(samples, pad), lr=lr, tokenizer=tok)
-        from posttrain.models.attention import padding_free
         model, tok = load_checkpoint(path)
         padding_free(model)  # completions scored as one row without padding where that is cheaper (models.prefix)
         pad = pad_id(tok)
@@ -110,7 +111,6 @@ class TorchTrainEngine:
         if not self.routing_replay:
             yield
             return
-        from posttrain.routing_replay import prefix_calls
         self.routers.replay_calls(prefix_calls(samples, self.routers.routed))
         try:
             yield
@@ -118,18 +118,15 @@ class TorchTrainEngine:
             self.routers.replay_calls(None)
 
     def logprobs(self, samples, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        from posttrain.models.head import completion_scores
         with autocast(self.device), self._replaying(samples):
             return completion_scores(self.model, samples, self.pad_id, temperature)
 
     def logprob_loss(self, samples, temperature: float, loss_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from posttrain.models.head import completion_loss
         with autocast(self.device), self._replaying(samples):
             return completion_loss(self.model, samples, self.pad_id, temperature, loss_of)
 
     def reverse_kl_loss(self, samples, teacher: list[torch.Tensor], temperature: float,
                         token_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from posttrain.models.head import completion_reverse_kl_loss
         with autocast(self.device), self._replaying(samples):
             return completion_reverse_kl_loss(self.model, samples, self.pad_id, teacher, temperature, token_weights)
 

@@ -15,6 +15,8 @@ from datetime import timedelta
 from typing import Callable, Mapping
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 TIMEOUT = timedelta(minutes=5)
 Post = Callable[[dict], dict]  # sends a payload to one server's route, returns its answer
@@ -54,7 +56,6 @@ def weight_group(joins: list[Post], address: str = "127.0.0.1") -> WeightGroup:
     """Rendezvous with the servers: `joins[i](payload)` posts `/init_weights_update_group` to server i (rank i + 1;
     servers of one tensor-parallel rank each) and blocks until it has joined, so they run beside this side's own join.
     `address`: where the servers reach this process."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     with socket.socket() as s:
@@ -77,7 +78,6 @@ def send(group: WeightGroup, state: Mapping[str, torch.Tensor], receives: list[P
     """Broadcast `state` from this process to every server of `group`: `receives[i](payload)` posts
     `/update_weights_from_distributed` (names, dtypes, shapes, group_name) to server i and returns once it has
     every tensor."""
-    import torch.distributed as dist
     names = sorted(state)
     tensors = [state[n].detach().to(group.device).contiguous() for n in names]
     payload = {"names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],

@@ -244,7 +244,7 @@ def plot_load(hist: dict[str, list[float]], path, title: str) -> bool:
         return False
     import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: only when plotting (a second to import)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
     for i in layers:
         for ax, key in zip(axes, ("cv", "max_mean", "dead")):

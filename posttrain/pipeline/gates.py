@@ -3,7 +3,9 @@ baseline checkpoint (`gates.max_drop`). Checked when a run finishes; a failure f
 threshold, and keeps the model out of the registry."""
 from __future__ import annotations
 
+import environments
 from posttrain.config import ConfigError, PipelineConfig
+from posttrain.pipeline.graph import checkpoints
 
 
 class GateFailure(RuntimeError):
@@ -11,7 +13,6 @@ class GateFailure(RuntimeError):
 
 
 def suite_names(cfg: PipelineConfig) -> list[str]:
-    import environments
     domains = environments.names(cfg.world.environments)
     turns = [f"{d}:turns" for d in domains if hasattr(environments.get(d), "open_workspace")]  # turn-level thinking
     return [*domains, *(f"{d}:nothink" for d in domains), *turns, *(f"long_context@{L}" for L in cfg.eval_lengths())]
@@ -19,7 +20,6 @@ def suite_names(cfg: PipelineConfig) -> list[str]:
 
 def validate_gates(cfg: PipelineConfig) -> None:
     """Refuse gates on unknown suites or checkpoints before any work is done."""
-    from posttrain.stages.evaluate import checkpoints
     g, known, cks = cfg.gates, suite_names(cfg), checkpoints(cfg)
     for field in ("checkpoint", "baseline"):
         if getattr(g, field) not in cks:

@@ -46,6 +46,12 @@ def _chain_inputs(chain: str, domain: str, order: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys([earlier[-1], *(earlier if chain == "xs" else []), "curate"]))
 
 
+def checkpoints(cfg: PipelineConfig) -> dict[str, str]:
+    """Evaluated checkpoint -> the stage that made it: one specialist per domain of rl.domains."""
+    return {"base": "base", "ramped": "ramp", "sft": "sft", **{f"specialist/{d}": f"rl-{d}" for d in cfg.rl.domains},
+            "generalist": "opd", "quantized": "quantize"}
+
+
 def graph(cfg: PipelineConfig) -> dict[str, Stage]:
     """The DAG of a run: the only place that says what each stage consumes. The workflows derive their nodes
     and waves from it (waves), and every domain of `rl.domains` gets its specialist, its OPD teacher, its
@@ -60,14 +66,16 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
         # curate only waits on its per-file Ray tasks, so it reserves almost nothing itself
         Stage("curate", "posttrain.stages.curate:run", ("raw",), ("world", "curate"), "tasks.curate:curate",
               num_cpus=0.1, threads=1, gpu=False),
-        Stage("base", "posttrain.stages.base:run", ("curate",), ("seed", "tokenizer", "model", "base", "moe"), "tasks.base:base"),
+        Stage("base", "posttrain.stages.base:run", ("curate",), ("seed", "tokenizer", "model", "base", "moe"),
+              "tasks.base:base"),
         Stage("ramp", "posttrain.stages.ramp:run", ("base", "curate"),
               ("seed", "world.seed", "model", "ramp", "mtp", "moe", "eval.n_per_suite", "eval.max_new_tokens",
                "eval.batch_size", *TRAIN_ENGINE),
               "tasks.ramp:ramp", resumable=True),
         # sft trains in its own task (one torch rank) or waits on its Ray Train workers; base: the model whose
         # answers it replays
-        Stage("sft", "posttrain.stages.sft:run", ("base", "ramp", "curate"), ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE),
+        Stage("sft", "posttrain.stages.sft:run", ("base", "ramp", "curate"),
+              ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE),
               "tasks.sft:sft", num_cpus=1.0 if cfg.sft_in_process() else 0.1, resumable=True,
               gpu=cfg.sft_in_process()),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
@@ -78,9 +86,10 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
               ("seed", "opd", "rl", "moe", *ENGINES), "tasks.opd:opd", num_cpus=0.5, threads=1, resumable=True),
         Stage("quantize", "posttrain.stages.quantize:run", ("opd", "curate"), ("seed", "quantize"),
               "tasks.quantize:quantize"),
-        # on CPU evaluate's checkpoints run as Ray tasks of one CPU each (posttrain.stages.evaluate), so it reserves little
-        Stage("evaluate", "posttrain.stages.evaluate:run", evaluated, ("seed", "world.seed", "eval", "rl", "model", "ramp",
-                                                          ROLLOUT_ENGINE), "tasks.evaluate:evaluate", num_cpus=0.1),
+        # on CPU evaluate's checkpoints run as Ray tasks of one CPU each (posttrain.stages.evaluate): it reserves little
+        Stage("evaluate", "posttrain.stages.evaluate:run", evaluated,
+              ("seed", "world.seed", "eval", "rl", "model", "ramp", ROLLOUT_ENGINE), "tasks.evaluate:evaluate",
+              num_cpus=0.1),
     ]
     if len(order) > 1:  # the GLM-5 chains (with distillation, xs-, and without, seq-) after the first specialist
         stages += [Stage(stage_name(c, d, order), "posttrain.stages.cross_stage:run", _chain_inputs(c, d, order),

@@ -7,10 +7,9 @@ from typing import Callable
 
 from mlflow.exceptions import MlflowException
 
-from posttrain.pipeline import store
-from posttrain.pipeline import tracking
-from posttrain.pipeline.artifacts import SOURCE, DigestMismatch, find_by_digest, sha256_file, verify
 from posttrain.config import ConfigError
+from posttrain.pipeline import store, tracking
+from posttrain.pipeline.artifacts import SOURCE, DigestMismatch, find_by_digest, sha256_file, verify
 from posttrain.pipeline.store import home_dir
 
 

@@ -6,6 +6,7 @@ comes from a background thread reading /proc/self/statm.
 from __future__ import annotations
 
 import os
+import resource
 import threading
 from contextlib import contextmanager
 
@@ -19,7 +20,6 @@ def rss_mb() -> float:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * _PAGE / 2**20
     except OSError:  # not Linux: the lifetime peak is the best there is
-        import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

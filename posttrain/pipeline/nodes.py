@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import json
 import os
 import shutil
@@ -14,20 +15,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from environments import ENV_VAR
-from posttrain.pipeline import tracking
-from posttrain.pipeline.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sha, read_manifest, replace_dir,
-                                 sha256_file, sha256_json, staging_dir, verify, verify_ref, write_manifest)
-from posttrain.pipeline.codehash import stage_code_digest
 from posttrain.config import PipelineConfig, config_from_dict
 from posttrain.device import CPU_BF16
 from posttrain.device import ENV as DEVICE_VAR
 from posttrain.device import stage_gpus
 from posttrain.engines.registry import LOG_DIR_VAR
-from posttrain.pipeline.graph import (CHAINS, ENGINES, ROLLOUT_ENGINE, TRAIN_ENGINE, Stage, _chain_inputs,  # noqa: F401
-                             downstream, graph, stage_name, upstream, waves)  # the DAG itself, re-exported
+from posttrain.pipeline import tracking
+from posttrain.pipeline.artifacts import (ArtifactRef, DigestMismatch, dir_digest, git_sha, read_manifest, replace_dir,
+                                          sha256_file, sha256_json, staging_dir, verify, verify_ref, write_manifest)
+from posttrain.pipeline.codehash import stage_code_digest
+from posttrain.pipeline.graph import (CHAINS, ENGINES, ROLLOUT_ENGINE,  # noqa: F401; the DAG itself, re-exported
+                                      TRAIN_ENGINE, Stage, _chain_inputs, downstream, graph, stage_name, upstream,
+                                      waves)
 from posttrain.pipeline.lease import hold
-from posttrain.rl import alarms
+from posttrain.pipeline.raysupport import ensure_ray, submit
 from posttrain.pipeline.store import SCRATCH_VAR, Store, Versions, drop_scratch, local_versions, publish_local
+from posttrain.rl import alarms
 
 
 @dataclass
@@ -128,7 +131,6 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
                    inputs: dict[str, ArtifactRef], store: Store | None, versions: Versions, tags: dict,
                    datasets: list, t0: float) -> ArtifactRef:
     """The node's work on Ray under its MLflow child run, published as a new version of its cache key."""
-    from posttrain.pipeline.raysupport import ensure_ray, submit
     run_id = tracking.start_run(ctx.home, name, tags, ctx.parent_run_id)
     scratch_url = store.url(f"scratch/{name}/{key[:16]}") if store and stage.resumable else ""
     try:
@@ -192,7 +194,6 @@ def produce(fn: str, cfg: PipelineConfig, inputs: dict[str, tuple[str, str]], ho
     (a remote store: upload, manifest last, then the commit that makes it visible). `skip`: the versions the
     driver already judged. Returns the stage's result with the artifact's URI, digest, metrics and small files
     (tables, plots) for the driver's MLflow run; `adopted_from` when another run published the node first."""
-    import importlib
     store = Store(store_root, Path(home)) if store_root else None
     local: dict[str, Path] = {}
     for k, (path, sha) in inputs.items():

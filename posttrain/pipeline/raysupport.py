@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import os
 import re
 import sys
 from pathlib import Path
 
 import ray
+from tqdm import tqdm
 
 from posttrain.config import RuntimeConfig
 from posttrain.pipeline.console import ANSI
+from posttrain.pipeline.store import restore_scratch
 
 
 def ensure_ray(rt: RuntimeConfig, log_path: str | Path | None = None) -> None:
@@ -44,7 +48,7 @@ def route_worker_logs(path: Path) -> None:
 
     Ray has no public filter for forwarded worker logs, so this swaps the driver's print handler on its
     stdstream dispatcher (ray._private.worker, Ray 2.x); if that API is gone, Ray's default stays."""
-    from ray._private import worker as ray_worker
+    from ray._private import worker as ray_worker  # ray: only where the work spreads over Ray workers
     dispatcher = getattr(ray_worker, "global_worker_stdstream_dispatcher", None)
     if dispatcher is None or not hasattr(ray_worker, "print_to_stdstream"):
         return
@@ -90,16 +94,12 @@ def _stage_variables(stage_env: dict[str, str]):
 
 
 def _call(fn_path: str, threads: int, stage_env: dict[str, str], *args, **kwargs):
-    import gc
-    import importlib
-
-    import torch
+    import torch  # in the Ray worker only: the driver process (the CLI) does not load torch
     gc.collect()  # a failed stage before this one in the worker may have left actor handles in cycles: they go now
     torch.set_num_threads(threads)
     try:
         with _stage_variables(stage_env):
             if kwargs.get("scratch"):  # where the work runs: a resumable stage lost with its machine resumes here
-                from posttrain.pipeline.store import restore_scratch
                 restore_scratch(kwargs["scratch"])
             mod, name = fn_path.split(":")
             out = getattr(importlib.import_module(mod), name)(*args, **kwargs)
@@ -112,8 +112,7 @@ def _call(fn_path: str, threads: int, stage_env: dict[str, str], *args, **kwargs
 def release_memory() -> None:
     """Hand a finished stage's heap back to the OS. glibc keeps freed pages: after the small profile's ramp its
     worker held 8.5 GB, and the sft beside it ran out of memory."""
-    import ctypes
-    import gc
+    import ctypes  # ctypes: only to call glibc's malloc_trim
     gc.collect()
     if sys.platform.startswith("linux"):
         try:
@@ -153,7 +152,6 @@ def _map_call(fn, stage_env: dict[str, str], *args):
 
 def map_tasks(fn, calls: list[tuple], desc: str, num_cpus: float = 1.0) -> list:
     """fn(*args) for each args tuple: as parallel Ray tasks when Ray is up (a stage's work), else in-process."""
-    from tqdm import tqdm
     if not ray.is_initialized():
         return [fn(*args) for args in tqdm(calls, desc=desc, mininterval=5, leave=False)]
     remote = ray.remote(_map_call).options(num_cpus=num_cpus, max_retries=0)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import base64
 import html
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 PLOTS = {"score_by_stage.png": "Score by stage, per suite (greedy; pass@k dashed)",
@@ -24,9 +27,9 @@ def _lengths(scores: dict) -> list[int]:
 
 
 def save_plots(report: dict, folder: Path) -> None:
-    import matplotlib
+    import matplotlib  # matplotlib: only when plotting (a second to import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: only when plotting (a second to import)
     scores, tokens, passk = report["eval"], report["tokens"], report.get("pass_at_k", {})
     cks, domains, lengths = list(scores), _domains(scores), _lengths(scores)
 
@@ -194,15 +197,12 @@ def write(report: dict, folder: Path) -> Path:
 
 
 def chromium() -> str | None:
-    import os
-    import shutil
     return os.environ.get("POSTTRAIN_CHROMIUM") or next(
         (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome", "chrome")) if p), None)
 
 
 def screenshot(page: Path, png: Path, width: int = 1280, height: int = 2600) -> Path:
     """Render `page` in headless Chromium and save a screenshot (what a reviewer's browser shows)."""
-    import subprocess
     exe = chromium()
     if exe is None:
         raise FileNotFoundError("no Chromium found for the screenshot: install it (Debian: apt-get install chromium) "

@@ -8,13 +8,10 @@ import uuid
 from pathlib import Path
 
 import environments
-
 from posttrain import engines
-from posttrain.pipeline import report_html
-from posttrain.pipeline import store
-from posttrain.pipeline import tracking
+from posttrain.config import ConfigError, PipelineConfig, config_from_dict
+from posttrain.pipeline import report_html, store, tracking
 from posttrain.pipeline.artifacts import ArtifactRef, atomic_write_text, git_sha, read_manifest, read_with_timings
-from posttrain.config import ConfigError, PipelineConfig
 from posttrain.pipeline.gates import check_gates, validate_gates
 from posttrain.pipeline.nodes import RunContext, graph
 
@@ -167,7 +164,6 @@ def fail(ctx: RunContext) -> None:
 
 def load_run(run: str) -> tuple[dict, PipelineConfig]:
     """An earlier run's report and config, by run id (or 'latest')."""
-    from posttrain.config import config_from_dict
     store.download_run(run)
     home = home_dir()
     run_dir = home / "runs" / run if run != "latest" else None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import importlib
 import itertools
 import json
 import os
@@ -281,13 +282,12 @@ def publish_local(tmp: Path, target: Path, skip: frozenset[str] = frozenset()) -
 def _filesystem(root: str):
     """fsspec's own implementation for the URL's protocol (s3fs, gcsfs, adlfs, ...): Flyte registers its
     obstore-based filesystem for s3:// in-process, which this store does not rely on."""
-    import importlib
 
-    from fsspec.registry import known_implementations
+    from fsspec.registry import known_implementations  # fsspec's backends: only for a remote store
     protocol = root.split("://", 1)[0]
     impl = known_implementations.get(protocol)
     if impl is None:
-        import fsspec
+        import fsspec  # fsspec's backends: only for a remote store
         return fsspec.core.url_to_fs(root)
     module, _, name = impl["class"].rpartition(".")
     try:
@@ -384,7 +384,7 @@ def train_storage(scratch: str) -> tuple[str, object]:
     url = os.environ.get(SCRATCH_VAR)
     if not url:
         return str(Path(scratch).resolve()), None
-    from pyarrow.fs import FSSpecHandler, PyFileSystem
+    from pyarrow.fs import FSSpecHandler, PyFileSystem  # pyarrow's filesystem: only for a remote store
     fs, base = _filesystem(url)
     return base, PyFileSystem(FSSpecHandler(fs))
 

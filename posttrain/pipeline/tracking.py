@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import time
 from pathlib import Path
 
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+
+from posttrain.pipeline.lease import process_gone
 
 EXPERIMENT = "posttrain"
 
@@ -122,7 +125,7 @@ def end_run(home: str, run_id: str, status: str = "FINISHED") -> None:
 
 def register_model(home: str, name: str, source: str, run_id: str, tags: dict[str, str]) -> str:
     c = client(home)
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # mlflow's exceptions: only when registering
     try:
         c.get_registered_model(name)
     except MlflowException:
@@ -143,7 +146,6 @@ DRIVER_TAGS = ("posttrain.host", "posttrain.pid")
 
 def driver_tags() -> dict[str, str]:
     """Which process drives a pipeline run: how a later run tells a killed one from one still going."""
-    import socket
     return {"posttrain.host": socket.gethostname(), "posttrain.pid": str(os.getpid())}
 
 
@@ -151,7 +153,6 @@ def close_killed_runs(home: str | Path) -> list[str]:
     """Pipeline runs left RUNNING by a driver that died (`kill -9`, a lost machine) on this host, with their
     stage runs: marked KILLED. Runs whose driver is alive, or on another host, are left alone. Returns the
     parent run ids closed."""
-    from posttrain.pipeline.lease import process_gone
     if not server_uri() and not (Path(home) / "mlflow.db").exists():
         return []
     c = client(home)

@@ -14,8 +14,8 @@ import warnings
 import numpy as np
 import torch
 
-from posttrain.rl.batches import completion_batch
 from posttrain.models.prefix import micro_batches
+from posttrain.rl.batches import completion_batch
 from posttrain.rl.losses import policy_loss
 
 

@@ -7,10 +7,10 @@ import torch
 
 from posttrain.config import RLConfig
 from posttrain.engines import TrainEngine
-from posttrain.rl.batches import completion_batch
 from posttrain.models.prefix import micro_batches
-from posttrain.rl.losses import explained_variance, gae, group_advantages, kl_to_reference, policy_loss, \
-    token_mean, value_loss
+from posttrain.rl.batches import completion_batch
+from posttrain.rl.losses import (explained_variance, gae, group_advantages, kl_to_reference, policy_loss, token_mean,
+                                 value_loss)
 from posttrain.rl.workers import Sample
 
 

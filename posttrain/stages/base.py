@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 
 from posttrain import checkpoint_rules
-from posttrain.engines import lm_engine
-from posttrain.models import moe
-from posttrain.pipeline.artifacts import SOURCE, dir_digest
 from posttrain.chat import ChatFormatError, chat_format, doc_end_id, train_tokenizer
 from posttrain.config import ConfigError, PipelineConfig
 from posttrain.data import load_pretrain_texts
+from posttrain.engines import lm_engine
+from posttrain.models import moe
 from posttrain.models.preset import build_model, check_folder, load_checkpoint, n_params, save_checkpoint, seed_all
+from posttrain.pipeline.artifacts import SOURCE, dir_digest
 from posttrain.tools.pypi_checkpoints import source_of
 from posttrain.train import eval_loss, moe_metrics, pack_stream, row_sampler, summarize, train
 
@@ -25,7 +25,7 @@ def check_checkpoint(cfg: PipelineConfig):
     renders tool calls; then every setting its config.json decides (posttrain.checkpoint_rules: attention, DSA,
     RoPE, quantize's group size, the megatron split, routing replay, MTP), all of them in one ConfigError. Returns
     the tokenizer with its template in place."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: at first use (the CLI's checks import this module)
 
     b = cfg.base
     check_folder(b.init_from)

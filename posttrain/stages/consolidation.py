@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain.pipeline.artifacts import read_manifest
 from posttrain.config import PipelineConfig
-from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
+from posttrain.pipeline.artifacts import read_manifest
+from posttrain.pipeline.console import kv
+from posttrain.pipeline.nodes import stage_name
 from posttrain.stages.evaluate import evaluate_checkpoint
 from posttrain.stages.opd import tokens_to_reach
-from posttrain.pipeline.nodes import stage_name
 
 CHAIN_OF = {"cross_stage": "xs", "sequential_rl": "seq"}
 
@@ -59,7 +59,7 @@ def table(c: dict) -> str:
 def plot(c: dict, path: Path) -> None:
     import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: only when plotting (a second to import)
     domains = list(c["n_test_per_domain"])
     names = ["sft", "specialist", *c["recovery"]]
     fig, ax = plt.subplots(figsize=(8, 3.6))

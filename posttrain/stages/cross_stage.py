@@ -11,12 +11,12 @@ from pathlib import Path
 
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
-from posttrain.models.preset import save_checkpoint
-from posttrain.rl import alarms
 from posttrain.engines import rollout_options, train_options
+from posttrain.models.preset import save_checkpoint
+from posttrain.pipeline.nodes import stage_name
+from posttrain.rl import alarms
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.stages.specialist import plot_curves
-from posttrain.pipeline.nodes import stage_name
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, chain: str, scratch: str = "") -> dict:

@@ -21,11 +21,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import environments
-from posttrain.curate import gates
 from posttrain.config import PipelineConfig
+from posttrain.curate import gates
 from posttrain.curate.corpus import generate_raw
-from posttrain.curate.dedup import MinHasher, WordHashes, contains_windows, flat_ids, global_dedup, hash64, \
-    sorted_member, target_windows, tokenize, window_hashes
+from posttrain.curate.dedup import (MinHasher, WordHashes, contains_windows, flat_ids, global_dedup, hash64,
+                                    sorted_member, target_windows, tokenize, window_hashes)
 from posttrain.curate.read import BLANK, EMPTY, BadRow, check_inputs, data_files, read_rows
 from posttrain.curate.text import normalise, quality, scrub_pii
 from posttrain.pipeline.raysupport import map_tasks

@@ -18,32 +18,27 @@ from transformers import AutoTokenizer
 
 import environments
 from environments import long_context
-from posttrain.pipeline import report_html
-from posttrain.pipeline.artifacts import read_with_timings
-from posttrain.models import moe
 from posttrain.chat import chat_format, render_ids
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig
-from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
 from posttrain.device import device
 from posttrain.engines import registry, rollout_engine
-from posttrain.quant.int_linear import is_compressed
-from posttrain.stages.ramp import eval_sets
+from posttrain.models import moe
+from posttrain.pipeline import report_html
+from posttrain.pipeline.artifacts import read_with_timings
+from posttrain.pipeline.console import kv
+from posttrain.pipeline.graph import checkpoints
 from posttrain.pipeline.raysupport import map_tasks
+from posttrain.quant.int_linear import is_compressed
 from posttrain.rl.rollout import run_episodes, score
+from posttrain.stages.ramp import eval_sets
 
 
 def completion_checkpoints(cfg: PipelineConfig) -> tuple[str, ...]:
     """Scored as plain-text completion, not chat: the tiny preset's base and ramped models; of a real chat
     checkpoint (base.init_from) only the ramped one, trained on plain text: the base is the user's chat model."""
     return ("ramped",) if cfg.base.init_from else ("base", "ramped")
-
-
-def checkpoints(cfg: PipelineConfig) -> dict[str, str]:
-    """Evaluated checkpoint -> the stage that made it: one specialist per domain of rl.domains."""
-    return {"base": "base", "ramped": "ramp", "sft": "sft", **{f"specialist/{d}": f"rl-{d}" for d in cfg.rl.domains},
-            "generalist": "opd", "quantized": "quantize"}
 
 
 def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) -> dict[str, tuple[list, bool | str]]:
@@ -150,7 +145,7 @@ def table(scores: dict[str, dict[str, float]]) -> str:
 def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
     import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: only when plotting (a second to import)
     cks, sts = list(scores), report_html.columns(scores)
     fig, ax = plt.subplots(figsize=(1.1 * len(sts) + 2, 0.5 * len(cks) + 1.5))
     im = ax.imshow([[scores[c].get(s, float("nan")) for s in sts] for c in cks], vmin=0, vmax=1, cmap="viridis")

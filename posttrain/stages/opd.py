@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain.models import moe
 from posttrain.config import PipelineConfig, RLConfig
-from posttrain.pipeline.artifacts import read_manifest
 from posttrain.data import load_tasks
-from posttrain.models.preset import save_checkpoint
 from posttrain.engines import rollout_options, train_options
+from posttrain.models import moe
+from posttrain.models.preset import save_checkpoint
+from posttrain.pipeline.artifacts import read_manifest
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.train import moe_metrics, summarize
 
@@ -38,7 +38,7 @@ def tokens_to_reach(hist: dict, key: str, target: float) -> float | None:
 def plot(hist: dict, targets: dict[str, float], path: Path) -> None:
     import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: only when plotting (a second to import)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     tokens = [0.0] + hist["student_tokens"]
     for i, (d, target) in enumerate(sorted(targets.items())):

@@ -19,18 +19,19 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import environments
-from posttrain.tools import loadcheck
-from posttrain.models import moe, mtp
 from posttrain.chat import render_ids
-from posttrain.pipeline.artifacts import TIMINGS
 from posttrain.config import PipelineConfig, QuantizeConfig
-from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
+from posttrain.models import moe, mtp
 from posttrain.models.glm5 import is_glm5
+from posttrain.models.preset import load_checkpoint, seed_all
+from posttrain.pipeline.artifacts import TIMINGS
+from posttrain.pipeline.console import kv
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import load_compressed
 from posttrain.quant.scheme import SCALE_DTYPE, scheme, targets
-from posttrain.models.preset import load_checkpoint, seed_all
+from posttrain.tools import loadcheck
+
 
 def calibration_rows(cfg: PipelineConfig, curate_dir: str, tok) -> torch.Tensor:
     """`calib_samples` SFT conversations (domains interleaved, thinking on), concatenated and cut into rows."""

@@ -18,17 +18,17 @@ from transformers import AutoModelForCausalLM
 from environments import long_context
 from environments.base import Task
 from posttrain import checkpoint_rules
-from posttrain.models import attention, dsa, glm5, mtp
 from posttrain.chat import bos_ids, doc_end_id, pad_id
 from posttrain.completion_eval import completion_scores
 from posttrain.config import PipelineConfig, RampStage
-from posttrain.pipeline.console import kv
 from posttrain.data import load_pretrain_texts
-from posttrain.pipeline.memory import peak_memory
+from posttrain.models import attention, dsa, glm5, mtp
 from posttrain.models.preset import load_checkpoint, restore, save_checkpoint, seed_all
 from posttrain.packing import collate, pack, packing_efficiency
-from posttrain.stages.ramp_ranks import train_rung
+from posttrain.pipeline.console import kv
+from posttrain.pipeline.memory import peak_memory
 from posttrain.pipeline.store import checkpointed
+from posttrain.stages.ramp_ranks import train_rung
 from posttrain.train import eval_loss, moe_metrics, summarize
 
 
@@ -98,9 +98,9 @@ def _sampler(cfg: PipelineConfig, k: int, short_rows: list, long_rows: list, sta
 
 def plot_accuracy(curves: dict[str, dict[int, float]], trained: dict[str, int], path: Path) -> None:
     """Accuracy against length per stage: solid up to the length the stage trained at, dashed beyond."""
-    import matplotlib
+    import matplotlib  # matplotlib: only when plotting (a second to import)
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: only when plotting (a second to import)
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (name, acc) in enumerate(curves.items()):
         xs = sorted(acc)

@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 
 from posttrain.config import PipelineConfig, RampStage
+from posttrain.device import stage_gpus
 from posttrain.engines import lm_engine, registry
 from posttrain.models.preset import load_checkpoint, save_checkpoint
+from posttrain.pipeline.store import train_storage
 from posttrain.train import train
 
 
@@ -34,7 +36,7 @@ def _train(cfg: PipelineConfig, model, tok, checkpoint: str | None, next_batch: 
 def _worker(c: dict) -> None:
     """One rank: the rung's checkpoint from Ray's object store (the driver's disk may be another node's), the rung's
     loop, then rank 0 reports the weights and history as the run's checkpoint."""
-    import ray
+    import ray  # ray: only where the work spreads over Ray workers
     import ray.train
     torch.set_num_threads(c["threads"])
     with tempfile.TemporaryDirectory() as init, tempfile.TemporaryDirectory() as out:
@@ -57,7 +59,7 @@ def train_rung(cfg: PipelineConfig, model, tok, next_batch: Callable[[int], dict
     ranks = registry.ranks(cfg, "ramp", stage.cp)
     if ranks == 1:
         return _train(cfg, model, tok, None, next_batch, kw, stage.cp, job)
-    import ray
+    import ray  # ray: only where the work spreads over Ray workers
     with tempfile.TemporaryDirectory(prefix="posttrain-ramp-ranks-") as d, \
             tempfile.TemporaryDirectory(prefix="posttrain-ramp-train-") as storage:
         save_checkpoint(model, tok, d)  # the rung's RoPE and weights, as each rank loads them
@@ -71,11 +73,9 @@ def train_rung(cfg: PipelineConfig, model, tok, next_batch: Callable[[int], dict
 
 
 def _over_ranks(cfg: PipelineConfig, ranks: int, scratch: str, config: dict):
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig  # ray: only where the work spreads over Ray workers
     from ray.train.torch import TorchTrainer
 
-    from posttrain.device import stage_gpus
-    from posttrain.pipeline.store import train_storage
     storage, filesystem = train_storage(scratch)  # the stage's scratch in the store when it is remote
     trainer = TorchTrainer(
         _worker, train_loop_config=config,

@@ -19,15 +19,15 @@ import environments
 from environments import long_context
 from environments.base import Task
 from posttrain import checkpoint_rules, replay
-from posttrain.engines import lm_engine, registry, supports
-from posttrain.models import attention, moe, mtp
 from posttrain.chat import ChatFormatError, chat_format, pad_id, render_ids, render_with_mask
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
-from posttrain.device import stage_gpus
+from posttrain.device import device, stage_gpus
+from posttrain.engines import as_rollout_engine, lm_engine, registry, supports
+from posttrain.models import attention, moe, mtp
 from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
-from posttrain.pipeline.store import train_storage
+from posttrain.pipeline.store import checkpointed, train_storage
 from posttrain.train import flat_examples, moe_metrics, pad_examples, summarize, train
 
 STATE = "state.pt"
@@ -122,7 +122,7 @@ def collator(tok, model, max_len: int, packing: bool = False) -> Callable[[list]
 
 def _worker(config: dict) -> None:
     """One Ray Train worker: resume from the latest reported checkpoint if any, train, report checkpoints."""
-    import ray.train
+    import ray.train  # ray: only where the work spreads over Ray workers
     import ray.train.torch
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
@@ -209,7 +209,6 @@ def replay_examples(cfg: PipelineConfig, base: str) -> tuple[list, int]:
     s = cfg.sft
     if not s.replay_share:
         return [], 0
-    from posttrain.engines import as_rollout_engine
     model, tok = load_checkpoint(base)
     prompts = replay.load_prompts(s.replay_file)[:s.replay_prompts]
     t0 = time.time()
@@ -274,8 +273,6 @@ def _in_process(config: dict, scratch: Path) -> dict:
     """One torch rank in this process: the stage's Ray worker already holds the imports, where a Ray Train worker
     group would start two more processes (~20 s of a smoke run's sft). Checkpoints go to `scratch` (and to the
     store when it is remote) as Ray Train's would; the last one is the trained state."""
-    from posttrain.device import device
-    from posttrain.pipeline.store import checkpointed
     def latest() -> Path | None:
         return max(scratch.glob("sft-step*"), default=None)
 
@@ -296,6 +293,7 @@ def _in_process(config: dict, scratch: Path) -> dict:
 
 def _over_workers(cfg: PipelineConfig, config: dict, scratch: str) -> dict:
     """Ray Train's workers as the data-parallel (or megatron) ranks; resumes from its last reported checkpoint."""
+    # ray: only where the work spreads over Ray workers
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     s = cfg.sft

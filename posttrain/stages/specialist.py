@@ -6,14 +6,14 @@ import json
 from pathlib import Path
 
 import environments
-from posttrain.models import moe
 from posttrain.config import PipelineConfig
-from posttrain.pipeline.console import kv
 from posttrain.data import load_tasks
-from posttrain.models.preset import save_checkpoint
-from posttrain.judge import ModelJudge, measure
-from posttrain.rl import alarms
 from posttrain.engines import rollout_options, train_options
+from posttrain.judge import ModelJudge, measure
+from posttrain.models import moe
+from posttrain.models.preset import save_checkpoint
+from posttrain.pipeline.console import kv
+from posttrain.rl import alarms
 from posttrain.rl.loop import train_policy
 from posttrain.train import moe_metrics, summarize
 
@@ -21,7 +21,7 @@ from posttrain.train import moe_metrics, summarize
 def plot_curves(hist: dict, path: Path, title: str) -> None:
     import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: only when plotting (a second to import)
     gap = "logratio_abs" in hist
     fig, axes = plt.subplots(1, 2 if gap else 1, figsize=(11 if gap else 6, 3.5), squeeze=False)
     ax = axes[0, 0]

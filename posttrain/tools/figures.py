@@ -17,6 +17,7 @@ from statistics import mean
 
 from posttrain.pipeline import report_html
 from posttrain.pipeline.artifacts import atomic_write_text
+from posttrain.pipeline.run import home_dir
 
 # what the embedded default must show in the mean over seeds (issue 17): the bar each claim is held to
 CLAIMS = {"thinking_delta": 0.10, "gain": 0.05, "retention": 0.90, "quant_drop_max": 0.02,
@@ -41,7 +42,6 @@ def run_seeds(profile: str, seeds: list[int], overrides: list[str]) -> list[Path
         if p.returncode != 0:
             raise SeedFailed(f"the run for seed {seed} failed (exit {p.returncode}); "
                                f"command: {' '.join(args[1:])}")
-        from posttrain.pipeline.run import home_dir
         run_id = json.loads((home_dir() / "latest" / "report.json").read_text())["run_id"]
         reports.append(home_dir() / "runs" / run_id / "report.json")
     return reports
@@ -186,7 +186,6 @@ def write(f: dict, home: Path) -> tuple[Path, Path]:
 
 def figures(profile: str, seeds: list[int], overrides: list[str], runs: list[str]) -> dict:
     """Run (or, with `runs`, only collect) the seeds' pipelines and write figures.json / figures.md."""
-    from posttrain.pipeline.run import home_dir
     t0 = time.time()
     paths = [_report_path(r) for r in runs] if runs else run_seeds(profile, seeds, overrides)
     reports = []
@@ -204,7 +203,6 @@ def figures(profile: str, seeds: list[int], overrides: list[str], runs: list[str
 
 def _report_path(run: str) -> Path:
     """A run id under this POSTTRAIN_HOME, a run folder, or a report.json path."""
-    from posttrain.pipeline.run import home_dir
     p = Path(run)
     for cand in (p, p / "report.json", home_dir() / "runs" / run / "report.json"):
         if cand.is_file():

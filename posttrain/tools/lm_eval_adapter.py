@@ -10,7 +10,9 @@ import json
 import os
 from pathlib import Path
 
-EXAMPLE_TASKS = Path(__file__).resolve().parent.parent / "lm_eval_tasks"
+from posttrain.quant.int_linear import load_any
+
+EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "lm_eval_tasks"
 
 
 def run(checkpoint: str | Path, tasks: list[str], include: str | Path = EXAMPLE_TASKS, *, limit: int | None = None,
@@ -19,11 +21,10 @@ def run(checkpoint: str | Path, tasks: list[str], include: str | Path = EXAMPLE_
     the checkpoint's chat template with thinking off (for post-trained checkpoints)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import lm_eval
+    import lm_eval  # lm-eval: only for `posttrain lm-eval`
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from posttrain.quant.int_linear import load_any
     include = Path(include)
     if not include.exists():
         raise FileNotFoundError(f"--include {include}: no such task folder")

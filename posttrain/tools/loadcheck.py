@@ -14,10 +14,11 @@ import sys
 import psutil
 import torch
 
+from posttrain.chat import pad_id, render_ids
+from posttrain.quant.int_linear import load_any, model_bytes
+
 
 def main(path: str, prompt: str, max_new_tokens: int = 48) -> dict:
-    from posttrain.chat import pad_id, render_ids
-    from posttrain.quant.int_linear import load_any, model_bytes
     proc, libc = psutil.Process(), ctypes.CDLL("libc.so.6")
     libc.malloc_trim(0)
     rss_before = proc.memory_info().rss

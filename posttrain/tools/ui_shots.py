@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 from posttrain.pipeline import tracking
-from posttrain.pipeline.run import home_dir
 from posttrain.pipeline.report_html import chromium
+from posttrain.pipeline.run import home_dir
 
 
 def _free_port() -> int:

@@ -17,12 +17,12 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 def group():
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     return ps.get_context_parallel_group()
 
 
 def size() -> int:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     return ps.get_context_parallel_world_size()
 
 
@@ -54,7 +54,7 @@ def _gather(x: torch.Tensor) -> torch.Tensor:
 
 def _mine(full: torch.Tensor) -> torch.Tensor:
     """This rank's slice of a whole-sequence tensor [cp * s, ...] in sequence order."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     return full.index_select(0, positions(full.shape[0], size(), ps.get_context_parallel_rank(), full.device))
 
 
@@ -107,7 +107,7 @@ def shared(w: torch.Tensor | None) -> torch.Tensor | None:
 def local_mask(mask: torch.Tensor | None, length: int, batch: int, device) -> torch.Tensor:
     """The attention mask of this rank's queries against the whole sequence's keys [b, 1, s_local, length] (True:
     may not see), from the whole mask [b, 1, length, length], or causal when there is none."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     q = positions(length, size(), ps.get_context_parallel_rank(), device)
     if mask is None:
         return (q[:, None] < torch.arange(length, device=device)[None])[None, None].expand(batch, 1, -1, -1)
@@ -119,7 +119,7 @@ def query_runs(length: int) -> list[tuple[int, int]]:
     cp = size()
     if cp == 1:
         return [(0, length)]
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     c, r = length // (2 * cp), ps.get_context_parallel_rank()
     return [(k * c, (k + 1) * c) for k in (r, 2 * cp - 1 - r)]
 

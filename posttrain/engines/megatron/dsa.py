@@ -129,7 +129,7 @@ def allowed_keys(mask: torch.Tensor | None, queries: torch.Tensor, length: int) 
 def core_attention(base: type, hf_config) -> type:
     """`base` (the engine's SDPA core attention) narrowed to each query's DSA selection; one class per model: its
     layers share the selections of this forward (IndexShare) through it."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     layer_group = groups(hf_config)
     rope = GlmMoeDsaRotaryEmbedding(hf_config)  # not a submodule: no parameters, and no state to save
     selections: dict[int, torch.Tensor] = {}
@@ -187,6 +187,7 @@ def core_attention(base: type, hf_config) -> type:
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
             """The indexer too (Megatron's core attention saves only its own softmax offset): replicated over tp."""
+            # megatron-core only after layout.cpu_patches (layout.py)
             from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
             out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
             if self.indexer is not None:
@@ -201,7 +202,7 @@ def pop_stats(st, stages: int) -> dict[str, float]:
     """The step's indexer KL (mean over its layers' losses, as the torch ramp's) and top-k recall of the dense
     attention mass in `st` (`train_indexers`' state), over every pipeline stage's layers and context-parallel rank's
     queries; {} without one."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     losses, recalls = st.losses, st.recalls
     st.losses, st.recalls = [], []
     st.scores.clear()

@@ -247,7 +247,7 @@ class MegatronTrainEngine:
         stage's routers); {} without replay or when none was replayed."""
         if not self.routing_replay:
             return {}
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         got = torch.tensor(glm5.take_replayed(self.gpt, self.hf_config), dtype=torch.float64)
         if self.pipe.size > 1:
             dist.all_reduce(got, group=ps.get_pipeline_model_parallel_group())
@@ -290,7 +290,7 @@ class MegatronTrainEngine:
 
     def data_shard(self) -> tuple[int, int]:
         """(this rank's data-parallel index, the data-parallel size)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     def with_schedule(self, schedule: Callable[[int], float], lr: float) -> MegatronTrainEngine:

@@ -90,7 +90,7 @@ class Forward:
         one context-parallel rank that is the whole sequence. `padding` [b, T] (True: padding) keeps padding out of
         the experts' load (`attention_mask`'s zeros when not given). A stage before the last sends its hidden
         states on and raises StageDone."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         b, T = ids.shape
         if self.glm5:
@@ -156,7 +156,7 @@ class Forward:
     def logits(self, h: torch.Tensor, whole: bool = False) -> tuple[torch.Tensor, int]:
         """This rank's vocabulary slice of the logits for hidden states [n, h], and its first token id. `whole`: `h`
         is the whole sequence's, gathered over context-parallel ranks (`completion_hidden`)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
         w = context_parallel.shared(self.head_weight()) if whole else self.head_weight()
         local = F.linear(copy_to_tensor_model_parallel_region(h, group=ps.get_tensor_model_parallel_group()), w)
@@ -187,7 +187,7 @@ class Forward:
     def full_logits(self, samples: list) -> torch.Tensor:
         """The policy's logits [samples, longest, vocab], gathered over tensor-parallel ranks (for inspection: the
         losses go through `logprobs`)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
         h, _, real = self.completion_hidden(samples)
         local, _ = self.logits(h, whole=True)

@@ -79,7 +79,7 @@ def check_rows(hf_config, length: int, checkpoint: str, sparse: bool) -> None:
 def bridge_class(base, local_spec: bool, sdpa_attention):
     """mbridge's DeepSeek-V3 bridge, patched for GLM-5 on Megatron's local layers (the module docstring says what
     and why)."""
-    from mbridge.core.bridge import Bridge
+    from mbridge.core.bridge import Bridge  # megatron-core only after layout.cpu_patches (layout.py)
     from mbridge.core.llm_bridge import LLMBridge
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     layer = "model.layers.{layer_number}."
@@ -171,6 +171,7 @@ def _replay_topk(self, scores: torch.Tensor, topk: int, num_groups=None, group_t
     """Megatron's `RouterReplay.get_replay_topk` with the rollout's routes where it has them: a row of -1 (padding,
     the last generated token, a sample without routes) is left to the router, and the replayed tokens whose experts
     the router would have chosen otherwise are counted (posttrain.routing_replay's contract)."""
+    # megatron-core only after layout.cpu_patches (layout.py)
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
         return type(self).get_replay_topk(self, scores, topk, num_groups, group_topk, default_compute_topk)
@@ -214,7 +215,7 @@ class SeqAux:
     def pop(self, stages: int) -> dict[str, float]:
         """The step's loss per batch (`moe_aux_loss`, the torch engine's curve), over every pipeline stage's routers
         and context-parallel rank's shares; {} without a batch."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         if not self.batches:
             return {}
         total = torch.tensor(float(sum(self.values)), dtype=torch.float64)
@@ -301,7 +302,7 @@ def balance_experts(gpt, hf_config, rate: float, sequence_parallel: bool, stages
     routers, after an optimizer step: the step's expert load per MoE layer over every replica's tokens, its figures
     under the same names (every stage's), and each router's bias moved `rate` toward uniform load; the draft (MTP)
     layer's router after the model's, as the torch engine counts it."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     stats = {}
     for i, router in moe_layers(gpt, hf_config):
         load = router.local_tokens_per_expert.detach().float().clone()
@@ -343,6 +344,7 @@ def replaying(gpt, hf_config, targets: torch.Tensor | None):
     if targets is None:
         yield
         return
+    # megatron-core only after layout.cpu_patches (layout.py)
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
     layers = moe_layers(gpt, hf_config)
     for i, router in layers:

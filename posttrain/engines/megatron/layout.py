@@ -67,6 +67,7 @@ def cpu_patches() -> None:
     with quiet():
         import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
         if not torch.cuda.is_available():  # its CP slice of the RoPE table moves an index to CUDA
+            # megatron-core only after layout.cpu_patches (layout.py)
             from megatron.core.models.common.embeddings import rotary_pos_embedding
             rotary_pos_embedding.get_pos_emb_on_this_cp_rank = context_parallel.rope_slice
             # with pipeline stages and tied embeddings the last stage's copy of the embeddings is moved to CUDA
@@ -75,11 +76,13 @@ def cpu_patches() -> None:
             LanguageModule.setup_embeddings_and_output_layer = _on_cpu(
                 LanguageModule.setup_embeddings_and_output_layer)
         if not _has_te():  # its TE wrappers import without TE (as placeholders), so latent attention believes it has it
+            # megatron-core only after layout.cpu_patches (layout.py)
             from megatron.core.transformer import multi_latent_attention
             multi_latent_attention.HAVE_TE = False
             from megatron.core.transformer.moe import moe_utils  # the router's GEMM: TE's when its name exists
             moe_utils.te_general_gemm = getattr(moe_utils, "te_general_gemm", None)
         if not torch.cuda.is_available():  # the all-to-all's split sizes: numpy once "copied to the host"
+            # megatron-core only after layout.cpu_patches (layout.py)
             from megatron.core.transformer.moe import token_dispatcher
             token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
         import megatron.core.optimizer  # noqa: F401
@@ -178,7 +181,7 @@ def init_parallel(par: Parallel, seed: int = 0) -> None:
     launcher (one rank: tests, the local pipeline) gets a world of one through a file store, so it needs no port.
     Every engine of one process shares the groups, so they must agree on the split."""
     cpu_patches()
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     from megatron.core.tensor_parallel.random import initialize_rng_tracker, model_parallel_cuda_manual_seed
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -210,7 +213,7 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompu
     Apex), the vocabulary padded to a multiple of tp (the padded rows never score: `vocab_parallel`).
     `recompute` on CUDA: Megatron's full-layer recomputation (its RNG tracker has no CPU form; `recompute_layers`
     does the same on CPU)."""
-    from mbridge.core.bridge import _MODEL_REGISTRY
+    from mbridge.core.bridge import _MODEL_REGISTRY  # megatron-core only after layout.cpu_patches (layout.py)
     from mbridge.core.parallel_states import ParallelStates
     if getattr(hf_config, "rope_theta", None) is None:  # transformers 5 keeps it in rope_parameters
         hf_config.rope_theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
@@ -235,6 +238,7 @@ def bridge(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, recompu
 
 def _dense_bridge_class(base, par: Parallel, tied: bool):
     """mbridge's bridge of a dense family on Megatron's local layers (the module docstring says what is patched)."""
+    # megatron-core only after layout.cpu_patches (layout.py)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     layer = "model.layers.{layer_number}."
 
@@ -270,6 +274,7 @@ def sdpa_attention():
     (`context_parallel`) the keys and values of the whole sequence are gathered and the mask (always given
     then) is this rank's queries' rows. An integer `attention_mask` holds document ids [b, T] instead of a mask:
     attention then runs per document (`context_parallel.document_attention`), with no [T, T] mask."""
+    # megatron-core only after layout.cpu_patches (layout.py)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SdpaAttention(DotProductAttention):

@@ -74,7 +74,7 @@ def embedding_copy(gpt, pipe: Pipeline, tied: bool) -> nn.Parameter | None:
     """An untied model's word embedding on the last pipeline stage, broadcast from the first (on the last stage; None
     elsewhere, and with one stage or tied embeddings, whose output layer there is the copy). Every first- and
     last-stage rank calls it."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     if pipe.size == 1 or tied or not ps.is_rank_in_embedding_group():
         return None
     src, group = ps.get_pipeline_model_parallel_first_rank(), ps.get_embedding_group()
@@ -90,7 +90,7 @@ def embedding_copy(gpt, pipe: Pipeline, tied: bool) -> nn.Parameter | None:
 def sharded_copy(copy: torch.Tensor):
     """The copy in Megatron's distributed checkpoint under the first stage's key, as a replica (Megatron's tied output
     layer on the last stage): it is not written, and loads the embedding."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
     replica = (1, 0, ps.get_data_parallel_rank(with_context_parallel=True))
     return make_tp_sharded_tensor_for_checkpoint(copy, "embedding.word_embeddings.weight", replica_id=replica,
@@ -153,7 +153,7 @@ class Draft:
     the last pipeline stage's model."""
 
     def __init__(self, backbone: Backbone, checkpoint: str | Path, steps: int):
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         self.backbone, self.tp = backbone, ps.get_tensor_model_parallel_world_size()
         self.host = _Host(backbone.hf_config, self._embed, backbone.device)
         self.module = mtp.MTP(self.host, steps)
@@ -184,7 +184,7 @@ class Draft:
         """Megatron's word embeddings of `ids` (vocab-parallel over tp), the weight shared over cp ranks; as
         transformers' embedding, the padding id's row gets no gradient (the draft reads the pad tokens past a row's
         end, and its balance loss would move that row)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
         pad = self.host.padding_idx
         w = context_parallel.shared(self.backbone.embedding())
@@ -302,7 +302,7 @@ class Draft:
     def balance(self, rate: float) -> dict[str, float] | None:
         """After an optimizer step: its router's load over every replica's tokens (load_stats), the bias moved `rate`
         toward uniform load; None when it routed nothing (a dense draft layer, or a step without its loss)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         if self.router is None:
             return None
         load, self.load = self.load, torch.zeros_like(self.load)
@@ -319,13 +319,14 @@ class Draft:
 
     def sharded_state_dict(self, prefix: str) -> dict:
         """For Megatron's distributed checkpoint: the layer replicated over every rank, under `prefix`."""
+        # megatron-core only after layout.cpu_patches (layout.py)
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
         return make_sharded_tensors_for_checkpoint(self.module.state_dict(keep_vars=True), prefix)
 
 
 def _top1(logits: torch.Tensor, first: int, target: torch.Tensor, vocab: int) -> torch.Tensor:
     """How many of `target` are the argmax of the (vocab-parallel) logits."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     z = logits.detach().float()
     if first + z.shape[-1] > vocab:  # the padding to a multiple of tp is never the answer
         z[:, vocab - first:] = float("-inf")

@@ -49,7 +49,7 @@ class Optimizer:
         self.sched: torch.optim.lr_scheduler.LambdaLR | None = None
 
     def sync_grads(self) -> None:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         if self.embedding is not None and ps.is_rank_in_embedding_group():
             # the first stage's embeddings and the last stage's copy of them (its output layer when tied, else the
             # draft layer's): one weight, whose gradient is the sum of both uses
@@ -80,7 +80,7 @@ class Optimizer:
                 at += p.numel()
 
     def grad_norm(self) -> torch.Tensor:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         sharded = torch.zeros((), device=self.device)
         replicated = torch.zeros((), device=self.device)
         experts = torch.zeros((), device=self.device)
@@ -134,7 +134,7 @@ def shards(model: torch.nn.Module) -> Shards:
     """The distributed optimizer's split of `model`'s trained parameters: the dense ones over the data-parallel (and
     context-parallel) ranks, which hold them alike; a MoE model's experts over their own replicas (expert data
     parallel)."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     params = [p for p in model.parameters() if p.requires_grad]
     dense = [p for p in params if getattr(p, "allreduce", True)]
     experts = [p for p in params if not getattr(p, "allreduce", True)]

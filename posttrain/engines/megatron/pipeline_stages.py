@@ -30,7 +30,7 @@ class Pipeline:
     """This rank's place in its pipeline group, and the tensors in flight since the last `backward`."""
 
     def __init__(self) -> None:
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
         self.size = ps.get_pipeline_model_parallel_world_size()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         if self.size > 1:

@@ -66,13 +66,13 @@ class State:
         """A Megatron distributed checkpoint of the policy in `folder`: weights and AdamW moments as sharded tensors,
         so it loads at another split; the schedule, step count and RNG in its common part. Every rank calls it (a
         collective); each writes its own shards."""
-        from megatron.core import dist_checkpointing
+        from megatron.core import dist_checkpointing  # megatron-core only after layout.cpu_patches (layout.py)
         Path(folder).mkdir(parents=True, exist_ok=True)
         dist_checkpointing.save(self._sharded(), str(folder), preprocess_common_before_consistancy_check=_without_rng)
 
     def load_sharded(self, folder: str | Path) -> None:
         """`save_sharded`'s checkpoint into this engine, whatever split it was saved at (every rank calls it)."""
-        from megatron.core import dist_checkpointing
+        from megatron.core import dist_checkpointing  # megatron-core only after layout.cpu_patches (layout.py)
         got = dist_checkpointing.load(self._sharded(), str(folder))
         model = got["model"]
         if self.draft is not None:
@@ -92,6 +92,7 @@ class State:
 
     def _sharded(self) -> dict:
         """The policy's sharded state dict (optimizer moments sharded as their parameters), its template on load."""
+        # megatron-core only after layout.cpu_patches (layout.py)
         from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
                                                                  optim_state_to_sharding_state)
         if self.role != "policy" or self.opt is None:

@@ -14,11 +14,12 @@ import torch.distributed as dist
 
 
 def _group():
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron-core only after layout.cpu_patches (layout.py)
     return ps.get_tensor_model_parallel_group()
 
 
 def _sum(x: torch.Tensor) -> torch.Tensor:
+    # megatron-core only after layout.cpu_patches (layout.py)
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
     return reduce_from_tensor_model_parallel_region(x, group=_group())
 
@@ -26,6 +27,7 @@ def _sum(x: torch.Tensor) -> torch.Tensor:
 def log_softmax(logits: torch.Tensor, vocab_start: int, vocab_size: int, temperature: float) -> torch.Tensor:
     """This rank's slice of log softmax(logits / temperature) [n, V/tp], its first column global id `vocab_start`;
     ids at or past `vocab_size` (the padding to a multiple of tp) get probability 0."""
+    # megatron-core only after layout.cpu_patches (layout.py)
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
     z = logits.float() / temperature
     if vocab_start + z.shape[-1] > vocab_size:

@@ -5,8 +5,8 @@ import torch
 from transformers import AutoModel
 
 from posttrain.models.attention import padding_free
-from posttrain.models.preset import load_pretrained
 from posttrain.models.prefix import prefix_forward
+from posttrain.models.preset import load_pretrained
 
 
 class ValueModel(torch.nn.Module):
