@@ -754,6 +754,15 @@ class PipelineConfig(_Strict):
             errors += [f"ramp.stages.{i}.rope_scaling: the {name} engine runs default RoPE (a stage's rope_theta) only; "
                        f"drop it or use runtime.train_engine {registry.names('train', registry.ROPE_SCALING)} (got "
                        f"{st.rope_scaling})" for i, st in enumerate(self.ramp.stages) if st.rope_scaling]
+        if self.rl.routing_replay or any(d.get("routing_replay") for d in self.rl.per_domain.values()):
+            rollout = self.runtime.rollout_engine
+            if lacks(registry.ROUTING_REPLAY):
+                errors.append(f"rl.routing_replay: the {name} train engine cannot score through recorded routes "
+                              f"({registry.names('train', registry.ROUTING_REPLAY)} can)")
+            if self._known("rollout") and not registry.supports("rollout", rollout, registry.ROUTING_RECORD):
+                errors.append(f"rl.routing_replay: the {rollout} rollout engine does not record expert routes "
+                              f"({registry.names('rollout', registry.ROUTING_RECORD)} does; got runtime.rollout_engine "
+                              f"{rollout!r})")
         if rules := registry.rules(name):
             errors += rules(self)
         return errors

@@ -75,8 +75,7 @@ class LMLoss:
                 p.requires_grad_(False)
             for p in dsa.indexer_parameters(model):
                 p.requires_grad_(True)
-            mode, collecting = st.mode, st.collect
-            st.mode, st.collect = "warmup", True
+            collecting, st.mode, st.collect = st.collect, "warmup", True
             self._undo.append(lambda: [p.requires_grad_(True) for p in trainable])
             self._undo.append(lambda: setattr(st, "mode", "sparse") or setattr(st, "collect", collecting))
             self.fn = _indexer_only(self.curves)

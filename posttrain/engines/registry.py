@@ -18,7 +18,6 @@ OWN_INDEXERS = "own_indexers"        # trains posttrain's DSA indexers added to 
 ROPE_SCALING = "rope_scaling"        # a ramp rung's rope_scaling (beyond its rope_theta)
 CONTEXT_PARALLEL = "context_parallel"  # a ramp rung's sequences split over ranks (ramp.stages[].cp)
 SHARDED_STATE = "sharded_state"      # every rank saves its own shards of a resume checkpoint (save_sharded)
-ACTIVATION_CHECKPOINTING = "activation_checkpointing"  # recomputes the model's layers in the backward (HF's)
 # rollout engines
 ROUTING_RECORD = "routing_record"    # returns the experts each position ran through (Generation.routes)
 PARTIAL_ROLLOUTS = "partial_rollouts"  # takes weights while generations are in flight (rl.partial_rollouts)
@@ -46,7 +45,7 @@ class Engine:
 
 TRAIN: dict[str, Engine] = {
     "torch": Engine("posttrain.engines.torch_train:TorchTrainEngine",
-                    frozenset({ROUTING_REPLAY, OWN_INDEXERS, ROPE_SCALING, ACTIVATION_CHECKPOINTING})),
+                    frozenset({ROUTING_REPLAY, OWN_INDEXERS, ROPE_SCALING})),
     "megatron": Engine("posttrain.engines.megatron.engine:MegatronTrainEngine",
                        frozenset({ROUTING_REPLAY, CONTEXT_PARALLEL, SHARDED_STATE}),
                        options="posttrain.engines.megatron.rules:options",
