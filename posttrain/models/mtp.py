@@ -156,7 +156,7 @@ def restore(model, checkpoint: str | Path | None = None):
     no head) is returned as is."""
     settings = getattr(model.config, CONFIG_KEY, None)
     if (not settings and is_glm5(model) and getattr(model.config, "num_nextn_predict_layers", 0) and checkpoint
-            and _glm5_layer(model, checkpoint, keys_only=True)):
+            and glm5_layer(model, checkpoint, keys_only=True)):
         settings = {"depth": 1}  # a GLM-5 checkpoint's own draft layer (many conversions drop it: then none)
     if not settings or model.get_output_embeddings() is None:
         return model
@@ -199,7 +199,7 @@ def from_glm5_state(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _glm5_layer(model, checkpoint: str | Path, keys_only: bool = False) -> dict[str, torch.Tensor | None]:
+def glm5_layer(model, checkpoint: str | Path, keys_only: bool = False) -> dict[str, torch.Tensor | None]:
     """A checkpoint's layer num_hidden_layers as stored (names only, read from the file headers, with
     `keys_only`); DeepSeek-V3's copies of the shared embedding and head left out."""
     prefix = f"model.layers.{model.config.num_hidden_layers}."
@@ -215,7 +215,7 @@ def glm5_layer_state(model, checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """A checkpoint's layer num_hidden_layers (GLM-5's names; routed experts one Linear each on disk, as
     transformers writes them) under the MTP module's names, its experts fused as transformers' loader fuses the
     model's layers. Only `model.config` is read."""
-    raw = _glm5_layer(model, checkpoint)
+    raw = glm5_layer(model, checkpoint)
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for k in [k for k in raw if ".experts." in k and k.split(".experts.")[1].split(".")[0].isdigit()]:
         head, rest = k.split(".experts.")

@@ -119,7 +119,7 @@ def depth(hf_config, checkpoint: str | Path) -> int:
     if settings:
         return int(settings["depth"])
     if _glm5(hf_config) and getattr(hf_config, "num_nextn_predict_layers", 0) and \
-            mtp._glm5_layer(SimpleNamespace(config=hf_config), checkpoint, keys_only=True):
+            mtp.glm5_layer(SimpleNamespace(config=hf_config), checkpoint, keys_only=True):
         return 1
     return 0
 
