@@ -132,7 +132,7 @@ class _Babbler:
         self.stats: dict[str, float] = {}
 
     def close(self) -> None:
-        pass
+        """Nothing to release: a scripted test double in this process."""
 
     def generate(self, prompts, *, max_new_tokens, temperature, stop_ids, generator=None):
         from posttrain.engines.base import Generation

@@ -15,8 +15,8 @@ HEAVY = ("torch", "transformers", "flyte", "ray", "mlflow", "pandas", "pyarrow")
 def entry_point(*args: str, home: Path) -> tuple[subprocess.CompletedProcess, set[str]]:
     """`posttrain *args` through the console script pip installed, and the top-level packages it imported."""
     exe = Path(sys.executable).with_name("posttrain")
-    if not exe.exists():
-        pytest.skip(f"no installed entry point beside {sys.executable} (pip install -e .)")
+    # `make install` installs the project, entry point included: its absence is the defect this file exists to catch
+    assert exe.exists(), f"no installed entry point beside {sys.executable} (pip install -e .)"
     env = {**os.environ, "POSTTRAIN_HOME": str(home), "PYTHONPROFILEIMPORTTIME": "1"}
     p = subprocess.run([str(exe), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     imported = {line.split("|")[-1].strip().split(".")[0] for line in p.stderr.splitlines()

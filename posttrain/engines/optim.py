@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
@@ -21,3 +22,20 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.0) -> torch.optim.O
     test can set its eps for every engine at once."""
     params = model.parameters() if isinstance(model, torch.nn.Module) else model
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
+
+
+def training_state(module: torch.nn.Module, opt, sched) -> dict:
+    """Weights, optimizer moments, schedule and RNG: what an exact resume needs (one rank's, on a sharded engine)."""
+    return {"model": module.state_dict(), "opt": opt.state_dict() if opt else None,
+            "sched": sched.state_dict() if sched else None, "rng": torch.get_rng_state(), "python_rng": random.getstate()}
+
+
+def load_training_state(module: torch.nn.Module, opt, sched, state: dict) -> None:
+    """`training_state`'s dict back into the module, optimizer and schedule (those present), and the RNG."""
+    module.load_state_dict(state["model"])
+    if opt is not None:
+        opt.load_state_dict(state["opt"])
+    if sched is not None:
+        sched.load_state_dict(state["sched"])
+    torch.set_rng_state(state["rng"])
+    random.setstate(state["python_rng"])

@@ -2,7 +2,6 @@
 module under Ray Train)."""
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -167,18 +166,10 @@ class TorchTrainEngine:
         return {k: v.detach().cpu() for k, v in self._module.state_dict().items()}
 
     def state_dict(self) -> dict:
-        return {"model": self._module.state_dict(), "opt": self.opt.state_dict() if self.opt else None,
-                "sched": self.sched.state_dict() if self.sched else None, "rng": torch.get_rng_state(),
-                "python_rng": random.getstate()}
+        return optim.training_state(self._module, self.opt, self.sched)
 
     def load_state_dict(self, state: dict) -> None:
-        self._module.load_state_dict(state["model"])
-        if self.opt is not None:
-            self.opt.load_state_dict(state["opt"])
-        if self.sched is not None:
-            self.sched.load_state_dict(state["sched"])
-        torch.set_rng_state(state["rng"])
-        random.setstate(state["python_rng"])
+        optim.load_training_state(self._module, self.opt, self.sched, state)
 
     def train(self) -> None:
         self.model.train()

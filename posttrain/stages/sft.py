@@ -31,7 +31,7 @@ from posttrain.pipeline.store import checkpointed, train_storage
 from posttrain.train import flat_examples, moe_metrics, pad_examples, summarize, train
 
 STATE = "state.pt"
-ENGINE = "engine"  # megatron: the ranks' distributed checkpoint (MegatronTrainEngine.save_sharded)
+ENGINE = "engine"  # a sharded engine's ranks' own resume shards (save_sharded)
 
 
 def conversation(task: Task, thinking: bool, shortcut: bool = False) -> list[dict]:
@@ -143,7 +143,7 @@ def _worker(config: dict) -> None:
 
 def _load_state(d: Path, sharded: bool) -> dict:
     state = torch.load(d / STATE, weights_only=False)
-    if sharded:  # the ranks' shards and optimizer moments (megatron: a distributed checkpoint)
+    if sharded:  # the ranks' shards and optimizer moments, which the engine loads itself
         state["engine"] = {"dist_checkpoint": str(d / ENGINE)}
     return state
 
@@ -292,7 +292,8 @@ def _in_process(config: dict, scratch: Path) -> dict:
 
 
 def _over_workers(cfg: PipelineConfig, config: dict, scratch: str) -> dict:
-    """Ray Train's workers as the data-parallel (or megatron) ranks; resumes from its last reported checkpoint."""
+    """Ray Train's workers as the engine's ranks (data-parallel, or split as it lays itself out); resumes from its last
+    reported checkpoint."""
     # ray: only where the work spreads over Ray workers
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from posttrain.engines import optim
 from posttrain.engines.megatron import mtp
 from posttrain.engines.megatron.optimizer import Optimizer, owned_moment
 
@@ -46,21 +47,12 @@ class State:
 
     def state_dict(self) -> dict:
         """This rank's shards, optimizer moments, schedule and RNG (each rank keeps its own)."""
-        opt, sched = self.opt, self.sched
-        return {"model": self.model.state_dict(), "opt": opt.state_dict() if opt else None,
-                "sched": sched.state_dict() if sched else None, "rng": torch.get_rng_state(),
-                "python_rng": random.getstate()}
+        return optim.training_state(self.model, self.opt, self.sched)
 
     def load_state_dict(self, state: dict) -> None:
         if "dist_checkpoint" in state:  # sft's checkpoints: a folder of save_sharded
             return self.load_sharded(state["dist_checkpoint"])
-        self.model.load_state_dict(state["model"])
-        if self.opt is not None:
-            self.opt.load_state_dict(state["opt"])
-        if self.sched is not None:
-            self.sched.load_state_dict(state["sched"])
-        torch.set_rng_state(state["rng"])
-        random.setstate(state["python_rng"])
+        optim.load_training_state(self.model, self.opt, self.sched, state)
 
     def save_sharded(self, folder: str | Path) -> None:
         """A Megatron distributed checkpoint of the policy in `folder`: weights and AdamW moments as sharded tensors,
