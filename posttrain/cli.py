@@ -228,7 +228,7 @@ def cmd_export_env(a: argparse.Namespace) -> int:
     w = cfg.world
     n = a.n or {"train": w.n_train, "val": w.n_val, "test": w.n_test}[a.split]
     out = a.out or f"{a.name}-{a.split}.jsonl"
-    count = export_jsonl(environments.get(a.name).generate(a.split, n, w.seed, **w.knobs()), out)
+    count = export_jsonl(environments.get(a.name).generate(a.split, n, w.seed, **w.knobs(a.name)), out)
     print(f"wrote {count} {a.name} {a.split} tasks to {out}")
     return 0
 

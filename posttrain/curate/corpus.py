@@ -87,13 +87,12 @@ def generate_raw(folder: Path, n_docs: int, seed: int, world, docs_per_file: int
     """Write the raw corpus as JSONL.gz files in `folder` (at least two, so curate runs them in
     parallel); return the planted counts (ground truth)."""
     rng = random.Random(seed)
-    knobs = world.knobs()
     domains = environments.names(world.environments)
-    pools = [p for d in domains if (p := _pool(d, n_docs // 4, seed + 1, knobs))]
+    pools = [p for d in domains if (p := _pool(d, n_docs // 4, seed + 1, world.knobs(d)))]
     for p in pools:
         rng.shuffle(p)
     tests = [t for d in domains
-             for t in environments.get(d).generate("test", world.n_test, seed, **knobs)]
+             for t in environments.get(d).generate("test", world.n_test, seed, **world.knobs(d))]
     docs: list[dict] = []
     seen: set[str] = set()
     while len(docs) < int(n_docs * (1 - sum(PLANTS.values()))):

@@ -5,6 +5,7 @@ import json
 import shutil
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import environments
@@ -32,13 +33,38 @@ def check_domains(cfg: PipelineConfig) -> None:
         engines.check({"runtime.rollout_engine": cfg.runtime.rollout_engine})
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    known = [*environments.DOMAINS, *cfg.world.environments]
+    known = environments.names(cfg.world.environments)
     named = {"rl.domains": cfg.rl.domains, "rl.per_domain": list(cfg.rl.per_domain),
-             "sft.shortcut_share": list(cfg.sft.shortcut_share) if isinstance(cfg.sft.shortcut_share, dict) else []}
+             "sft.shortcut_share": list(cfg.sft.shortcut_share) if isinstance(cfg.sft.shortcut_share, dict) else [],
+             "world.domain_knobs": list(cfg.world.domain_knobs)}
     for key, domains in named.items():
         if unknown := [d for d in domains if d not in known]:
             raise ConfigError(f"{key}: unknown domains {unknown} (known: {', '.join(known)}; add your own in "
                               f"world.environments)")
+    check_benchmarks(cfg)
+
+
+def check_benchmarks(cfg: PipelineConfig) -> None:
+    """The benchmarks' wheels and checkers before any stage: a missing, corrupt or mispinned package, a checker
+    that cannot run or a reasoning-gym task type that does not exist stops the run naming the key and the fix."""
+    rg = environments.get("reasoning_gym")
+    checks = {f"world.domain_knobs.{d}.rg_tasks": partial(rg.check, cfg.world.knobs(d).get("rg_tasks") or {})
+              for d in environments.names(cfg.world.environments) if environments.REGISTRY[d] == rg.__name__}
+    if cfg.eval.reasoning_gym:
+        checks["eval.reasoning_gym"] = partial(rg.check, cfg.eval.reasoning_gym)
+    if cfg.eval.ifbench:
+        checks["eval.ifbench"] = _ifbench_scores
+    for key, check in checks.items():
+        try:
+            check()
+        except (ValueError, RuntimeError) as e:  # BenchmarkPackageError is a RuntimeError
+            raise ConfigError(f"{key}: {e}") from None
+
+
+def _ifbench_scores() -> None:
+    """The package, its data, and every checker it keeps, run once on a reply (the prompt echoed)."""
+    env = environments.get("ifbench")
+    env.aggregate(tasks := env.generate("test"), [t.prompt for t in tasks])
 
 
 def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None = None,

@@ -63,7 +63,7 @@ def _quarantine_row(rid: str, text: str, reason: str, detail: str, source: str) 
 
 def _test_items(cfg: PipelineConfig) -> dict[str, list]:
     w = cfg.world
-    return {d: environments.get(d).generate("test", w.n_test, cfg.world.seed, **w.knobs())
+    return {d: environments.get(d).generate("test", w.n_test, cfg.world.seed, **w.knobs(d))
             for d in environments.names(w.environments)}
 
 
@@ -340,9 +340,9 @@ def _write_splits(cfg: PipelineConfig, tests: dict[str, list], out: Path, valida
     counts, task_ids = {}, []
     for d, test in tests.items():
         env = environments.get(d)
-        train = env.generate("train", w.n_train, cfg.world.seed, **w.knobs())
+        train = env.generate("train", w.n_train, cfg.world.seed, **w.knobs(d))
         n_sft = int(len(train) * 0.75)
-        sets = {"sft": train[:n_sft], "rl": train[n_sft:], "val": env.generate("val", w.n_val, cfg.world.seed, **w.knobs()),
+        sets = {"sft": train[:n_sft], "rl": train[n_sft:], "val": env.generate("val", w.n_val, cfg.world.seed, **w.knobs(d)),
                 "test": test}
         task_ids += [{"task_id": t.id, "set": f"{name}-{d}"} for name, ts in sets.items() for t in ts]
         for name, tasks in sets.items():

