@@ -60,6 +60,25 @@ def test_a_real_models_figures_hold_long_context_and_its_everyday_chat_to_their_
     assert not worse["quantized scores >= 0.70 on long_context@1024 (the ramp's top length)"]
 
 
+def test_the_base_models_benchmarks_are_held_to_their_retention_and_every_seed_to_the_gain():
+    def real(seed, ifbench_after, spec):
+        r = _report(seed, 0.40, spec, 0.58, 0.57, 0.20)
+        r["eval"]["base"] = {"chat": 0.50, "ifbench": 0.20, "rg/spell_backward": 0.0, "rg/word_sorting": 0.10}
+        r["eval"]["generalist"] |= {"chat": 0.48, "ifbench": ifbench_after, "rg/spell_backward": 0.05,
+                                    "rg/word_sorting": 0.10}
+        return r
+    f = aggregate([real(0, 0.19, 0.60), real(1, 0.18, 0.60)])
+    # a type the base scores 0 on has nothing to keep: no claim rests on it
+    assert f["base_retention"] == {"chat": pytest.approx(0.96), "ifbench": pytest.approx(0.925),
+                                   "rg/word_sorting": pytest.approx(1.0)}
+    assert all(c["holds"] for c in f["claims"])
+    worse = {c["claim"]: c["holds"] for c in aggregate([real(0, 0.10, 0.60), real(1, 0.18, 0.44)])["claims"]}
+    assert not worse["generalist keeps >= 90% of the base's ifbench score"]
+    # the mean gain 0.12 holds, seed 1's 0.04 does not
+    assert worse["specialist/reasoning gains >= 0.05 over sft on reasoning"]
+    assert not worse["specialist/reasoning gains >= 0.05 over sft on reasoning on every seed"]
+
+
 def _weights(report: dict) -> dict[str, str]:
     """Each stage's weight digests, from its manifest."""
     out = {}
