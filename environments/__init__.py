@@ -17,6 +17,7 @@ REGISTRY: dict[str, str] = {
     # reasoning-gym's generators: held-out suites (eval.reasoning_gym), or a domain from configuration
     # (world.environments + world.domain_knobs)
     "reasoning_gym": "environments.reasoning_gym",
+    "everyday": "environments.everyday",  # ordinary instructions the base model teaches in opd (opd.everyday_prompts)
 }
 DOMAINS = ("reasoning", "agentic", "general")
 # a run's own environments (name -> module, JSON) for the Ray workers and actors of its stages, which start

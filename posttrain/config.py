@@ -480,6 +480,14 @@ class OPDConfig(_Strict):
     top_k: AtLeast1 = 16
     reward_weight: NonNegative = 0.0     # > 0 mixes the task reward in (reward minus its domain's batch mean)
     route: dict[str, str] = Field(default_factory=dict)   # prompt domain -> teacher domain (default: itself)
+    # the base checkpoint as one more teacher (GLM-5's multi-teacher OPD with a general teacher), so consolidation
+    # pulls the student back toward what the base model knew: it teaches this many everyday instructions
+    # (posttrain/replay.py's, thinking off) and every domain `route` sends to "base" (e.g. {general: base});
+    # 0 and no route to it: no base teacher
+    everyday_prompts: AtLeast0 = 0
+
+    def base_teaches(self) -> bool:
+        return self.everyday_prompts > 0 or "base" in self.route.values()
     max_staleness: AtLeast0 = 1
     teacher_cpus: NonNegative = 0.2      # Ray CPUs each teacher actor reserves
     # actor: one Ray actor per teacher, which every rollout worker calls (large teachers, GPUs); worker: each
@@ -721,9 +729,9 @@ class PipelineConfig(_Strict):
             errors.append(f"opd.student: must be sft or a specialist rl-<domain> of rl.domains {domains} "
                           f"(got {self.opd.student!r})")
         for key, teacher in self.opd.route.items():
-            if key not in domains or teacher not in domains:
-                errors.append(f"opd.route.{key}: prompts and teachers are domains of rl.domains {domains} "
-                              f"(got {key} -> {teacher})")
+            if key not in domains or teacher not in (*domains, "base"):
+                errors.append(f"opd.route.{key}: prompts are domains of rl.domains {domains}, teachers those or "
+                              f"base (got {key} -> {teacher})")
         # RLConfig also carries the OPD loop (no RL prompts) and unit tests (lr 0); an rl stage needs both
         for d in ["", *self.rl.per_domain]:
             r, key = (self.rl.for_domain(d), f"rl.per_domain.{d}") if d else (self.rl, "rl")

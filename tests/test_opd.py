@@ -137,8 +137,29 @@ def test_routing_picks_the_teacher_and_a_missing_one_is_named(models):
     assert pool.teacher_of("general") is pool.teacher_of("reasoning")
     with pytest.raises(KeyError, match="domain 'agentic'.*teachers: \\['reasoning'\\]"):
         pool.teacher_of("agentic")
-    with pytest.raises(ConfigError, match=r"opd.route.general: prompts and teachers are domains of rl.domains"):
+    with pytest.raises(ConfigError, match=r"opd.route.general: prompts are domains of rl.domains .* or base"):
         load_config("smoke", ["opd.route={general: math}"])
+
+
+def test_the_base_model_teaches_everyday_instructions_with_thinking_off(models, tok):
+    """opd.everyday_prompts: the base checkpoint is one more teacher, of prompts outside the task world; the graph
+    gives opd the base artifact only then (the other runs' opd keeps its cache key)."""
+    from environments import everyday
+    from posttrain.pipeline.graph import graph
+    from posttrain.replay import PROMPTS
+    assert "base" not in graph(load_config("smoke"))["opd"].inputs
+    assert "base" in graph(load_config("smoke", ["opd.everyday_prompts=8"]))["opd"].inputs
+    assert "base" in graph(load_config("smoke", ["opd.route={general: base}"]))["opd"].inputs
+    pool = environments.get("reasoning").generate("train", 8, 0) + everyday.tasks(list(PROMPTS[:8]))
+    r = RLConfig(steps=2, prompts_per_step=0, group_size=2, max_new_tokens=8, val_every=0, stop_check=False)
+    _, _, st = train_policy(r, models["student"], [], pool[:2], seed=0,
+                            distill=Distill({"reasoning": models["teacher"], "base": models["student"]}, pool, 4,
+                                            route={"everyday": "base"}))
+    assert len(st.history["reverse_kl/everyday"]) == len(st.history["reverse_kl/reasoning"]) == 2
+    # the student is its own "base" teacher here: nothing to distil on its own answers
+    assert max(abs(x) for x in st.history["reverse_kl/everyday"]) < 1e-4
+    ep = everyday.tasks(["Say hi."])[0]
+    assert ep.meta["thinking_turns"] == [False] and everyday.verify(ep, "hi")[0] == 0.0
 
 
 def test_teachers_placed_in_the_worker_travel_as_checkpoints_and_score_alike(models):

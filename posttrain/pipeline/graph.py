@@ -82,7 +82,9 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
         *[Stage(f"rl-{d}", "posttrain.stages.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe", *ENGINES),
                 "tasks.rl:rl", (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
         # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
-        Stage("opd", "posttrain.stages.opd:run", ("sft", "curate", *specialists),
+        # with opd.everyday_prompts or a route to "base", the base model is one more teacher
+        Stage("opd", "posttrain.stages.opd:run",
+              ("sft", "curate", *specialists, *(("base",) if cfg.opd.base_teaches() else ())),
               ("seed", "opd", "rl", "moe", *ENGINES), "tasks.opd:opd", num_cpus=0.5, threads=1, resumable=True),
         Stage("quantize", "posttrain.stages.quantize:run", ("opd", "curate"), ("seed", "quantize"),
               "tasks.quantize:quantize"),

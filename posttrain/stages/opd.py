@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from environments import everyday
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.data import load_tasks
 from posttrain.engines import rollout_options, train_options
 from posttrain.models import moe
 from posttrain.models.preset import save_checkpoint
 from posttrain.pipeline.artifacts import read_manifest
+from posttrain.replay import PROMPTS
 from posttrain.rl.loop import Distill, train_policy
 from posttrain.train import moe_metrics, summarize
 
@@ -61,7 +63,13 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     o, domains = cfg.opd, cfg.rl.domains
     pool = [t for d in domains for t in load_tasks(inputs["curate"], "rl", d)]
     val = [t for d in domains for t in load_tasks(inputs["curate"], "val", d)]
-    distill = Distill({d: inputs[f"rl-{d}"] for d in domains}, pool, o.prompts_per_step, route=o.route,
+    teachers, route = {d: inputs[f"rl-{d}"] for d in domains}, dict(o.route)
+    if o.base_teaches():  # the base model as one more teacher: its everyday answers and the domains routed to it
+        teachers["base"] = inputs["base"]
+        if o.everyday_prompts:
+            pool += everyday.tasks(list(PROMPTS[:o.everyday_prompts]))
+            route[everyday.DOMAIN] = "base"
+    distill = Distill(teachers, pool, o.prompts_per_step, route=route,
                       mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus,
                       teacher_placement=o.teacher_placement)
     policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd", moe=cfg.moe,
@@ -86,4 +94,5 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
         reached = tokens_to_reach(hist, f"val_score/{d}", 0.95 * teacher_val[d])
         if reached is not None:
             metrics[f"student_tokens_to_95pct_{d}"] = reached
-    return {"metrics": metrics, "history": hist, "params": {"loss": o.loss, "student": o.student}}
+    return {"metrics": metrics, "history": hist, "params": {"loss": o.loss, "student": o.student,
+                                                            "teachers": ",".join(sorted(teachers))}}
