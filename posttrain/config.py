@@ -497,6 +497,19 @@ class OPDConfig(_Strict):
     checkpoint_every: AtLeast0 = 10
 
 
+class LoraSettings(_Strict):
+    """LoRA adapters (posttrain/engines/lora.py, peft's layers) instead of full fine-tuning in the stages named: the
+    base weights stay frozen, the adapters train, and every checkpoint a stage writes is merged (W + B A), so a
+    serving engine, the next stage and W4A8 see a plain model. Forgets less of what the model knew; learns less too."""
+    rank: AtLeast0 = 0                   # 0: full fine-tuning everywhere
+    alpha: Positive = 32.0               # the update is scaled by alpha / rank
+    targets: list[str] | Literal["all-linear"] = "all-linear"  # module names (q_proj, ...) or every linear but the head
+    stages: list[Literal["sft", "rl", "opd"]] = Field(default_factory=lambda: ["sft", "rl", "opd"], min_length=1)
+
+    def used(self, stage: str) -> bool:
+        return self.rank > 0 and stage in self.stages
+
+
 class CrossStageConfig(_Strict):
     """The GLM-5 recipe (workflows/cross_stage.py): sequential RL stages (reasoning, then agentic, then general),
     each distilling from the earlier stages' checkpoints on their domains' prompts; and the same stages
@@ -613,6 +626,7 @@ class PipelineConfig(_Strict):
     sft: SFTConfig = SFTConfig()
     rl: RLConfig = RLConfig()
     opd: OPDConfig = OPDConfig()
+    lora: LoraSettings = LoraSettings()
     cross_stage: CrossStageConfig = CrossStageConfig()
     quantize: QuantizeConfig = QuantizeConfig()
     eval: EvalConfig = EvalConfig()
@@ -785,6 +799,9 @@ class PipelineConfig(_Strict):
                 errors.append(f"rl.routing_replay: the {rollout} rollout engine does not record expert routes "
                               f"({registry.names('rollout', registry.ROUTING_RECORD)} does; got runtime.rollout_engine "
                               f"{rollout!r})")
+        if self.lora.rank and lacks(registry.LORA):
+            errors.append(f"lora.rank: the {name} train engine trains no LoRA adapters "
+                          f"({registry.names('train', registry.LORA)} does); set lora.rank 0 or change runtime.train_engine")
         if rules := registry.rules(name):
             errors += rules(self)
         return errors

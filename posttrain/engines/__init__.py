@@ -28,7 +28,8 @@ import importlib
 # import torch for it (the CLI's --help and argument errors stay fast).
 _PUBLIC = {"Generation": "base", "RolloutEngine": "base", "TrainEngine": "base", "rollout_engine": "factory",
            "train_engine": "factory", "lm_engine": "factory", "as_rollout_engine": "factory",
-           "train_options": "factory", "rollout_options": "factory", "supports": "factory", "check": "factory"}
+           "train_options": "factory", "lora_options": "factory", "rollout_options": "factory", "supports": "factory",
+           "check": "factory"}
 __all__ = list(_PUBLIC)
 
 

@@ -41,17 +41,17 @@ def train_engine(name: str, checkpoint: str | Path, role: str = "policy", *, lr:
 def lm_engine(cfg, model: torch.nn.Module | None, tok, checkpoint: str | Path | None = None, *, lr: float,
               weight_decay: float = 0.0, moe=None, mtp_weight: float = 0.0, dsa_weight: float = 0.0,
               indexers: tuple | None = None, recompute: bool = False, cp: int | None = None,
-              prepare=None, engine: str | None = None) -> TrainEngine:
+              prepare=None, engine: str | None = None, stage: str = "") -> TrainEngine:
     """The run's train engine (runtime.train_engine) on the LM loss of base, the ramp or sft, starting from `model`
     (`checkpoint`: the folder it was loaded from, where an engine reads weights itself; no model: the engine loads
     `checkpoint`). `moe`: balance its routers;
     `mtp_weight`: its draft (MTP) layer's loss beside the LM loss; `dsa_weight`: DSA's indexers' KL beside it;
     `indexers`: (mode, kl_queries, kl_weight) while DSA is adopted ("warmup": the indexers alone, toward the dense
     attention); `recompute`: activation checkpointing; `cp`: a ramp rung's context-parallel ranks; `prepare`: readies
-    a module for Ray Train's ranks (DDP); `engine`: another engine than the run's. `close()` the engine when done: it
-    undoes what the job set on `model`."""
+    a module for Ray Train's ranks (DDP); `engine`: another engine than the run's; `stage`: the stage, for its LoRA
+    adapters (lora.stages). `close()` the engine when done: it undoes what the job set on `model`."""
     name = engine or cfg.runtime.train_engine
-    options = train_options(cfg) if name == cfg.runtime.train_engine else {}
+    options = train_options(cfg) | lora_options(cfg, stage) if name == cfg.runtime.train_engine else {}
     recompute = recompute or options.pop("recompute", False)  # the engine's own setting, or the stage's
     return registry.engine_class("train", name, "runtime.train_engine").for_lm(
         model, tok, checkpoint, lr=lr, weight_decay=weight_decay, moe=moe, mtp_weight=mtp_weight,
@@ -63,6 +63,15 @@ def train_options(cfg) -> dict:
     """The keyword options of `cfg.runtime.train_engine`'s engine from the config (megatron: its split over ranks)."""
     ref = registry.spec("train", cfg.runtime.train_engine).options
     return registry.load(ref)(cfg) if ref else {}
+
+
+def lora_options(cfg, stage: str) -> dict:
+    """The `lora` keyword of a LORA engine's policy in `stage` (sft, rl, opd) when lora.stages names it."""
+    if not cfg.lora.used(stage):
+        return {}
+    from posttrain.engines.lora import Lora  # peft: only where adapters are trained
+    l = cfg.lora
+    return {"lora": Lora(l.rank, l.alpha, l.targets if isinstance(l.targets, str) else tuple(l.targets))}
 
 
 def rollout_options(cfg) -> dict:

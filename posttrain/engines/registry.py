@@ -23,6 +23,7 @@ ROUTING_RECORD = "routing_record"    # returns the experts each position ran thr
 PARTIAL_ROLLOUTS = "partial_rollouts"  # takes weights while generations are in flight (rl.partial_rollouts)
 WEIGHT_BROADCAST = "weight_broadcast"  # joins the trainer's process group for weight updates (weight_sync broadcast)
 INT_KERNELS = "int_kernels"          # runs a W4A8 compressed-tensors checkpoint on posttrain's integer kernels
+LORA = "lora"                        # trains LoRA adapters and hands out merged weights (lora.rank > 0)
 
 # where an engine's own processes (a server) write their logs: the stage sets it to its folder beside the run's report
 LOG_DIR_VAR = "POSTTRAIN_ENGINE_LOG_DIR"
@@ -45,7 +46,7 @@ class Engine:
 
 TRAIN: dict[str, Engine] = {
     "torch": Engine("posttrain.engines.torch_train:TorchTrainEngine",
-                    frozenset({ROUTING_REPLAY, OWN_INDEXERS, ROPE_SCALING})),
+                    frozenset({ROUTING_REPLAY, OWN_INDEXERS, ROPE_SCALING, LORA})),
     "megatron": Engine("posttrain.engines.megatron.engine:MegatronTrainEngine",
                        frozenset({ROUTING_REPLAY, CONTEXT_PARALLEL, SHARDED_STATE}),
                        options="posttrain.engines.megatron.rules:options",

@@ -12,6 +12,7 @@ from posttrain.chat import pad_id
 from posttrain.config import MoEConfig
 from posttrain.device import autocast
 from posttrain.device import device as default_device
+from posttrain.engines import lora as lora_
 from posttrain.engines import optim
 from posttrain.engines.base import Forward, one_by_one
 from posttrain.engines.lm import LMLoss, masked_lm_loss
@@ -37,11 +38,17 @@ class TorchTrainEngine:
     def __init__(self, model: torch.nn.Module, forward: Forward, *, lr: float | None = None,
                  weight_decay: float = 0.0, optimizer: torch.optim.Optimizer | None = None,
                  schedule: Callable[[int], float] | None = None, device: str | torch.device | None = None,
-                 tokenizer=None, pad_id: int = 0, moe: MoEConfig | None = None, routing_replay: bool = False):
+                 tokenizer=None, pad_id: int = 0, moe: MoEConfig | None = None, routing_replay: bool = False,
+                 lora: "lora_.Lora | None" = None):
         self.device = torch.device(device) if device is not None else default_device()
         self.model, self.tokenizer = model.to(self.device), tokenizer
         self._forward, self.pad_id = forward, pad_id
-        self.opt = optimizer or (optim.make_optimizer(model, lr, weight_decay) if lr is not None else None)
+        # LoRA adapters (posttrain.engines.lora): only they train; weights and exports leave merged
+        if lora is not None and not lora_.attached(self._module):  # for_lm attaches before DDP wraps the model
+            lora_.attach(self._module, lora)
+        self.lora = lora is not None
+        trained = [p for p in model.parameters() if p.requires_grad] if self.lora else model
+        self.opt = optimizer or (optim.make_optimizer(trained, lr, weight_decay) if lr is not None else None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
         # `moe` given, a model with routers trained: expert load per step and its balancing (posttrain/models/moe.py);
         # `routing_replay`: the policy's forwards run through the experts the samples' rollouts chose
@@ -60,13 +67,16 @@ class TorchTrainEngine:
     def for_lm(cls, model: torch.nn.Module | None, tok=None, checkpoint: str | Path | None = None, *, lr: float,
                weight_decay: float = 0.0, moe: MoEConfig | None = None, mtp_weight: float = 0.0,
                dsa_weight: float = 0.0, indexers: tuple | None = None, recompute: bool = False,
-               prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None, **_) -> "TorchTrainEngine":
+               prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None, lora=None,
+               **_) -> "TorchTrainEngine":
         """`model` itself (`checkpoint`'s only where no model is given) trained on the LM loss (posttrain.engines.lm);
         `prepare` readies it for the ranks (Ray Train's DDP and device). `close` undoes what the job changed on it."""
         if model is None:
             model, tok = load_checkpoint(checkpoint)
+        if lora is not None:  # before Ray Train's DDP wraps it: the adapters are what its ranks all-reduce
+            lora_.attach(model, lora)
         engine = cls(prepare(model) if prepare else model, masked_lm_loss, lr=lr, weight_decay=weight_decay,
-                     tokenizer=tok, moe=moe)
+                     tokenizer=tok, moe=moe, lora=lora)
         engine._lm = engine._forward = LMLoss(
             model, mtp_weight=mtp_weight, dsa_weight=dsa_weight, indexers=indexers, recompute=recompute,
             routers=engine.routers, aux_weight=engine.moe.aux_loss_weight if engine.routers is not None else 0.0)
@@ -74,7 +84,8 @@ class TorchTrainEngine:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, role: str = "policy", *, lr: float | None = None,
-                        moe: MoEConfig | None = None, routing_replay: bool = False) -> "TorchTrainEngine":
+                        moe: MoEConfig | None = None, routing_replay: bool = False,
+                        lora=None) -> "TorchTrainEngine":
         from transformers import AutoTokenizer  # transformers: at first use (the CLI's checks import this module)
 
         if role == "critic":
@@ -88,7 +99,7 @@ class TorchTrainEngine:
             return cls(model.eval(), policy_logits(pad), tokenizer=tok, pad_id=pad)
         try:
             return cls(model, policy_logits(pad), lr=lr, tokenizer=tok, pad_id=pad, moe=moe,
-                       routing_replay=routing_replay)
+                       routing_replay=routing_replay, lora=lora)
         except ValueError as e:
             raise ValueError(f"{e} (checkpoint {path})") from None
 
@@ -163,6 +174,8 @@ class TorchTrainEngine:
     def weights(self) -> dict[str, torch.Tensor]:
         """On CPU (no copy there): rollout workers and teachers reserve no GPU, and a CUDA tensor does not
         unpickle in a process that has none."""
+        if self.lora:
+            return {k: v.detach().cpu() for k, v in lora_.merged_weights(self._module).items()}
         return {k: v.detach().cpu() for k, v in self._module.state_dict().items()}
 
     def state_dict(self) -> dict:
@@ -192,7 +205,8 @@ class TorchTrainEngine:
         return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
 
     def hf_model(self) -> torch.nn.Module:
-        return self._module
+        """The model as a checkpoint holds it: with LoRA, a merged copy (the adapters keep training)."""
+        return lora_.merged_copy(self._module) if self.lora else self._module
 
     def close(self) -> None:
         """Undo what the LM job changed on the model (frozen weights, DSA's modes, activation checkpointing)."""

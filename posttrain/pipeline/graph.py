@@ -75,17 +75,18 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
         # sft trains in its own task (one torch rank) or waits on its Ray Train workers; base: the model whose
         # answers it replays
         Stage("sft", "posttrain.stages.sft:run", ("base", "ramp", "curate"),
-              ("seed", "sft", "mtp", "moe", *TRAIN_ENGINE),
+              ("seed", "sft", "mtp", "moe", "lora", *TRAIN_ENGINE),
               "tasks.sft:sft", num_cpus=1.0 if cfg.sft_in_process() else 0.1, resumable=True,
               gpu=cfg.sft_in_process()),
         # 3 x (0.4 + one 0.25-CPU rollout worker) fits 2 CPUs: three specialists run at once, more queue in Ray
-        *[Stage(f"rl-{d}", "posttrain.stages.specialist:run", ("sft", "curate"), ("seed", f"rl:{d}", "moe", *ENGINES),
-                "tasks.rl:rl", (("domain", d),), num_cpus=0.4, threads=1, resumable=True) for d in order],
+        *[Stage(f"rl-{d}", "posttrain.stages.specialist:run", ("sft", "curate"),
+                ("seed", f"rl:{d}", "moe", "lora", *ENGINES), "tasks.rl:rl", (("domain", d),), num_cpus=0.4,
+                threads=1, resumable=True) for d in order],
         # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
         # with opd.everyday_prompts or a route to "base", the base model is one more teacher
         Stage("opd", "posttrain.stages.opd:run",
               ("sft", "curate", *specialists, *(("base",) if cfg.opd.base_teaches() else ())),
-              ("seed", "opd", "rl", "moe", *ENGINES), "tasks.opd:opd", num_cpus=0.5, threads=1, resumable=True),
+              ("seed", "opd", "rl", "moe", "lora", *ENGINES), "tasks.opd:opd", num_cpus=0.5, threads=1, resumable=True),
         Stage("quantize", "posttrain.stages.quantize:run", ("opd", "curate"), ("seed", "quantize"),
               "tasks.quantize:quantize"),
         # on CPU evaluate's checkpoints run as Ray tasks of one CPU each (posttrain.stages.evaluate): it reserves little
@@ -95,7 +96,7 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
     ]
     if len(order) > 1:  # the GLM-5 chains (with distillation, xs-, and without, seq-) after the first specialist
         stages += [Stage(stage_name(c, d, order), "posttrain.stages.cross_stage:run", _chain_inputs(c, d, order),
-                         ("seed", "rl", "cross_stage", "opd", "moe", *ENGINES), "tasks.cross_stage:chain_stage",
+                         ("seed", "rl", "cross_stage", "opd", "moe", "lora", *ENGINES), "tasks.cross_stage:chain_stage",
                          (("domain", d), ("chain", c)), num_cpus=0.4, threads=1, resumable=True,
                          workflow="cross_stage") for d in order[1:] for c in CHAINS]
         stages.append(Stage("consolidation", "posttrain.stages.consolidation:run",

@@ -55,7 +55,9 @@ def local_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe
     """The loop's trained models on this process's rank (posttrain.rl.loop.build_engines' arguments)."""
     watch_kl = rl and r.alarms.enabled and r.alarms.reference_kl
     name, opts = engine
-    return Engines(train_engine(name, sft, lr=r.lr, moe=moe, routing_replay=r.routing_replay, **opts),
+    opts = dict(opts)
+    lora = {"lora": opts.pop("lora")} if "lora" in opts else {}  # the policy's adapters (lora_options); critic: full
+    return Engines(train_engine(name, sft, lr=r.lr, moe=moe, routing_replay=r.routing_replay, **opts, **lora),
                    train_engine(name, sft, "critic", lr=r.critic_lr, **opts) if with_critic else None,
                    train_engine(name, sft, "reference", **opts) if r.kl_coef > 0 or watch_kl else None)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
-from posttrain.engines import rollout_options, train_options
+from posttrain.engines import lora_options, rollout_options, train_options
 from posttrain.models.preset import save_checkpoint
 from posttrain.pipeline.nodes import stage_name
 from posttrain.rl import alarms
@@ -36,7 +36,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, cha
                           teacher_cpus=cfg.opd.teacher_cpus, teacher_placement=cfg.opd.teacher_placement)
     policy, tok, st = train_policy(r, start, pool, val, seed=cfg.seed, label=f"{chain}-{domain}", moe=cfg.moe,
                                  scratch=scratch, distill=distill,
-                                 engine=(cfg.runtime.train_engine, train_options(cfg)),
+                                 engine=(cfg.runtime.train_engine, train_options(cfg) | lora_options(cfg, "rl")),
                                  **rollout_options(cfg))
     save_checkpoint(policy, tok, out)
     hist = st.history

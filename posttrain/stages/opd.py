@@ -10,7 +10,7 @@ from pathlib import Path
 from environments import everyday
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.data import load_tasks
-from posttrain.engines import rollout_options, train_options
+from posttrain.engines import lora_options, rollout_options, train_options
 from posttrain.models import moe
 from posttrain.models.preset import save_checkpoint
 from posttrain.pipeline.artifacts import read_manifest
@@ -74,7 +74,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
                       teacher_placement=o.teacher_placement)
     policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd", moe=cfg.moe,
                                  scratch=scratch, distill=distill,
-                                 engine=(cfg.runtime.train_engine, train_options(cfg)),
+                                 engine=(cfg.runtime.train_engine, train_options(cfg) | lora_options(cfg, "opd")),
                                  **rollout_options(cfg))
     save_checkpoint(policy, tok, out)
     hist = st.history

@@ -164,7 +164,7 @@ def _train_rank(config: dict, rank: int, state: dict | None, report: Callable[[d
     to_batch, to_val = collator(tok, model, s.seq_len, s.packing), collator(tok, model, s.seq_len)
     # the engine's ranks: DDP replicas (torch), or tp x pp x cp of them holding one replica and seeing one batch
     engine = lm_engine(cfg, model, tok, config["init"], lr=s.lr, weight_decay=s.weight_decay, moe=cfg.moe,
-                       mtp_weight=cfg.mtp.loss_weight, prepare=prepare)
+                       mtp_weight=cfg.mtp.loss_weight, prepare=prepare, stage="sft")
     shard, shards = engine.data_shard()
     global_batch = _batches(cfg, config["examples"])
 

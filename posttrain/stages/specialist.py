@@ -8,7 +8,7 @@ from pathlib import Path
 import environments
 from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
-from posttrain.engines import rollout_options, train_options
+from posttrain.engines import lora_options, rollout_options, train_options
 from posttrain.judge import ModelJudge, measure
 from posttrain.models import moe
 from posttrain.models.preset import save_checkpoint
@@ -79,7 +79,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     judge, judged = checked_judge(cfg, inputs, out, domain)
     policy, tok, st = train_policy(r, inputs["sft"], pool, val, seed=cfg.seed, label=f"rl-{domain}", moe=cfg.moe,
                                  scratch=scratch, judge=judge,
-                                 engine=(cfg.runtime.train_engine, train_options(cfg)),
+                                 engine=(cfg.runtime.train_engine, train_options(cfg) | lora_options(cfg, "rl")),
                                  **rollout_options(cfg))
     save_checkpoint(policy, tok, out)
     hist = st.history
