@@ -530,6 +530,9 @@ class QuantizeConfig(_Strict):
     method: Literal["gptq", "rtn"] = "gptq"  # GPTQ: error-compensating rounding on calibration activations
     calib_samples: AtLeast1 = 128        # curated SFT conversations the calibration activations come from
     calib_seq_len: AtLeast1 = 512
+    # this many everyday instructions (posttrain/replay.py's, thinking off) interleaved with the SFT conversations: the
+    # activations of ordinary requests, which the task world's conversations alone leave uncalibrated
+    calib_everyday: AtLeast0 = 0
     dampening: NonNegative = 0.01        # GPTQ: share of the mean Hessian diagonal added before inverting
 
 

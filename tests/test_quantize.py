@@ -110,3 +110,23 @@ def test_group_size_that_does_not_divide_is_refused():
     model = build_model(ModelConfig(hidden_size=64, num_layers=1, num_heads=2, intermediate_size=96), tok)
     with pytest.raises(ValueError, match="group_size=64 does not divide .*down_proj's 96"):
         targets(model, QuantizeConfig(group_size=64))
+
+
+def test_everyday_instructions_join_the_calibration_stream_among_the_conversations(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import environments
+    from posttrain import replay
+    from posttrain.config import load_config
+    from posttrain.stages.quantize import calibration_rows
+    for d in environments.DOMAINS:
+        ts = environments.get(d).generate("train", 8, 0)
+        pq.write_table(pa.Table.from_pylist([{"id": t.id, "task": t.to_json()} for t in ts]), tmp_path / f"sft-{d}.parquet")
+    plain = calibration_rows(load_config("smoke", ["quantize.calib_seq_len=16"]), str(tmp_path), tok)
+    mixed = calibration_rows(load_config("smoke", ["quantize.calib_seq_len=16", "quantize.calib_everyday=4"]),
+                             str(tmp_path), tok)
+    assert mixed.numel() > plain.numel()
+    text = tok.decode(mixed.flatten())
+    assert all(p in text for p in replay.PROMPTS[:4]) and replay.PROMPTS[4] not in text
+    assert text.index(replay.PROMPTS[3]) < len(text) * 0.9  # spread through, not appended at the end

@@ -21,6 +21,7 @@ from tqdm import tqdm
 import environments
 from posttrain.chat import render_ids
 from posttrain.config import PipelineConfig, QuantizeConfig
+from posttrain import replay
 from posttrain.data import load_tasks
 from posttrain.models import moe, mtp
 from posttrain.models.glm5 import is_glm5
@@ -34,10 +35,19 @@ from posttrain.tools import loadcheck
 
 
 def calibration_rows(cfg: PipelineConfig, curate_dir: str, tok) -> torch.Tensor:
-    """`calib_samples` SFT conversations (domains interleaved, thinking on), concatenated and cut into rows."""
+    """`calib_samples` SFT conversations (domains interleaved, thinking on) and `calib_everyday` everyday
+    instructions (thinking off), concatenated and cut into rows."""
     per = [load_tasks(curate_dir, "sft", d) for d in environments.names(cfg.world.environments)]
     tasks = [t for group in zip(*per) for t in group][: cfg.quantize.calib_samples]
-    stream = [i for t in tasks for i in render_ids(tok, t.messages() + t.demo)]
+    convs = [render_ids(tok, t.messages() + t.demo) for t in tasks]
+    everyday = [render_ids(tok, [{"role": "user", "content": p}], add_generation_prompt=True, enable_thinking=False)
+                for p in replay.PROMPTS[:cfg.quantize.calib_everyday]]
+    every, mixed = max(1, len(convs) // max(1, len(everyday))), []
+    for i, conv in enumerate(convs):  # spread through the stream, not a block at its end
+        mixed.append(conv)
+        if i % every == 0 and i // every < len(everyday):
+            mixed.append(everyday[i // every])
+    stream = [i for ids in mixed for i in ids]
     L = min(cfg.quantize.calib_seq_len, len(stream))
     return torch.tensor(stream[: len(stream) // L * L]).reshape(-1, L)
 
