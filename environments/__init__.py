@@ -36,9 +36,15 @@ def names(extra: dict[str, str] | None = None) -> list[str]:
     return list(dict.fromkeys([*DOMAINS, *(extra or {})]))  # a built-in name in `extra` swaps its module
 
 
+_FROM_ENV: set[str] = set()  # the ENV_VAR values already registered in this process
+
+
 def get(name: str) -> ModuleType:
-    if name not in REGISTRY:
-        names(json.loads(os.environ.get(ENV_VAR) or "{}"))
+    # a run's own environments first, every time the variable changes: one may replace a built-in domain
+    # (world.environments: {reasoning: ...}), which a lookup of unknown names only would never apply
+    if (run_envs := os.environ.get(ENV_VAR) or "") and run_envs not in _FROM_ENV:
+        names(json.loads(run_envs))
+        _FROM_ENV.add(run_envs)
     if name not in REGISTRY:
         raise KeyError(f"unknown environment {name!r}; known: {', '.join(sorted(REGISTRY))}")
     return importlib.import_module(REGISTRY[name])

@@ -12,7 +12,6 @@ defines it: its prompts are left out by name, and the suite reports how many (`l
 Scores are the package's own (`evaluation_lib`): prompt-level and instruction-level accuracy, strict and loose."""
 from __future__ import annotations
 
-import copy
 import json
 import sys
 import types
@@ -98,36 +97,59 @@ def generate(split: str = "test", n: int = 0, seed: int = 0, **_) -> list[Task]:
             for r in pick]
 
 
-def _follows(task: Task, response: str) -> tuple[list[bool], list[bool]]:
-    """Which of the task's instructions the response follows, strict and loose, as the package checks them."""
+def _variants(response: str) -> list[str]:
+    """The replies loose checking tries (evaluation_lib.test_instruction_following_loose): as is, without markdown
+    stars, without its first line, its last, or both."""
+    lines = response.split("\n")
+    cut = [response, "\n".join(lines[1:]).strip(), "\n".join(lines[:-1]).strip(), "\n".join(lines[1:-1]).strip()]
+    return cut + [c.replace("*", "") for c in cut]
+
+
+def _follows(task: Task, response: str) -> tuple[list[bool], list[bool], list[str]]:
+    """Which of the task's instructions the response follows, strict and loose, with the package's checkers, and
+    the instructions whose checker raised on this reply. evaluation_lib's loops, one instruction at a time: a few
+    checkers divide by the reply's word or trigram count and raise on a reply that has none, which would end the
+    package's own run; here such a check counts as not followed, and is reported."""
     lib = _package()[0]
-    # strict drops None kwargs in place and loose relies on it: strict first, on copies of ours
-    inp = lib.InputExample(key=task.meta["key"], instruction_id_list=list(task.meta["instruction_id_list"]),
-                           prompt=task.prompt, kwargs=copy.deepcopy(task.meta["kwargs"]))
-    resp = {task.prompt: response}
-    try:
-        strict = lib.test_instruction_following_strict(inp, resp).follow_instruction_list
-        loose = lib.test_instruction_following_loose(inp, resp).follow_instruction_list
-    except LookupError as e:  # NLTK data no package ships: never a silent 0
-        raise BenchmarkPackageError(f"IFBench prompt {task.meta['key']} ({task.meta['instruction_id_list']}): "
-                                    f"its checker needs NLTK data that is not installed: {e}") from None
-    return strict, loose
+    strict, loose, raised = [], [], []
+    for iid, kwargs in zip(task.meta["instruction_id_list"], task.meta["kwargs"]):
+        inst = lib.instructions_registry.INSTRUCTION_DICT[iid](iid)
+        inst.build_description(**{k: v for k, v in kwargs.items() if v is not None})
+        if "prompt" in (inst.get_instruction_args() or {}):
+            inst.build_description(prompt=task.prompt)
+
+        def check(reply: str) -> bool:
+            try:
+                return bool(reply.strip()) and bool(inst.check_following(reply))
+            except (ArithmeticError, ValueError, IndexError, KeyError):  # a degenerate reply (no words, no quote)
+                raised.append(iid)
+                return False
+            except LookupError as e:  # NLTK's own (IndexError and KeyError are caught above): never a silent 0
+                raise BenchmarkPackageError(f"IFBench prompt {task.meta['key']} ({iid}): its checker needs NLTK "
+                                            f"data that is not installed: {e}") from None
+        strict.append(check(response))
+        loose.append(any(check(r) for r in _variants(response)))
+    return strict, loose, raised
 
 
 def verify(task: Task, completion: str) -> tuple[float, str]:
     """1 when the reply follows every instruction of its prompt, loosely (the package's loose prompt level)."""
-    _, loose = _follows(task, final_answer(completion))
+    _, loose, _ = _follows(task, final_answer(completion))
     missed = [i for i, ok in zip(task.meta["instruction_id_list"], loose) if not ok]
     return (0.0, f"missed {missed}") if missed else (1.0, "follows every instruction")
 
 
 def aggregate(tasks: list[Task], completions: list[str]) -> dict[str, float]:
     """The package's four accuracies over the suite: prompt and instruction level, strict and loose."""
-    follow = {"strict": [], "loose": []}
+    follow, raised = {"strict": [], "loose": []}, []
     for t, c in zip(tasks, completions):
-        strict, loose = _follows(t, final_answer(c))
+        strict, loose, r = _follows(t, final_answer(c))
         follow["strict"].append(strict)
         follow["loose"].append(loose)
+        raised += r
+    if raised:
+        print(f"[ifbench] {len(raised)} checks raised on degenerate replies, counted as not followed: "
+              f"{sorted(set(raised))}", flush=True)
     out = {}
     for mode, lists in follow.items():
         out[f"prompt_{mode}"] = sum(all(f) for f in lists) / len(lists)

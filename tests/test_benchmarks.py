@@ -32,6 +32,32 @@ def test_ifbench_scores_as_the_package_defines_and_leaves_out_only_what_no_packa
     assert len(ifbench.generate(n=32)) == 32 and ifbench.generate(n=32)[0].id == tasks[0].id
 
 
+def test_ifbench_checks_each_instruction_as_the_package_does_and_survives_replies_its_checkers_divide_by():
+    import copy
+    import json
+    lib, _, _ = ifbench._package()
+    root = wheels.package_dir(ifbench.PACKAGE, ifbench.VERSION, ifbench.INSTALL, "ifbench")
+    replies = {json.loads(line)["prompt"]: json.loads(line)["response"]
+               for line in (root / "data" / "sample_output.jsonl").read_text().splitlines()}
+    compared = 0
+    for t in ifbench.generate():  # the package's own sample replies: our loop against its functions
+        inp = lib.InputExample(key=t.meta["key"], instruction_id_list=t.meta["instruction_id_list"], prompt=t.prompt,
+                               kwargs=copy.deepcopy(t.meta["kwargs"]))
+        try:
+            want = (lib.test_instruction_following_strict(inp, replies).follow_instruction_list,
+                    lib.test_instruction_following_loose(inp, replies).follow_instruction_list)
+        except ArithmeticError:
+            continue
+        assert ifbench._follows(t, replies[t.prompt])[:2] == want, t.meta["key"]
+        compared += 1
+    assert compared >= 280
+    # a reply with no words: the stop-word ratio divides by zero in the package; here it is not followed
+    t = next(t for t in ifbench.generate() if "ratio:stop_words" in t.meta["instruction_id_list"])
+    strict, loose, raised = ifbench._follows(t, "...")
+    i = t.meta["instruction_id_list"].index("ratio:stop_words")
+    assert set(raised) == {"ratio:stop_words"} and not strict[i] and not loose[i]
+
+
 def test_ifbench_imports_and_scores_with_the_network_cut():
     code = ("import socket\n"
             "def cut(*a, **k): raise OSError('network use')\n"
@@ -109,6 +135,10 @@ def test_a_reasoning_gym_domain_is_configuration_only(monkeypatch):
     tasks = env.generate("val", 8, cfg.world.seed, **cfg.world.knobs("reasoning"))
     assert {t.domain for t in tasks} == {"reasoning"} and {t.meta["rg_task"] for t in tasks} == {"chain_sum"}
     assert environments.get(tasks[0].domain).verify(tasks[0], tasks[0].answer)[0] == 1.0
+    # a Ray worker of the run knows the swap from the run's variable alone, the built-in name included
+    monkeypatch.setitem(environments.REGISTRY, "reasoning", "environments.reasoning")
+    monkeypatch.setenv(environments.ENV_VAR, '{"reasoning": "environments.reasoning_gym"}')
+    assert environments.get("reasoning") is reasoning_gym
     bad = load_config("smoke", ["world.environments={reasoning: environments.reasoning_gym}"])
     with pytest.raises(ConfigError, match=r"world\.domain_knobs\.reasoning\.rg_tasks: a reasoning-gym domain needs"):
         check_domains(bad)

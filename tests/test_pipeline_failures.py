@@ -2,6 +2,7 @@
 publishes nothing, and a killed run is closed in MLflow by the next command. Apart from test_pipeline_smoke.py, whose
 tests share one run: `make test` runs the two files on its two workers at once. The CLI runs in the test's process
 (conftest.run_cli), but for the run killed with its process group: that driver is a process of its own."""
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +28,13 @@ def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
     assert p.returncode == 1
     assert "stage curate failed" in p.stderr and "gate 'input mine.jsonl' failed" in p.stderr
     assert not list((tmp_path / "artifacts" / "curate").glob("[!.]*"))  # nothing published
+    # what finished is kept: the failed node reruns from the failed run's raw corpus
+    run = next((tmp_path / "runs").iterdir())
+    partial = json.loads((run / "partial.json").read_text())
+    assert partial["failed"] and list(partial["stages"]) == ["raw"] and not (run / "report.json").exists()
+    again = posttrain(tmp_path, "rerun", "curate", "--from", run.name, check=False)
+    assert f"run {run.name} failed; reusing the 1 stages it finished" in again.stdout + again.stderr
+    assert again.returncode == 1 and "gate 'input mine.jsonl' failed" in again.stderr
 
 
 def test_a_killed_run_is_marked_killed_in_mlflow_by_the_next_command(tmp_path):

@@ -64,10 +64,13 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
     try:
         for wave in (w for wf in workflows for w in waves(g, wf)):
             stages = [s for s in wave if s in todo]
-            outs = await asyncio.gather(*(node(g[s], ctx, refs) for s in stages))
-            refs.update(zip(stages, outs))
+            # every node of the wave finishes (or fails) before the first failure is raised: what finished is kept
+            outs = await asyncio.gather(*(node(g[s], ctx, refs) for s in stages), return_exceptions=True)
+            refs.update((s, o) for s, o in zip(stages, outs) if not isinstance(o, BaseException))
+            if failed := next((o for o in outs if isinstance(o, BaseException)), None):
+                raise failed
     except BaseException:
-        pipeline.fail(ctx)
+        pipeline.fail(ctx, refs)
         raise
     report = pipeline.finish(ctx, refs, time.time() - t0,
                              {"reused": sorted(set(refs) - todo)} if set(refs) - todo else None)
@@ -102,7 +105,9 @@ async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream
     g = graph(cfg)
     if stage not in g:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(g)}")
-    todo = {s for s in downstream_of(g, stage) if s in report["stages"]} | {stage} if downstream else {stage}
+    # (a failed run's report holds only what finished: everything after the node it failed in is downstream)
+    todo = {s for s in downstream_of(g, stage) if s in report["stages"] or report.get("failed")} | {stage} \
+        if downstream else {stage}
     refs = {s: ref_from_dict({"stage": s, "path": v["artifact"], "sha256": v["sha256"],
                               "mlflow_run_id": v["mlflow_run_id"], "cached": True})
             for s, v in report["stages"].items() if s not in todo}

@@ -184,8 +184,17 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     return report
 
 
-def fail(ctx: RunContext) -> None:
+PARTIAL = "partial.json"  # a failed run's finished stages: `posttrain rerun STAGE --from RUN` redoes the rest
+
+
+def fail(ctx: RunContext, refs: dict[str, ArtifactRef]) -> None:
+    """Close the parent run as FAILED and keep the stages that finished, so the failed node can be rerun from them."""
     tracking.end_run(ctx.home, ctx.parent_run_id, "FAILED")
+    cfg = ctx.cfg()
+    partial = {"run_id": ctx.run_id, "profile": cfg.profile, "failed": True, "mlflow_run_id": ctx.parent_run_id,
+               "stages": {s: {"seconds": r.seconds, "mlflow_run_id": r.mlflow_run_id, "artifact": r.path,
+                              "sha256": r.sha256, "cached": r.cached} for s in graph(cfg) if (r := refs.get(s))}}
+    atomic_write_text(Path(ctx.home) / "runs" / ctx.run_id / PARTIAL, json.dumps(partial, indent=1))
 
 
 def load_run(run: str) -> tuple[dict, PipelineConfig]:
@@ -199,6 +208,10 @@ def load_run(run: str) -> tuple[dict, PipelineConfig]:
         run = json.loads((home / "latest" / "report.json").read_text())["run_id"]
         run_dir = home / "runs" / run
     report_path = run_dir / "report.json"
+    if not report_path.exists() and (run_dir / PARTIAL).exists():  # a failed run: the stages it finished
+        print(f"[pipeline] run {run} failed; reusing the {len(json.loads((run_dir / PARTIAL).read_text())['stages'])}"
+              f" stages it finished", flush=True)
+        report_path = run_dir / PARTIAL
     if not report_path.exists():
         known = sorted(p.name for p in (home / "runs").glob("*") if (p / "report.json").exists())
         raise FileNotFoundError(f"no finished run {run!r} under {home / 'runs'} (finished runs: {known[-5:]})")
