@@ -485,9 +485,6 @@ class OPDConfig(_Strict):
     # (posttrain/replay.py's, thinking off) and every domain `route` sends to "base" (e.g. {general: base});
     # 0 and no route to it: no base teacher
     everyday_prompts: AtLeast0 = 0
-
-    def base_teaches(self) -> bool:
-        return self.everyday_prompts > 0 or "base" in self.route.values()
     max_staleness: AtLeast0 = 1
     teacher_cpus: NonNegative = 0.2      # Ray CPUs each teacher actor reserves
     # actor: one Ray actor per teacher, which every rollout worker calls (large teachers, GPUs); worker: each
@@ -495,6 +492,9 @@ class OPDConfig(_Strict):
     teacher_placement: Literal["actor", "worker"] = "actor"
     val_every: AtLeast0 = 10
     checkpoint_every: AtLeast0 = 10
+
+    def base_teaches(self) -> bool:
+        return self.everyday_prompts > 0 or "base" in self.route.values()
 
 
 class LoraSettings(_Strict):

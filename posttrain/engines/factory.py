@@ -70,8 +70,9 @@ def lora_options(cfg, stage: str) -> dict:
     if not cfg.lora.used(stage):
         return {}
     from posttrain.engines.lora import Lora  # peft: only where adapters are trained
-    l = cfg.lora
-    return {"lora": Lora(l.rank, l.alpha, l.targets if isinstance(l.targets, str) else tuple(l.targets))}
+    settings = cfg.lora
+    targets = settings.targets if isinstance(settings.targets, str) else tuple(settings.targets)
+    return {"lora": Lora(settings.rank, settings.alpha, targets)}
 
 
 def rollout_options(cfg) -> dict:
