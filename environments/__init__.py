@@ -2,6 +2,7 @@
 `verify(task, completion) -> (score, reason)`, then naming it in REGISTRY (or `register`)."""
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -26,25 +27,36 @@ ENV_VAR = "POSTTRAIN_ENVIRONMENTS"
 
 
 def register(name: str, module: str) -> None:
+    """Add an environment for every run in this process (a run's own ones go in world.environments)."""
     REGISTRY[name] = module
 
 
+# the current run's own environments (world.environments): replaced, never merged, by each run's names(), so a
+# process that runs two configs (a notebook, the tests) never keeps one run's swap of a built-in domain
+_run: dict[str, str] = {}
+
+
 def names(extra: dict[str, str] | None = None) -> list[str]:
-    """The task domains of a run: the built-in three plus the config's own environments."""
-    for name, module in (extra or {}).items():
-        register(name, module)
-    return list(dict.fromkeys([*DOMAINS, *(extra or {})]))  # a built-in name in `extra` swaps its module
+    """The task domains of a run: the built-in three plus the config's own environments, which become the ones
+    `get` looks up (a built-in name in `extra` swaps its module)."""
+    global _run
+    _run = dict(extra or {})
+    return list(dict.fromkeys([*DOMAINS, *_run]))
 
 
-_FROM_ENV: set[str] = set()  # the ENV_VAR values already registered in this process
+_parsed = functools.lru_cache(maxsize=8)(json.loads)  # get() runs once per scored task
+
+
+def module_name(name: str) -> str:
+    """The module of environment `name`: the run's own first, then REGISTRY. In a Ray worker, which starts without
+    the profile, the run's own come from ENV_VAR."""
+    own = _parsed(run_envs) if (run_envs := os.environ.get(ENV_VAR)) else _run
+    if name in own:
+        return own[name]
+    if name not in REGISTRY:
+        raise KeyError(f"unknown environment {name!r}; known: {', '.join(sorted({*REGISTRY, *own}))}")
+    return REGISTRY[name]
 
 
 def get(name: str) -> ModuleType:
-    # a run's own environments first, every time the variable changes: one may replace a built-in domain
-    # (world.environments: {reasoning: ...}), which a lookup of unknown names only would never apply
-    if (run_envs := os.environ.get(ENV_VAR) or "") and run_envs not in _FROM_ENV:
-        names(json.loads(run_envs))
-        _FROM_ENV.add(run_envs)
-    if name not in REGISTRY:
-        raise KeyError(f"unknown environment {name!r}; known: {', '.join(sorted(REGISTRY))}")
-    return importlib.import_module(REGISTRY[name])
+    return importlib.import_module(module_name(name))

@@ -167,14 +167,21 @@ PARITY_ENV = ("from environments.base import Task, collect, verify_number\n"
               "verify = verify_number\n")
 
 
+@pytest.fixture(autouse=True)
+def _no_run_environments():
+    """A test that checks a config with its own environments leaves them for the next test's generators, as a run
+    leaves them for the next run in its process: forget them, as the next run's check would."""
+    yield
+    if "environments" in sys.modules:
+        sys.modules["environments"].names()
+
+
 @pytest.fixture
 def parity_env(tmp_path, monkeypatch):
     """A user's environment outside the repo: module `parity_env` on sys.path, forgotten after the test."""
-    import environments
     (tmp_path / "parity_env.py").write_text(PARITY_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "parity_env"
-    environments.REGISTRY.pop("parity", None)
     sys.modules.pop("parity_env", None)
 
 

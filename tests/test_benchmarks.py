@@ -125,7 +125,6 @@ def test_reasoning_gym_splits_never_share_a_question_and_answers_are_scored_by_i
 
 
 def test_a_reasoning_gym_domain_is_configuration_only(monkeypatch):
-    monkeypatch.setitem(environments.REGISTRY, "reasoning", environments.REGISTRY["reasoning"])  # restored after
     cfg = load_config("smoke", ["world.environments={reasoning: environments.reasoning_gym}",
                                 f"world.domain_knobs={{reasoning: {{rg_tasks: {{chain_sum: {CHAIN}}}}}}}".replace("'", "")])
     check_domains(cfg)
@@ -136,9 +135,13 @@ def test_a_reasoning_gym_domain_is_configuration_only(monkeypatch):
     assert {t.domain for t in tasks} == {"reasoning"} and {t.meta["rg_task"] for t in tasks} == {"chain_sum"}
     assert environments.get(tasks[0].domain).verify(tasks[0], tasks[0].answer)[0] == 1.0
     # a Ray worker of the run knows the swap from the run's variable alone, the built-in name included
-    monkeypatch.setitem(environments.REGISTRY, "reasoning", "environments.reasoning")
+    environments.names({})
     monkeypatch.setenv(environments.ENV_VAR, '{"reasoning": "environments.reasoning_gym"}')
     assert environments.get("reasoning") is reasoning_gym
+    monkeypatch.delenv(environments.ENV_VAR)
+    # the next run in the same process, without the swap, gets the built-in domain back
+    check_domains(load_config("smoke"))
+    assert environments.get("reasoning").__name__ == "environments.reasoning"
     bad = load_config("smoke", ["world.environments={reasoning: environments.reasoning_gym}"])
     with pytest.raises(ConfigError, match=r"world\.domain_knobs\.reasoning\.rg_tasks: a reasoning-gym domain needs"):
         check_domains(bad)

@@ -49,7 +49,7 @@ def check_benchmarks(cfg: PipelineConfig) -> None:
     that cannot run or a reasoning-gym task type that does not exist stops the run naming the key and the fix."""
     rg = environments.get("reasoning_gym")
     checks = {f"world.domain_knobs.{d}.rg_tasks": partial(rg.check, cfg.world.knobs(d).get("rg_tasks") or {})
-              for d in environments.names(cfg.world.environments) if environments.REGISTRY[d] == rg.__name__}
+              for d in environments.names(cfg.world.environments) if environments.module_name(d) == rg.__name__}
     if cfg.eval.reasoning_gym:
         checks["eval.reasoning_gym"] = partial(rg.check, cfg.eval.reasoning_gym)
     if cfg.eval.ifbench:
@@ -194,7 +194,9 @@ def fail(ctx: RunContext, refs: dict[str, ArtifactRef]) -> None:
     partial = {"run_id": ctx.run_id, "profile": cfg.profile, "failed": True, "mlflow_run_id": ctx.parent_run_id,
                "stages": {s: {"seconds": r.seconds, "mlflow_run_id": r.mlflow_run_id, "artifact": r.path,
                               "sha256": r.sha256, "cached": r.cached} for s in graph(cfg) if (r := refs.get(s))}}
-    atomic_write_text(Path(ctx.home) / "runs" / ctx.run_id / PARTIAL, json.dumps(partial, indent=1))
+    run_dir = Path(ctx.home) / "runs" / ctx.run_id
+    atomic_write_text(run_dir / PARTIAL, json.dumps(partial, indent=1))
+    store.upload_failed_run(run_dir, ctx.run_id, PARTIAL)
 
 
 def load_run(run: str) -> tuple[dict, PipelineConfig]:

