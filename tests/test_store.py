@@ -114,3 +114,20 @@ def test_an_s3_store_carries_the_timings_beside_the_digest(s3_store, tmp_path):
     local = two.fetch(uri, sha)  # another machine: downloaded and verified, timings.json included
     assert verify(local, digest)["timing_files"].keys() == {"timings.json"}
     assert read_with_timings(local) == {"reward": [0.5], "train_s": [0.5]}
+
+
+def test_a_failed_runs_finished_stages_reach_another_machine_of_an_s3_store(s3_store, tmp_path, monkeypatch):
+    """`posttrain rerun --from <failed run>` on a machine that did not run it: its config and partial.json travel."""
+    from posttrain.pipeline import store
+    s3_store("unused")  # the moto server and its bucket
+    run_dir = tmp_path / "one" / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text('{"profile": "smoke"}')
+    (run_dir / "partial.json").write_text('{"failed": true, "stages": {"raw": {}}}')
+    monkeypatch.setenv("POSTTRAIN_HOME", "s3://store/home")
+    monkeypatch.setenv("POSTTRAIN_LOCAL", str(tmp_path / "one"))
+    store.upload_failed_run(run_dir, "r1", "partial.json")
+    monkeypatch.setenv("POSTTRAIN_LOCAL", str(tmp_path / "two"))
+    store.download_run("r1")
+    assert (tmp_path / "two" / "runs" / "r1" / "partial.json").read_text() == (run_dir / "partial.json").read_text()
+    assert (tmp_path / "two" / "runs" / "r1" / "config.json").exists()

@@ -319,6 +319,16 @@ def upload_run(run_dir: Path, run_id: str) -> None:
     s.put_text("latest/report.json", (run_dir / "report.json").read_text())
 
 
+def upload_failed_run(run_dir: Path, run_id: str, partial: str) -> None:
+    """A failed run's config and finished stages (`partial`, a file name in run_dir) to the store, so that
+    `posttrain rerun --from` it works from any machine of the store."""
+    s = store()
+    if s is None:
+        return
+    for name in ("config.json", partial):
+        s.put_text(f"runs/{run_id}/{name}", (run_dir / name).read_text())
+
+
 def download_run(run: str) -> None:
     """An earlier run's report and config into the local mirror (`latest` resolved), when the store is remote."""
     s = store()
@@ -331,7 +341,7 @@ def download_run(run: str) -> None:
         run = json.loads(text)["run_id"]
         (s.local / "latest").mkdir(parents=True, exist_ok=True)
         (s.local / "latest" / "report.json").write_text(text)
-    for name in ("report.json", "config.json"):
+    for name in ("report.json", "config.json", "partial.json"):  # partial.json: a failed run's finished stages
         text = s.get_text(f"runs/{run}/{name}")
         if text is not None:
             (s.local / "runs" / run).mkdir(parents=True, exist_ok=True)
