@@ -66,6 +66,29 @@ def build_model_logits(ckpt, x):
         return model.double()(x).logits
 
 
+def test_on_glm5s_fused_experts_the_merged_weights_carry_the_experts_adapters(tok):
+    """peft wraps GLM-5's fused routed experts' parameters themselves (gate_up_proj, down_proj), one wrapper inside the
+    other: what leaves the engine for the rollout workers and the export is the adapted model, experts included."""
+    from tests.test_glm5_model import GLM5
+    from posttrain.engines.lora import attach, merged_weights
+    torch.manual_seed(0)
+    model = attach(build_model(ModelConfig(**GLM5), tok).eval(), Lora(rank=4, alpha=8.0))
+    x = torch.tensor([[1, 5, 7, 9, 4, 3]])
+    with torch.no_grad():
+        base = model(x).logits  # peft starts B at zero: the base model's
+    for n, p in model.named_parameters():
+        if ".lora_B" in n:  # as trained adapters would be
+            p.data.normal_(0, 0.1)
+    assert any(n.endswith("mlp.experts.lora_B.default.weight") for n, _ in model.named_parameters())
+    plain = build_model(ModelConfig(**GLM5), tok).eval()
+    plain.load_state_dict(merged_weights(model), strict=True)
+    with torch.no_grad():
+        a, b = model(x).logits, plain(x).logits
+    # fp32 (the experts' grouped matmul has no float64): the merge rounds each weight by 2^-24 of it, far below
+    # what the adapters change
+    assert (a - b).abs().max() < 1e-3 * (a - base).abs().max()
+
+
 def test_adapter_training_resumes_exactly(ckpt):
     samples = _samples(ckpt)
     engine = train_engine("torch", ckpt, lr=1e-2, lora=Lora(rank=4, alpha=8.0))

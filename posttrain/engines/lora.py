@@ -46,15 +46,23 @@ def attached(model: torch.nn.Module) -> bool:
     return bool(_layers(model))
 
 
+def _own_name(key: str) -> str:
+    """A state-dict key as the model without adapters names it (peft nests each wrapped layer as `base_layer`)."""
+    return key.replace(".base_layer", "")
+
+
 @torch.no_grad()
 def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict as a model without adapters would have it: each adapted weight is W + B A (scaled)."""
-    deltas = {f"{n}.weight": m.get_delta_weight(ADAPTER) for n, m in _layers(model)}
+    """The model's state dict as a model without adapters would have it: each adapted weight is W + B A (scaled).
+    A layer's adapter wraps its `weight`; on fused MoE experts (GLM-5) peft wraps the experts' parameters
+    themselves (`parameter_name`: gate_up_proj, down_proj), one wrapper inside the other."""
+    deltas = {f"{_own_name(n)}.{getattr(m, 'parameter_name', None) or 'weight'}": m.get_delta_weight(ADAPTER)
+              for n, m in _layers(model)}
     out = {}
     for k, v in model.state_dict().items():
         if ".lora_" in k:
             continue
-        name = k.replace(".base_layer.", ".")
+        name = _own_name(k)
         out[name] = (v + deltas[name].to(v.dtype)) if name in deltas else v
     return out
 
