@@ -553,6 +553,13 @@ class EvalConfig(_Strict):
     # suite rg:<type>; name the trained types and some it never trained on (environments/reasoning_gym.py)
     reasoning_gym: dict[str, dict[str, Any]] = Field(default_factory=dict)
     reasoning_gym_n: AtLeast1 = 32
+    # the checkpoints also scored with thinking off on the domain suites (`<domain>:nothink`; figures' thinking
+    # delta reads sft's), e.g. [base, sft, generalist]; None: every chat-scored checkpoint. Each one is a second pass
+    # over every domain's test split
+    nothink_on: list[str] | None = None
+
+    def nothink(self, checkpoint: str) -> bool:
+        return self.nothink_on is None or checkpoint in self.nothink_on
 
     def batch_size_at(self, length: int) -> int:
         """Prompts per batch at a context length: attention scores are batch x heads x length^2, so

