@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,10 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
             if failed := next((o for o in outs if isinstance(o, BaseException)), None):
                 raise failed
     except BaseException:
-        pipeline.fail(ctx, refs)
+        try:
+            pipeline.fail(ctx, refs)
+        except Exception as e:  # the stage's own error is the one to see: the bookkeeping's is only reported
+            print(f"[pipeline] the failed run's finished stages were not recorded: {e!r}", file=sys.stderr, flush=True)
         raise
     report = pipeline.finish(ctx, refs, time.time() - t0,
                              {"reused": sorted(set(refs) - todo)} if set(refs) - todo else None)
