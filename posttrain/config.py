@@ -479,6 +479,8 @@ class OPDConfig(_Strict):
     loss: Literal["sampled", "topk", "full"] = "sampled"  # sampled: only teacher logprobs of sampled tokens
     top_k: AtLeast1 = 16
     reward_weight: NonNegative = 0.0     # > 0 mixes the task reward in (reward minus its domain's batch mean)
+    # KL(student || its starting checkpoint) on the sampled tokens, beside the teachers' pull (loss: sampled); 0: none
+    kl_coef: NonNegative = 0.0
     route: dict[str, str] = Field(default_factory=dict)   # prompt domain -> teacher domain (default: itself)
     # the base checkpoint as one more teacher (GLM-5's multi-teacher OPD with a general teacher), so consolidation
     # pulls the student back toward what the base model knew: it teaches this many everyday instructions
@@ -756,6 +758,9 @@ class PipelineConfig(_Strict):
             if key not in domains or teacher not in (*domains, "base"):
                 errors.append(f"opd.route.{key}: prompts are domains of rl.domains {domains}, teachers those or "
                               f"base (got {key} -> {teacher})")
+        if self.opd.kl_coef and self.opd.loss != "sampled":
+            errors.append(f"opd.kl_coef: the reference KL is estimated on the sampled tokens, so it needs opd.loss "
+                          f"sampled (got {self.opd.loss})")
         # RLConfig also carries the OPD loop (no RL prompts) and unit tests (lr 0); an rl stage needs both
         for d in ["", *self.rl.per_domain]:
             r, key = (self.rl.for_domain(d), f"rl.per_domain.{d}") if d else (self.rl, "rl")

@@ -187,3 +187,27 @@ def test_full_form_at_a_real_vocabulary_says_what_it_costs(tmp_path, capsys):
     assert warn_full_at_large_vocab({"a": str(tmp_path / "small")}) is None
     msg = warn_full_at_large_vocab({"a": str(tmp_path / "small"), "b": str(tmp_path / "qwen")})
     assert "151,936" in msg and "sampled" in msg and "b)" in msg and msg in capsys.readouterr().out
+
+
+def test_a_reference_kl_holds_the_student_near_where_it_started(models, tok):
+    """opd.kl_coef: KL(student || its starting checkpoint) beside the teacher's pull. Trained alike but for it, the
+    student with the term ends nearer its start (the exact KL on held-out prefixes) and the step logs the KL."""
+    pool = [t for d in ("reasoning", "general") for t in environments.get(d).generate("train", 16, 0)]
+    held_out, _ = RolloutWorker(models["student"]).rollout(pool[:8], 1, seed=7, max_new_tokens=12, temperature=1.0)
+    r = RLConfig(steps=30, prompts_per_step=0, group_size=2, max_new_tokens=12, val_every=0, lr=3e-3,
+                 stop_check=False)
+    teachers = {"reasoning": models["teacher"], "general": models["teacher"]}
+    drift = {}
+    for coef in (0.0, 10.0):
+        policy, _, st = train_policy(r.model_copy(update={"kl_coef": coef}), models["student"], [], pool[:2], seed=0,
+                                     distill=Distill(teachers, pool, 8, kl_coef=coef))
+        drift[coef] = _exact_kl(policy, models["student"], held_out, tok.pad_token_id)
+        assert ("kl_ref" in st.history) == bool(coef)
+    # 0.0060 against 0.0110 here: the term acts on the sampled tokens only (its k3 estimate), so it halves the drift
+    # rather than stopping it
+    assert drift[10.0] < 0.7 * drift[0.0], drift
+    assert max(st.history["kl_ref"]) > 0
+    with pytest.raises(ValueError, match="reference KL in distillation needs the sampled loss, not 'topk'"):
+        Distill(teachers, pool, 8, mode="topk", kl_coef=0.1)
+    with pytest.raises(ConfigError, match="opd.kl_coef: .* needs opd.loss sampled"):
+        load_config("smoke", ["opd.kl_coef=0.1", "opd.loss=full"])

@@ -74,10 +74,13 @@ class Distill:
     top_k: int = 16
     coef: float = 1.0
     reward_weight: float = 0.0           # mix the task reward in as a sequence advantage
+    kl_coef: float = 0.0                 # KL(student || the loop's reference) on the distilled tokens (sampled only)
     teacher_cpus: float = 0.2
     teacher_placement: str = "actor"     # Ray actors, or inside each rollout worker (posttrain.rl.teachers)
 
     def __post_init__(self) -> None:
+        if self.kl_coef and self.mode != "sampled":
+            raise ValueError(f"a reference KL in distillation needs the sampled loss, not {self.mode!r}")
         if self.mode == "full":
             warn_full_at_large_vocab(self.teachers)
 

@@ -16,7 +16,7 @@ import torch
 
 from posttrain.models.prefix import micro_batches
 from posttrain.rl.batches import completion_batch
-from posttrain.rl.losses import policy_loss
+from posttrain.rl.losses import kl_to_reference, policy_loss
 
 
 def _read_only_tensor(a) -> torch.Tensor:
@@ -71,9 +71,11 @@ def _at_generated(mask: torch.Tensor, rows: list) -> torch.Tensor:
 def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: float = 1.0,
                      reward_weight: float = 0.0, temperature: float = 1.0, clip_eps: float = 0.2,
                      is_lower: float = 0.5, is_upper: float = 2.0, max_cells: int = 2048,
-                     weight: float = 1.0) -> dict[str, float]:
+                     weight: float = 1.0, ref=None, kl_coef: float = 0.0) -> dict[str, float]:
     """Accumulate the gradient of the distillation loss (mean over the batch's generated tokens, times
-    `weight`) on `samples`, whose `teacher` field holds their teacher's scores; returns statistics."""
+    `weight`) on `samples`, whose `teacher` field holds their teacher's scores; returns statistics. With `ref` (a
+    frozen engine) and `kl_coef`, the loss also holds kl_coef x KL(student || ref) on the sampled tokens (`sampled`
+    only): the student kept near where it started while its teachers pull it."""
     n_tokens = float(sum(s.n_generated for s in samples)) or 1.0
     row_adv = (reward_advantages(samples) * reward_weight if reward_weight else torch.zeros(len(samples))
                ).to(policy.device)
@@ -81,10 +83,16 @@ def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: floa
     per_domain: dict[str, list[float]] = {}  # domain -> [KL sum, tokens]
     chunks = [(idx, [samples[i] for i in idx]) for idx in micro_batches(samples, max_cells)]
     batches = [completion_batch(sub, policy.device) for _, sub in chunks]
+    refs = [None] * len(chunks)
+    if kl_coef and ref is not None:
+        with torch.no_grad():
+            refs = [ref.logprobs(sub, temperature)[0] for _, sub in chunks]
+        stats["kl_ref"] = 0.0
     if mode == "sampled":  # every micro-batch's loss at once: an engine may interleave them (megatron's 1F1B)
-        def sampled(idx, sub, b):
+        def sampled(idx, sub, b, ref_logp):
             mask = b["mask"]
             teacher = _at_generated(mask, [s.teacher for s in sub])
+            share = mask.sum().item() / n_tokens
 
             def loss_of(logp, ent, stats=False):
                 kl = (logp.detach() - teacher) * mask
@@ -92,9 +100,14 @@ def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: floa
                 loss, st = policy_loss(logp, b["old_logprobs"], adv * mask, mask, clip_eps=clip_eps,
                                        is_lower=is_lower, is_upper=is_upper, agg="token", n_tokens=n_tokens,
                                        stats=stats)
+                if ref_logp is not None:
+                    kl_ref = kl_to_reference(logp, ref_logp, mask)
+                    loss = loss + kl_coef * kl_ref * share
+                    if stats:
+                        st["kl_ref"] = kl_ref.item() * share
                 return (loss, kl, st) if stats else loss * weight
             return loss_of
-        losses = [sampled(idx, sub, b) for (idx, sub), b in zip(chunks, batches)]
+        losses = [sampled(idx, sub, b, r) for (idx, sub), b, r in zip(chunks, batches, refs)]
         done = policy.logprob_losses([(sub, f) for (_, sub), f in zip(chunks, losses)], temperature)
         with torch.no_grad():  # the statistics, from the log-probabilities the update used
             results = [f(logp, ent, stats=True) for f, (_, logp, ent) in zip(losses, done)]
@@ -126,6 +139,8 @@ def distill_backward(policy, samples: list, *, mode: str = "sampled", coef: floa
         stats["distill_loss"] += loss.item()
         stats["reverse_kl"] += (kl.detach() * mask).sum().item() / n_tokens
         stats["distill_masked_fraction"] += st["masked_fraction"] * share
+        if "kl_ref" in stats:
+            stats["kl_ref"] += st["kl_ref"]
         for s, row_kl, row_mask in zip(sub, kl.detach(), mask):
             acc = per_domain.setdefault(s.domain, [0.0, 0.0])
             acc[0] += (row_kl * row_mask).sum().item()

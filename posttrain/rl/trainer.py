@@ -68,7 +68,7 @@ def update(r: RLConfig, eng: Engines, batch: list[Sample], dbatch: list[Sample],
     extra = (lambda: distill_backward(
         eng.policy, dbatch, mode=distill.mode, coef=distill.coef, reward_weight=distill.reward_weight,
         temperature=r.temperature, clip_eps=r.clip_eps, is_lower=r.is_lower, is_upper=r.is_upper,
-        max_cells=r.micro_batch_cells)) if dbatch else None
+        max_cells=r.micro_batch_cells, ref=eng.ref, kl_coef=distill.kl_coef)) if dbatch else None
     eng.policy.train()
     stats = train_step(r, eng.policy, batch, eng.critic, eng.ref, extra)
     eng.policy.eval()

@@ -20,11 +20,11 @@ from posttrain.train import moe_metrics, summarize
 
 
 def loop_config(cfg: PipelineConfig) -> RLConfig:
-    """The RL loop's settings for distillation alone (no RL batch, no reference KL)."""
+    """The RL loop's settings for distillation alone (no RL batch; opd.kl_coef the reference KL's weight)."""
     o = cfg.opd
     return cfg.rl.model_copy(update=dict(
         steps=o.steps, prompts_per_step=0, lr=o.lr, temperature=o.temperature, max_new_tokens=o.max_new_tokens,
-        max_staleness=o.max_staleness, val_every=o.val_every, checkpoint_every=o.checkpoint_every, kl_coef=0.0,
+        max_staleness=o.max_staleness, val_every=o.val_every, checkpoint_every=o.checkpoint_every, kl_coef=o.kl_coef,
         entropy_coef=0.0, ppo_epochs=1, per_domain={}))
 
 
@@ -70,7 +70,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
             pool += everyday.tasks(list(PROMPTS[:o.everyday_prompts]))
             route[everyday.DOMAIN] = "base"
     distill = Distill(teachers, pool, o.prompts_per_step, route=route,
-                      mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, teacher_cpus=o.teacher_cpus,
+                      mode=o.loss, top_k=o.top_k, reward_weight=o.reward_weight, kl_coef=o.kl_coef,
+                      teacher_cpus=o.teacher_cpus,
                       teacher_placement=o.teacher_placement)
     policy, tok, st = train_policy(loop_config(cfg), inputs[o.student], [], val, seed=cfg.seed, label="opd", moe=cfg.moe,
                                  scratch=scratch, distill=distill,
