@@ -62,9 +62,11 @@ def check_benchmarks(cfg: PipelineConfig) -> None:
 
 
 def _ifbench_scores() -> None:
-    """The package, its data, and every checker it keeps, run once on a reply (the prompt echoed)."""
+    """The package, its data, and every checker it keeps, each run once on a reply (the prompt echoed)."""
     env = environments.get("ifbench")
-    env.aggregate(tasks := env.generate("test"), [t.prompt for t in tasks])
+    one_each = {iid: t for t in env.generate("test") for iid in t.meta["instruction_id_list"]}
+    tasks = list({t.meta["key"]: t for t in one_each.values()}.values())
+    env.aggregate(tasks, [t.prompt for t in tasks])
 
 
 def start(cfg: PipelineConfig, *, run_id: str = "", tags: dict[str, str] | None = None,
