@@ -130,3 +130,33 @@ def test_everyday_instructions_join_the_calibration_stream_among_the_conversatio
     text = tok.decode(mixed.flatten())
     assert all(p in text for p in replay.PROMPTS[:4]) and replay.PROMPTS[4] not in text
     assert text.index(replay.PROMPTS[3]) < len(text) * 0.9  # spread through, not appended at the end
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm5"])
+def test_calibration_passes_activations_one_decoder_layer_at_a_time_as_the_whole_model_would(arch):
+    """GPTQ calibrates each layer on its predecessors' outputs by running the captured activations through one
+    layer at a time (a forward of the whole model per layer was quadratic in depth): chained over every layer they
+    are the model's own last hidden states, each layer with its own mask and position embeddings."""
+    from posttrain.stages.quantize import _layer_inputs, _through
+    from tests.test_glm5_model import GLM5
+    torch.manual_seed(0)
+    tok = train_tokenizer(["hello world 1 2 3 the answer is 42"] * 20, 300)
+    cfg = ModelConfig(**GLM5) if arch == "glm5" else ModelConfig(hidden_size=64, num_layers=3, num_heads=4,
+                                                                  num_kv_heads=1, intermediate_size=128)
+    model = build_model(cfg, tok).eval()
+    if arch == "llama":
+        model = model.double()  # float64: the two paths' sums agree far below the bound
+    rows = torch.randint(0, len(tok), (6, 24))
+    seen = []
+    model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    with torch.no_grad():
+        hidden, kwargs = _layer_inputs(model, rows, batch=3)
+        assert len(hidden) == 2 and all(len(kw) == cfg.num_layers for kw in kwargs)
+        for li, layer in enumerate(model.model.layers):
+            hidden = [_through(layer, h, kw[li]) for h, kw in zip(hidden, kwargs)]
+        for i, h in enumerate(hidden):
+            model(rows[3 * i:3 * i + 3], use_cache=False)
+            want = seen[-1]
+            # float32 (GLM-5's grouped expert matmul has no float64): a few ulps of the activations' scale
+            tol = 1e-10 if arch == "llama" else 1e-5
+            assert (h - want).abs().max() <= tol * want.abs().max()

@@ -52,17 +52,57 @@ def calibration_rows(cfg: PipelineConfig, curate_dir: str, tok) -> torch.Tensor:
     return torch.tensor(stream[: len(stream) // L * L]).reshape(-1, L)
 
 
+class _Captured(Exception):
+    """Stops a forward once the decoder layers' inputs are captured."""
+
+
+def _layer_inputs(model, rows: torch.Tensor, batch: int) -> tuple[list[torch.Tensor], list[list[dict]]]:
+    """Per batch of `rows`: the hidden states entering the first decoder layer, and every layer's own keyword
+    arguments (its mask and position embeddings, which a layer type may have of its own), from one forward that
+    stops at the last layer."""
+    layers, hidden, kwargs = model.model.layers, [], []
+
+    def grab(i):
+        def hook(_m, args, kw):
+            if i == 0:
+                hidden.append(args[0] if args else kw["hidden_states"])
+                kwargs.append([])
+            kwargs[-1].append({k: v for k, v in kw.items() if k != "hidden_states"})
+            if i == len(layers) - 1:
+                raise _Captured
+        return hook
+    handles = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in enumerate(layers)]
+    try:
+        for i in range(0, len(rows), batch):
+            try:
+                model(rows[i:i + batch], use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+    return hidden, kwargs
+
+
+def _through(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
 @torch.no_grad()
-def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig, batch: int = 8) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Quantize every target layer by layer; returns name -> (int8 q, float32 scales). The model's weights
-    are left at their quantized values, so each layer is calibrated on its quantized predecessors' outputs."""
+    are left at their quantized values, and each layer is calibrated on its quantized predecessors' outputs:
+    the calibration activations pass through one decoder layer at a time (a whole forward per layer made the
+    forwards quadratic in depth)."""
     found, result = targets(model, qcfg), {}
-    for layer in tqdm(model.model.layers, desc="gptq" if qcfg.method == "gptq" else "rtn"):
+    hidden, kwargs = _layer_inputs(model, rows, batch) if qcfg.method == "gptq" else ([], [])
+    for li, layer in enumerate(tqdm(model.model.layers, desc="gptq" if qcfg.method == "gptq" else "rtn")):
         mine = {n: m for n, (m, _, _) in found.items() if any(m is x for x in layer.modules())}
         if qcfg.method == "gptq":
             tracker = HessianTracker(mine)
-            for i in range(0, len(rows), 8):
-                model(rows[i:i + 8])
+            for h, kw in zip(hidden, kwargs):
+                _through(layer, h, kw[li])
             hessians = tracker.close()
         for name, m in mine.items():
             _, bits, g = found[name]
@@ -72,6 +112,7 @@ def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig) -> dict[str, tupl
                     else rtn(m.weight, bits, g, SCALE_DTYPE))
             m.weight.copy_((q.float().reshape(q.shape[0], -1, g) * s[..., None]).reshape(q.shape))
             result[name] = (q, s)
+        hidden = [_through(layer, h, kw[li]) for h, kw in zip(hidden, kwargs)]  # the next layer's inputs
     return result
 
 
