@@ -88,17 +88,22 @@ class HessianTracker:
         self.h = {n: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for n, m in modules.items()}
         self.n = dict.fromkeys(modules, 0)
         self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in modules.items()]
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, its X^T X): q, k and v share one
 
     def _hook(self, name: str):
         def hook(_module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-            n = self.n[name] + x.shape[0]
+            if self._last is None or self._last[0] is not args[0]:
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                self._last = (args[0], x.T @ x)
+            rows = args[0].numel() // args[0].shape[-1]
+            n = self.n[name] + rows
             self.h[name] *= self.n[name] / max(n, 1)
-            self.h[name] += (2.0 / max(n, 1)) * x.T @ x
+            self.h[name] += (2.0 / max(n, 1)) * self._last[1]
             self.n[name] = n
         return hook
 
     def close(self) -> dict[str, torch.Tensor]:
+        self._last = None
         for h in self.handles:
             h.remove()
         return self.h
