@@ -208,8 +208,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {},
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
     cks, plain = checkpoints(cfg), completion_checkpoints(cfg)
-    calls = [(cfg, inputs[stage], completion_suites if ck in plain else chat_suites_of(cfg, ck, chat_suites), ck in plain,
-              cfg.eval.samples) for ck, stage in cks.items()]
+    calls = [(cfg, inputs[stage], completion_suites if ck in plain else chat_suites_of(cfg, ck, chat_suites),
+              ck in plain, cfg.eval.samples) for ck, stage in cks.items()]
     for ck, (s, t, p, spec) in zip(cks, _each(calls)):
         if spec:
             result["mtp"][ck] = spec

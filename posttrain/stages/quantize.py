@@ -90,7 +90,8 @@ def _through(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig, batch: int = 8) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig,
+              batch: int = 8) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Quantize every target layer by layer; returns name -> (int8 q, float32 scales). The model's weights
     are left at their quantized values, and each layer is calibrated on its quantized predecessors' outputs:
     the calibration activations pass through one decoder layer at a time (a whole forward per layer made the
