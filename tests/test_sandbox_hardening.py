@@ -69,8 +69,10 @@ def test_a_folder_swapped_for_a_link_in_a_loop_never_leads_outside(swappable):
         os.close(root_fd)
     assert swaps[0] > 100
     assert not [o for o in outs if "SECRET" in o or "only_outside" in o]
-    # the swap really raced the calls: some went through the folder, some met the link and were refused
-    assert "inside" in outs and "f.txt" in outs and BLOCKED_OUTPUT in outs
+    # each call went through the folder or met the link and was refused: nothing else. Which of the two, and how
+    # often, is the scheduler's (a loaded machine once ran all 3,000 calls while the link stood); the test below
+    # forces each order of the two steps
+    assert set(outs) <= {"inside", "f.txt", BLOCKED_OUTPUT}
 
 
 @pytest.mark.parametrize("when", ["before the folder is opened", "after the folder is opened"])
