@@ -6,6 +6,7 @@ int-quantized attention, bf16 scales): the format vLLM loads as CompressedTensor
 CompressedTensorsW8A8Int8. Our own evaluation runs it on CPU through posttrain/quant/int_linear.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -74,10 +75,8 @@ def _layer_inputs(model, rows: torch.Tensor, batch: int) -> tuple[list[torch.Ten
     handles = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in enumerate(layers)]
     try:
         for i in range(0, len(rows), batch):
-            try:
+            with contextlib.suppress(_Captured):  # the last layer's hook ends the forward: nothing after it is needed
                 model(rows[i:i + batch], use_cache=False)
-            except _Captured:
-                pass
     finally:
         for h in handles:
             h.remove()
