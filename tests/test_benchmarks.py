@@ -5,6 +5,7 @@ import sys
 from fractions import Fraction
 
 import pytest
+import torch
 
 import environments
 from environments import ifbench, reasoning_gym, wheels
@@ -154,8 +155,22 @@ def test_every_chat_checkpoint_gets_the_benchmark_suites_with_their_own_scores(t
                                 f"eval.reasoning_gym={{chain_sum: {CHAIN}, spell_backward: {{}}}}".replace("'", "")])
     suites = benchmark_suites(cfg)
     assert list(suites) == ["ifbench", "rg/chain_sum", "rg/spell_backward"]
-    scores, tokens, _, _ = evaluate_checkpoint(cfg, str(ck), suites)
+    scores, tokens, _, info = evaluate_checkpoint(cfg, str(ck), suites)
+    assert info["dtype"] == "float32" and info["seconds"] > 0
     assert set(scores) == {"ifbench", "ifbench/prompt_strict", "ifbench/inst_loose", "ifbench/inst_strict",
                            "rg/chain_sum", "rg/spell_backward"}
     assert all(0.0 <= v <= 1.0 for v in scores.values())
     assert tokens["ifbench"] <= 4 < cfg.eval.max_new_tokens  # the suite's own budget
+
+
+def test_eval_dtype_decodes_the_checkpoints_in_bfloat16(tmp_path, monkeypatch):
+    from chat_fixtures import make_checkpoint
+    from posttrain.engines import torch_rollout
+    ck = make_checkpoint("chatml", tmp_path / "ck")
+    held = []
+    real = torch_rollout.TorchRolloutEngine.from_checkpoint.__func__
+    monkeypatch.setattr(torch_rollout.TorchRolloutEngine, "from_checkpoint", classmethod(
+        lambda cls, path, dtype="float32": held.append(e := real(cls, path, dtype)) or e))
+    cfg = load_config("smoke", ["eval.dtype=bfloat16", "eval.max_new_tokens=4"])
+    _, _, _, info = evaluate_checkpoint(cfg, str(ck), {"chat": (environments.get("chat").generate()[:2], False)})
+    assert info["dtype"] == "bfloat16" and held[0].model.dtype == torch.bfloat16

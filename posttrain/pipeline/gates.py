@@ -25,8 +25,9 @@ def validate_gates(cfg: PipelineConfig) -> None:
         if getattr(g, field) not in cks:
             raise ConfigError(f"gates.{field}: {getattr(g, field)!r} is not an evaluated checkpoint "
                               f"(known: {', '.join(cks)})")
-    if unknown := [ck for ck in cfg.eval.nothink_on or [] if ck not in cks]:
-        raise ConfigError(f"eval.nothink_on: {unknown} are not evaluated checkpoints (known: {', '.join(cks)})")
+    for field in ("nothink_on", "benchmarks_on"):
+        if unknown := [ck for ck in getattr(cfg.eval, field) or [] if ck not in cks]:
+            raise ConfigError(f"eval.{field}: {unknown} are not evaluated checkpoints (known: {', '.join(cks)})")
     for kind in ("min", "max_drop"):
         for suite in getattr(g, kind):
             if suite != "*" and suite not in known:
@@ -37,6 +38,9 @@ def validate_gates(cfg: PipelineConfig) -> None:
             if suite.endswith(":nothink") and nothink != {True} or suite == "*" and len(nothink) > 1:
                 raise ConfigError(f"gates.{kind}.{suite}: eval.nothink_on scores thinking off on "
                                   f"{cfg.eval.nothink_on} only; name {' and '.join(gated)} there too")
+            if suite == "*" and len({cfg.eval.benchmarks(c) for c in gated}) > 1:
+                raise ConfigError(f"gates.{kind}.*: eval.benchmarks_on scores the wheel benchmarks on "
+                                  f"{cfg.eval.benchmarks_on} only; name {' and '.join(gated)} there too")
 
 
 def check_gates(cfg: PipelineConfig, scores: dict[str, dict[str, float]]) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from math import comb
 from pathlib import Path
 
@@ -67,9 +68,16 @@ def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) 
     return out
 
 
+def is_benchmark(suite: str) -> bool:
+    """A wheel benchmark's suite (benchmark_suites) or one of its extra scores."""
+    return suite.split("/")[0] in ("ifbench", "rg")
+
+
 def chat_suites_of(cfg: PipelineConfig, checkpoint: str, chat_suites: dict) -> dict:
-    """The chat suites one checkpoint is scored on: the `:nothink` ones only where eval.nothink_on names it."""
-    return {k: v for k, v in chat_suites.items() if not k.endswith(":nothink") or cfg.eval.nothink(checkpoint)}
+    """The chat suites one checkpoint is scored on: the `:nothink` ones only where eval.nothink_on names it, the
+    wheel benchmarks only where eval.benchmarks_on does."""
+    return {k: v for k, v in chat_suites.items() if (not k.endswith(":nothink") or cfg.eval.nothink(checkpoint))
+            and (not is_benchmark(k) or cfg.eval.benchmarks(checkpoint))}
 
 
 def benchmark_suites(cfg: PipelineConfig) -> dict[str, tuple]:
@@ -108,17 +116,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, completion: bool = False,
                         samples: int = 0) -> tuple[dict, dict, dict, dict]:
     """Greedy score and mean generated tokens per suite; with `samples`, pass@1 and pass@samples of
-    that many sampled answers per task (a sample passes on full reward) for the domain suites; and, for a
-    checkpoint with an MTP layer (decoded speculatively), the mean tokens per model forward."""
+    that many sampled answers per task (a sample passes on full reward) for the domain suites; and the seconds
+    it took, the precision it was decoded in and, for a checkpoint with an MTP layer (decoded speculatively), the
+    mean tokens per model forward."""
     torch.manual_seed(cfg.seed)
-    name = cfg.runtime.rollout_engine
+    started, name = time.perf_counter(), cfg.runtime.rollout_engine
+    # a W4A8 export runs on its integer kernels (int4 / int8 weights, fp32 scales and the rest)
+    dtype = "float32" if is_compressed(path) else cfg.eval.dtype
     if is_compressed(path) and not registry.supports("rollout", name, registry.INT_KERNELS):
         # a W4A8 export runs on posttrain's integer kernels: an engine that has them evaluates it
         runs = next(n for n in registry.ROLLOUT if registry.supports("rollout", n, registry.INT_KERNELS))
         print(f"[evaluate] {path}: a W4A8 export, evaluated with the {runs} rollout engine (runtime.rollout_engine "
               f"{name} serves the unquantized checkpoints)", flush=True)
         name = runs
-    engine = rollout_engine(name, path)
+    engine = rollout_engine(name, path, dtype=dtype)
     tok = engine.tokenizer
     scores, tokens, passk = {}, {}, {}
     for name, (tasks, thinking, *budget) in suite_tasks.items():
@@ -148,10 +159,10 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
             passk[name] = {f"pass@{k}": round(sum(pass_at_k(samples, c, k) for c in passed) / len(tasks), 4)
                            for k in sorted({1, samples})}
     engine.close()  # a server process: gone with the evaluation, not at garbage collection
-    st = engine.stats
-    if not st.get("verifications"):
-        return scores, tokens, passk, {}
-    return scores, tokens, passk, {"acceptance_length": round(st["accepted"] / st["verifications"], 3)}
+    st, info = engine.stats, {"seconds": round(time.perf_counter() - started, 1), "dtype": dtype}
+    if st.get("verifications"):
+        info["acceptance_length"] = round(st["accepted"] / st["verifications"], 3)
+    return scores, tokens, passk, info
 
 
 def _evaluate_alone(*args) -> tuple[dict, dict, dict, dict]:
@@ -205,14 +216,15 @@ def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(inputs["sft"])
     chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
-    result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {},
+    result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {}, "decoding": {},
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
     cks, plain = checkpoints(cfg), completion_checkpoints(cfg)
     calls = [(cfg, inputs[stage], completion_suites if ck in plain else chat_suites_of(cfg, ck, chat_suites),
               ck in plain, cfg.eval.samples) for ck, stage in cks.items()]
-    for ck, (s, t, p, spec) in zip(cks, _each(calls)):
-        if spec:
-            result["mtp"][ck] = spec
+    for ck, (s, t, p, info) in zip(cks, _each(calls)):
+        if "acceptance_length" in info:
+            result["mtp"][ck] = {"acceptance_length": info.pop("acceptance_length")}
+        result["decoding"][ck] = info  # how long each checkpoint took to score, and in what precision
         result["eval"][ck], result["tokens"][ck] = s, t
         if ck not in plain:  # which template, thinking support and tool format the checkpoint was scored with
             result["chat_format"][ck] = chat_format(AutoTokenizer.from_pretrained(inputs[cks[ck]])).summary()
