@@ -178,6 +178,8 @@ def test_rerun_one_node_reuses_upstream_by_digest(first):
     assert new["stages"]["opd"]["sha256"] != report["stages"]["opd"]["sha256"]
     for s in ("sft", "rl-agentic", "quantize"):  # upstream and (not asked) downstream are reused
         assert new["stages"][s]["sha256"] == report["stages"][s]["sha256"]
+    # but the reused quantize and evaluate are of the old opd's model: reported stale, not gated, not registered
+    assert new["stale"] == ["evaluate", "quantize"] and "gates" not in new and "registered_model" not in new
     runs = stage_runs(home, new["mlflow_run_id"])
     assert set(runs) == {"opd"}
 

@@ -59,8 +59,10 @@ async def node(stage: Stage, ctx: RunContext, refs: dict[str, ArtifactRef]) -> A
 
 
 async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str],
-                    workflows: tuple[str, ...] = ("post_train",)) -> dict[str, ArtifactRef]:
-    """Run the stages in `todo` of the named workflows, wave after wave (upstream artifacts from `refs`)."""
+                    workflows: tuple[str, ...] = ("post_train",), stale: set[str] = frozenset()
+                    ) -> dict[str, ArtifactRef]:
+    """Run the stages in `todo` of the named workflows, wave after wave (upstream artifacts from `refs`); `stale`:
+    the nodes of `refs` an earlier run computed from what this one redid (reported as such, never registered)."""
     t0, g = time.time(), graph(ctx.cfg())
     try:
         for wave in (w for wf in workflows for w in waves(g, wf)):
@@ -76,8 +78,8 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
         except Exception as e:  # the stage's own error is the one to see: the bookkeeping's is only reported
             print(f"[pipeline] the failed run's finished stages were not recorded: {e!r}", file=sys.stderr, flush=True)
         raise
-    report = pipeline.finish(ctx, refs, time.time() - t0,
-                             {"reused": sorted(set(refs) - todo)} if set(refs) - todo else None)
+    extra = {"reused": sorted(set(refs) - todo)} if set(refs) - todo else {}
+    report = pipeline.finish(ctx, refs, time.time() - t0, extra | ({"stale": sorted(stale)} if stale else {}))
     if report.get("report_html"):  # the HTML report as this run's Flyte report
         from posttrain.pipeline.report_html import body
         await flyte.report.replace.aio(body(report, Path(report["report_html"]).parent))
@@ -110,12 +112,12 @@ async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream
     if stage not in g:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(g)}")
     # (a failed run's report holds only what finished: everything after the node it failed in is downstream)
-    todo = {s for s in downstream_of(g, stage) if s in report["stages"] or report.get("failed")} | {stage} \
-        if downstream else {stage}
+    after = {s for s in downstream_of(g, stage) if s in report["stages"] or report.get("failed")}
+    todo = after | {stage} if downstream else {stage}
     refs = {s: ref_from_dict({"stage": s, "path": v["artifact"], "sha256": v["sha256"],
                               "mlflow_run_id": v["mlflow_run_id"], "cached": True})
             for s, v in report["stages"].items() if s not in todo}
     ctx = pipeline.start(cfg, run_id=run_id, force=[stage],
                          tags={"posttrain.rerun_of": report["run_id"], "posttrain.rerun_stage": stage})
-    refs = await run_waves(ctx, refs, todo, ("post_train", "cross_stage"))
+    refs = await run_waves(ctx, refs, todo, ("post_train", "cross_stage"), stale=after - todo)
     return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)

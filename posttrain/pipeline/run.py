@@ -133,8 +133,11 @@ def guard_and_compaction(cfg: PipelineConfig, refs: dict[str, ArtifactRef]) -> d
 
 
 def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, extra: dict | None = None) -> dict:
-    """Write report.json (and the `latest` copy), register the final model, close the parent run."""
+    """Write report.json (and the `latest` copy), register the final model, close the parent run. With
+    `extra["stale"]` (a rerun without --downstream: nodes reused from the run it redid one node of) no gates are
+    checked on the stale evaluation and nothing is registered: the scores are of the old model."""
     cfg = ctx.cfg()
+    stale = (extra or {}).get("stale", [])
     home, run_dir = Path(ctx.home), Path(ctx.home) / "runs" / ctx.run_id
     report = {"run_id": ctx.run_id, "profile": cfg.profile, "mlflow_run_id": ctx.parent_run_id,
               "wall_seconds": round(wall_seconds, 1), "config_digest": cfg.digest(), "git_sha": git_sha(),
@@ -147,7 +150,8 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
         report.update(json.loads((local["evaluate"] / "eval.json").read_text()))
         for name in report.get("extra_plots", {}):  # shown in the run's report.html beside the eval plots
             shutil.copyfile(local["evaluate"] / name, run_dir / name)
-        report["gates"] = check_gates(cfg, report["eval"])
+        if "evaluate" not in stale:
+            report["gates"] = check_gates(cfg, report["eval"])
     if "consolidation" in refs:
         report.update(json.loads((local["consolidation"] / "consolidation.json").read_text()))
     if "curate" in refs:
@@ -157,7 +161,10 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     if "quantize" in refs:
         q = refs["quantize"]
         report["quantization"] = read_with_timings(local["quantize"], "quantization.json")
-        if passed:  # a model that fails its gates is not registered
+        if stale:
+            print(f"[pipeline] not registered: {', '.join(stale)} reused from the run this one redid a node of, "
+                  f"computed from what it replaced (rerun with --downstream to redo them)", flush=True)
+        elif passed:  # a model that fails its gates is not registered
             report["registered_model"] = f"{cfg.registered_model}@" + tracking.register_model(
                 ctx.home, cfg.registered_model, str(local["quantize"]), q.mlflow_run_id,
                 {"sha256": q.sha256, "pipeline_run": ctx.parent_run_id, "posttrain.run_id": ctx.run_id,
