@@ -536,6 +536,9 @@ class QuantizeConfig(_Strict):
     # activations of ordinary requests, which the task world's conversations alone leave uncalibrated
     calib_everyday: AtLeast0 = 0
     dampening: NonNegative = 0.01        # GPTQ: share of the mean Hessian diagonal added before inverting
+    # decoder layers whose int4 weights (the MLP, GLM-5's routed experts) stay int8 per channel instead (W8A8): the
+    # few layers whose int4 rounding costs most (`python -m bench.quant_sensitivity CHECKPOINT` measures each one)
+    int8_layers: list[AtLeast0] = Field(default_factory=list)
 
 
 class EvalConfig(_Strict):

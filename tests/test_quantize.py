@@ -112,6 +112,27 @@ def test_group_size_that_does_not_divide_is_refused():
         targets(model, QuantizeConfig(group_size=64))
 
 
+def test_int8_layers_keep_their_mlp_at_int8_channels_in_the_export_and_its_reload(tmp_path):
+    torch.manual_seed(0)
+    tok = train_tokenizer(["hello world 1 2 3 the answer is 42"] * 20, 300)
+    cfg = ModelConfig(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=1, intermediate_size=128)
+    model = build_model(cfg, tok).eval()
+    with pytest.raises(ValueError, match=r"quantize.int8_layers: \[3\] are not layers of this model \(it has 3"):
+        targets(model, QuantizeConfig(group_size=64, int8_layers=[3]))
+    qcfg = QuantizeConfig(group_size=64, int8_layers=[1])
+    found = targets(model, qcfg)
+    assert {(b, g) for n, (_, b, g) in found.items() if ".mlp." in n and ".1." not in n} == {(4, 64)}
+    assert found["model.layers.1.mlp.down_proj"][1:] == (8, 128)
+    ints = calibrate(model, torch.randint(0, len(tok), (8, 16)), qcfg)
+    export(model, tok, ints, qcfg, tmp_path / "q")  # checks every integer survives the export
+    t = load_file(tmp_path / "q" / "model.safetensors")
+    assert t["model.layers.1.mlp.up_proj.weight"].dtype == torch.int8
+    assert "model.layers.2.mlp.up_proj.weight_packed" in t
+    reloaded, _ = load_compressed(tmp_path / "q")
+    assert reloaded.model.layers[1].mlp.up_proj.qweight_t.abs().max() > 8  # int8's range, not int4's
+    assert reloaded.model.layers[2].mlp.up_proj.qweight_t.abs().max() <= 8
+
+
 def test_everyday_instructions_join_the_calibration_stream_among_the_conversations(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq

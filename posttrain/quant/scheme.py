@@ -26,9 +26,11 @@ def scheme(qcfg: QuantizeConfig, glm5: bool = False) -> QuantizationConfig:
     w4 = QuantizationArgs(num_bits=qcfg.mlp_bits, type="int", symmetric=True, strategy="group",
                           group_size=qcfg.group_size)
     w8 = QuantizationArgs(num_bits=qcfg.attn_bits, type="int", symmetric=True, strategy="channel")
+    int4 = r"mlp\.experts\.\d+\.(gate|up|down)_proj$" if glm5 else r"mlp\.(gate|up|down)_proj$"
+    kept = "|".join(map(str, sorted(set(qcfg.int8_layers))))
     if glm5:
         groups = {
-            "experts_w4a8": QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+            "experts_w4a8": QuantizationScheme(targets=[_layers(int4, kept, False)],
                                                input_activations=act, format="pack-quantized", weights=w4),
             "dense_w8a8": QuantizationScheme(
                 targets=[r"re:.*self_attn\.(" + "|".join(MLA) + ")$",
@@ -36,12 +38,22 @@ def scheme(qcfg: QuantizeConfig, glm5: bool = False) -> QuantizationConfig:
                 input_activations=act, format="int-quantized", weights=w8)}
     else:
         groups = {
-            "mlp_w4a8": QuantizationScheme(targets=[r"re:.*mlp\.(gate|up|down)_proj$"], input_activations=act,
+            "mlp_w4a8": QuantizationScheme(targets=[_layers(int4, kept, False)], input_activations=act,
                                            format="pack-quantized", weights=w4),
             "attn_w8a8": QuantizationScheme(targets=[r"re:.*self_attn\.(q|k|v|o)_proj$"], input_activations=act,
                                             format="int-quantized", weights=w8)}
+    if kept:  # quantize.int8_layers: their int4 targets at int8 per channel
+        groups["int8_layers_w8a8"] = QuantizationScheme(targets=[_layers(int4, kept, True)], input_activations=act,
+                                                        format="int-quantized", weights=w8)
     return QuantizationConfig(config_groups=groups, ignore=["lm_head", r"re:mtp\..*", r"re:.*indexer\..*"],
                               format="mixed-precision")
+
+
+def _layers(leaf: str, kept: str, inside: bool) -> str:
+    """A compressed-tensors target for `leaf` in the decoder layers numbered `kept` (inside) or in every other one."""
+    if not kept:
+        return "re:.*" + leaf
+    return rf"re:.*layers\.({kept})\.{leaf}" if inside else rf"re:.*layers\.(?!({kept})\.)\d+\.{leaf}"
 
 
 def targets(model, qcfg: QuantizeConfig) -> dict[str, tuple[torch.nn.Linear, int, int]]:
@@ -66,9 +78,19 @@ def targets(model, qcfg: QuantizeConfig) -> dict[str, tuple[torch.nn.Linear, int
             g = qcfg.group_size if leaf in MLP else m.in_features
         else:
             continue
+        if bits == qcfg.mlp_bits and _layer_of(name) in qcfg.int8_layers:
+            bits, g = qcfg.attn_bits, m.in_features
         if bits == qcfg.mlp_bits:  # int4 groups (int8 is per channel: a group of every input column)
             grouped.setdefault(module_pattern(name), m.in_features)
         out[name] = (m, bits, g)
     if problem := group_size_problem(qcfg.group_size, grouped):
         raise ValueError(f"quantize.group_size={qcfg.group_size} {problem}")
+    n = model.config.num_hidden_layers
+    if beyond := sorted(i for i in set(qcfg.int8_layers) if i >= n):
+        raise ValueError(f"quantize.int8_layers: {beyond} are not layers of this model (it has {n}: 0-{n - 1})")
     return out
+
+
+def _layer_of(name: str) -> int | None:
+    found = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(found.group(1)) if found else None
