@@ -162,6 +162,14 @@ def quantize_group_size(cfg: PipelineConfig, hf, where: str) -> list[str]:
     return [f"quantize.group_size: {where}: {g} {problem} (the int4 widths: {keys})"]
 
 
+def quantize_int8_layers(cfg: PipelineConfig, hf, where: str) -> list[str]:
+    """quantize.int8_layers names decoder layers the checkpoint has."""
+    n = hf.num_hidden_layers
+    if beyond := sorted(i for i in set(cfg.quantize.int8_layers) if i >= n):
+        return [f"quantize.int8_layers: {where}: {beyond} are not layers of this model; allowed: 0 to {n - 1}"]
+    return []
+
+
 def engine_layout(cfg: PipelineConfig, hf, where: str) -> list[str]:
     """The train engine's own checks of its split over ranks against the checkpoint (posttrain.engines.registry:
     megatron's tp, pp, ep, the model types it maps)."""
@@ -218,8 +226,8 @@ def chat_tools(cfg: PipelineConfig, tok, where: str) -> list[str]:
             f"configs/templates/chatml-tools.jinja for a ChatML model"]
 
 
-RULES = (ramp_attention, ramp_dsa, ramp_rope, quantize_group_size, engine_layout, routing_replay, mtp_head,
-         moe_shape)
+RULES = (ramp_attention, ramp_dsa, ramp_rope, quantize_group_size, quantize_int8_layers, engine_layout,
+         routing_replay, mtp_head, moe_shape)
 
 
 def check(cfg: PipelineConfig, path: str | Path) -> list[str]:

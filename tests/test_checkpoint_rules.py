@@ -122,6 +122,7 @@ DENSE_RULES = [
     (["runtime.train_engine=megatron", "megatron.tp=4", "sft.workers=4"], "megatron.tp", "supported: [1, 2]"),
     (["runtime.train_engine=megatron", "megatron.pp=3", "sft.workers=3"], "megatron.pp", "allowed: 1, 2"),
     (["quantize.group_size=48"], "quantize.group_size", "allowed: a divisor of 32: 1, 2, 4, 8, 16, 32"),
+    (["quantize.int8_layers=[1, 2]"], "quantize.int8_layers", "[2] are not layers of this model; allowed: 0 to 1"),
 ]
 
 
