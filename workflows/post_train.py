@@ -119,5 +119,5 @@ async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream
             for s, v in report["stages"].items() if s not in todo}
     ctx = pipeline.start(cfg, run_id=run_id, force=[stage],
                          tags={"posttrain.rerun_of": report["run_id"], "posttrain.rerun_stage": stage})
-    refs = await run_waves(ctx, refs, todo, ("post_train", "cross_stage"), stale=after - todo)
+    refs = await run_waves(ctx, refs, todo, ("post_train", "cross_stage"), stale=(after - todo) & set(refs))
     return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)
