@@ -33,12 +33,13 @@ def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
     partial = json.loads((run / "partial.json").read_text())
     assert partial["failed"] and list(partial["stages"]) == ["raw"] and not (run / "report.json").exists()
     again = posttrain(tmp_path, "rerun", "curate", "--from", run.name, check=False)
-    assert f"run {run.name} failed; reusing the 1 stages it finished" in again.stdout + again.stderr
+    assert f"run {run.name} did not finish; reusing the 1 stages it finished" in again.stdout + again.stderr
     assert again.returncode == 1 and "gate 'input mine.jsonl' failed" in again.stderr
 
 
-def test_a_killed_run_is_marked_killed_in_mlflow_by_the_next_command(tmp_path):
-    """kill -9 the driver (and its Ray workers) mid-run: `posttrain report` closes its runs as KILLED."""
+def test_a_killed_run_is_marked_killed_in_mlflow_by_the_next_command_and_reruns_from_what_it_finished(tmp_path):
+    """kill -9 the driver (and its Ray workers) mid-run: `posttrain report` closes its runs as KILLED, and the
+    stages it finished are in its partial.json for `posttrain rerun --from` (written after every wave)."""
     import signal
     import time
     env = {**os.environ, "POSTTRAIN_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
@@ -46,10 +47,14 @@ def test_a_killed_run_is_marked_killed_in_mlflow_by_the_next_command(tmp_path):
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     deadline = time.time() + 300
-    while time.time() < deadline and not (tmp_path / "artifacts" / "curate").exists():
+    partials = tmp_path / "runs"
+    while time.time() < deadline and not any('"curate"' in f.read_text() for f in partials.glob("*/partial.json")):
         time.sleep(1)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
+    (run,) = partials.iterdir()
+    assert not (run / "report.json").exists()
+    assert {"raw", "curate"} <= set(json.loads((run / "partial.json").read_text())["stages"])
     exp = c.get_experiment_by_name("posttrain")
     assert any(r.info.status == "RUNNING" for r in c.search_runs([exp.experiment_id]))
     out = posttrain(tmp_path, "report", check=False)

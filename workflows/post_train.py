@@ -72,6 +72,8 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
             refs.update((s, o) for s, o in zip(stages, outs) if not isinstance(o, BaseException))
             if failed := next((o for o in outs if isinstance(o, BaseException)), None):
                 raise failed
+            if stages:
+                pipeline.save_partial(ctx, refs)
     except BaseException:
         try:
             pipeline.fail(ctx, refs)

@@ -174,6 +174,7 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
         report_html.write(report, run_dir)
     text = json.dumps(report, indent=1)
     atomic_write_text(run_dir / "report.json", text)
+    (run_dir / PARTIAL).unlink(missing_ok=True)
     atomic_write_text(home / "latest" / "report.json", text)
     shown = {"evaluate": ("eval.md", "eval.png"), "consolidation": ("consolidation.md", "consolidation.png")}
     for stage, names in shown.items():
@@ -196,16 +197,22 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
 PARTIAL = "partial.json"  # a failed run's finished stages: `posttrain rerun STAGE --from RUN` redoes the rest
 
 
-def fail(ctx: RunContext, refs: dict[str, ArtifactRef]) -> None:
-    """Close the parent run as FAILED and keep the stages that finished, so the failed node can be rerun from them."""
-    tracking.end_run(ctx.home, ctx.parent_run_id, "FAILED")
+def save_partial(ctx: RunContext, refs: dict[str, ArtifactRef]) -> Path:
+    """The stages finished so far, in the run's folder: after every wave, so that a run killed in any way (kill -9,
+    Ctrl-C, a lost machine) can be rerun from what it finished; report.json supersedes it."""
     cfg = ctx.cfg()
     partial = {"run_id": ctx.run_id, "profile": cfg.profile, "failed": True, "mlflow_run_id": ctx.parent_run_id,
                "stages": {s: {"seconds": r.seconds, "mlflow_run_id": r.mlflow_run_id, "artifact": r.path,
                               "sha256": r.sha256, "cached": r.cached} for s in graph(cfg) if (r := refs.get(s))}}
     run_dir = Path(ctx.home) / "runs" / ctx.run_id
     atomic_write_text(run_dir / PARTIAL, json.dumps(partial, indent=1))
-    store.upload_failed_run(run_dir, ctx.run_id, PARTIAL)
+    return run_dir
+
+
+def fail(ctx: RunContext, refs: dict[str, ArtifactRef]) -> None:
+    """Close the parent run as FAILED and keep the stages that finished, so the failed node can be rerun from them."""
+    tracking.end_run(ctx.home, ctx.parent_run_id, "FAILED")
+    store.upload_failed_run(save_partial(ctx, refs), ctx.run_id, PARTIAL)
 
 
 def load_run(run: str) -> tuple[dict, PipelineConfig]:
@@ -220,7 +227,7 @@ def load_run(run: str) -> tuple[dict, PipelineConfig]:
         run_dir = home / "runs" / run
     report_path = run_dir / "report.json"
     if not report_path.exists() and (run_dir / PARTIAL).exists():  # a failed run: the stages it finished
-        print(f"[pipeline] run {run} failed; reusing the {len(json.loads((run_dir / PARTIAL).read_text())['stages'])}"
+        print(f"[pipeline] run {run} did not finish; reusing the {len(json.loads((run_dir / PARTIAL).read_text())['stages'])}"
               f" stages it finished", flush=True)
         report_path = run_dir / PARTIAL
     if not report_path.exists():
