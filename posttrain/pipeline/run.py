@@ -227,8 +227,8 @@ def load_run(run: str) -> tuple[dict, PipelineConfig]:
         run_dir = home / "runs" / run
     report_path = run_dir / "report.json"
     if not report_path.exists() and (run_dir / PARTIAL).exists():  # a failed run: the stages it finished
-        print(f"[pipeline] run {run} did not finish; reusing the {len(json.loads((run_dir / PARTIAL).read_text())['stages'])}"
-              f" stages it finished", flush=True)
+        n = len(json.loads((run_dir / PARTIAL).read_text())["stages"])
+        print(f"[pipeline] run {run} did not finish; reusing the {n} stages it finished", flush=True)
         report_path = run_dir / PARTIAL
     if not report_path.exists():
         known = sorted(p.name for p in (home / "runs").glob("*") if (p / "report.json").exists())
