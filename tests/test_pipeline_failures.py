@@ -61,3 +61,17 @@ def test_a_killed_run_is_marked_killed_in_mlflow_by_the_next_command_and_reruns_
     assert "marked KILLED" in out.stderr and "no finished run" in out.stderr
     statuses = {r.info.run_name: r.info.status for r in c.search_runs([exp.experiment_id])}
     assert "RUNNING" not in statuses.values() and statuses[next(n for n in statuses if n.startswith("pipeline-"))] == "KILLED"
+
+
+def test_a_rerun_from_a_failed_main_dag_run_redoes_the_main_dag_after_it_not_the_cross_stage_chains():
+    from posttrain.config import load_config
+    from posttrain.pipeline.nodes import graph
+    from workflows.post_train import rerun_downstream
+    g = graph(load_config("smoke"))
+    failed = {"failed": True, "workflows": ["post_train"], "stages": {"sft": {}, "rl-reasoning": {}}}
+    assert rerun_downstream(g, "rl-general", failed) == {"opd", "quantize", "evaluate"}
+    both = {**failed, "workflows": ["post_train", "cross_stage"]}
+    assert {"opd", "xs-agentic", "consolidation"} <= rerun_downstream(g, "sft", both)
+    assert "xs-agentic" not in rerun_downstream(g, "sft", failed)
+    finished = {"stages": {s: {} for s in ("sft", "rl-general", "opd", "quantize", "evaluate")}}
+    assert rerun_downstream(g, "rl-general", finished) == {"opd", "quantize", "evaluate"}

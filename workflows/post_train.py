@@ -64,6 +64,7 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
     """Run the stages in `todo` of the named workflows, wave after wave (upstream artifacts from `refs`); `stale`:
     the nodes of `refs` an earlier run computed from what this one redid (reported as such, never registered)."""
     t0, g = time.time(), graph(ctx.cfg())
+    ran = tuple(w for w in workflows if any(g[s].workflow == w for s in todo))  # what a rerun of this run redoes
     try:
         for wave in (w for wf in workflows for w in waves(g, wf)):
             stages = [s for s in wave if s in todo]
@@ -73,10 +74,10 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
             if failed := next((o for o in outs if isinstance(o, BaseException)), None):
                 raise failed
             if stages:
-                pipeline.save_partial(ctx, refs)
+                pipeline.save_partial(ctx, refs, ran)
     except BaseException:
         try:
-            pipeline.fail(ctx, refs)
+            pipeline.fail(ctx, refs, ran)
         except Exception as e:  # the stage's own error is the one to see: the bookkeeping's is only reported
             print(f"[pipeline] the failed run's finished stages were not recorded: {e!r}", file=sys.stderr, flush=True)
         raise
@@ -100,12 +101,20 @@ async def post_train(profile: str = "tiny", overrides: list[str] = [], force: li
     return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)
 
 
+def rerun_downstream(g: dict[str, Stage], stage: str, report: dict) -> set[str]:
+    """The nodes after `stage` that the earlier run had: a failed run's report holds only what finished, so for it
+    every node after `stage` in the workflows it was running (partial.json's `workflows`)."""
+    from posttrain.pipeline.nodes import downstream
+    ran = report.get("workflows", ["post_train"])
+    return {s for s in downstream(g, stage) if s != stage and (s in report["stages"] or report.get("failed")
+                                                                and g[s].workflow in ran)}
+
+
 @env.task(report=True)
 async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream: bool = False,  # noqa: B006
                 run_id: str = "") -> PipelineOutput:
     """Redo `stage` (and, if asked, what follows it) with upstream artifacts taken from `from_run`."""
     from posttrain.config import apply_overrides, config_from_dict
-    from posttrain.pipeline.nodes import downstream as downstream_of
     report, old_cfg = pipeline.load_run(from_run)
     cfg = config_from_dict(apply_overrides(old_cfg.model_dump(mode="json"), list(overrides)),
                            f"run {from_run} with --set {list(overrides)}")
@@ -113,8 +122,7 @@ async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream
     g = graph(cfg)
     if stage not in g:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(g)}")
-    # (a failed run's report holds only what finished: everything after the node it failed in is downstream)
-    after = {s for s in downstream_of(g, stage) if s in report["stages"] or report.get("failed")}
+    after = rerun_downstream(g, stage, report)
     todo = after | {stage} if downstream else {stage}
     refs = {s: ref_from_dict({"stage": s, "path": v["artifact"], "sha256": v["sha256"],
                               "mlflow_run_id": v["mlflow_run_id"], "cached": True})

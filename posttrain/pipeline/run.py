@@ -197,11 +197,13 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
 PARTIAL = "partial.json"  # a failed run's finished stages: `posttrain rerun STAGE --from RUN` redoes the rest
 
 
-def save_partial(ctx: RunContext, refs: dict[str, ArtifactRef]) -> Path:
-    """The stages finished so far, in the run's folder: after every wave, so that a run killed in any way (kill -9,
-    Ctrl-C, a lost machine) can be rerun from what it finished; report.json supersedes it."""
+def save_partial(ctx: RunContext, refs: dict[str, ArtifactRef], workflows: tuple[str, ...] = ("post_train",)) -> Path:
+    """The stages finished so far and the workflows the run was running, in the run's folder: after every wave, so
+    that a run killed in any way (kill -9, Ctrl-C, a lost machine) can be rerun from what it finished; report.json
+    supersedes it."""
     cfg = ctx.cfg()
     partial = {"run_id": ctx.run_id, "profile": cfg.profile, "failed": True, "mlflow_run_id": ctx.parent_run_id,
+               "workflows": list(workflows),
                "stages": {s: {"seconds": r.seconds, "mlflow_run_id": r.mlflow_run_id, "artifact": r.path,
                               "sha256": r.sha256, "cached": r.cached} for s in graph(cfg) if (r := refs.get(s))}}
     run_dir = Path(ctx.home) / "runs" / ctx.run_id
@@ -209,10 +211,10 @@ def save_partial(ctx: RunContext, refs: dict[str, ArtifactRef]) -> Path:
     return run_dir
 
 
-def fail(ctx: RunContext, refs: dict[str, ArtifactRef]) -> None:
+def fail(ctx: RunContext, refs: dict[str, ArtifactRef], workflows: tuple[str, ...] = ("post_train",)) -> None:
     """Close the parent run as FAILED and keep the stages that finished, so the failed node can be rerun from them."""
     tracking.end_run(ctx.home, ctx.parent_run_id, "FAILED")
-    store.upload_failed_run(save_partial(ctx, refs), ctx.run_id, PARTIAL)
+    store.upload_failed_run(save_partial(ctx, refs, workflows), ctx.run_id, PARTIAL)
 
 
 def load_run(run: str) -> tuple[dict, PipelineConfig]:
