@@ -537,7 +537,7 @@ class QuantizeConfig(_Strict):
     calib_everyday: AtLeast0 = 0
     dampening: NonNegative = 0.01        # GPTQ: share of the mean Hessian diagonal added before inverting
     # decoder layers whose int4 weights (the MLP, GLM-5's routed experts) stay int8 per channel instead (W8A8): the
-    # few layers whose int4 rounding costs most (`python -m bench.quant_sensitivity CHECKPOINT` measures each one)
+    # few layers whose int4 rounding costs most (`python -m bench.quant_sensitivity --run RUN` measures each one)
     int8_layers: list[AtLeast0] = Field(default_factory=list)
 
 
@@ -566,7 +566,7 @@ class EvalConfig(_Strict):
     # retention and quantization figures compare); None: every chat-scored checkpoint
     benchmarks_on: list[str] | None = None
     # what the unquantized checkpoints are decoded in (a W4A8 export runs on its integer kernels): bfloat16 decodes
-    # SmolLM2-135M 1.4x faster on a CPU with AVX512-BF16 (bench/cpu_bf16); its greedy tokens are not fp32's
+    # SmolLM2-135M 1.67x faster on a CPU with AVX512-BF16 (bench/cpu_bf16); its greedy tokens are not fp32's
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     def nothink(self, checkpoint: str) -> bool:
