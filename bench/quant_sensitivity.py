@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", default="latest", help="the run whose generalist and W4A8 export are compared")
-    run = p.parse_args(argv if argv is not None else []).run
+    run = p.parse_args(argv if argv is not None else []).run  # `python -m bench` calls main() bare
     if small():
         path = smoke_report()
         report, group = json.loads(path.read_text()), json.loads((path.parent / "config.json").read_text())
@@ -135,4 +135,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    main(sys.argv[1:])
