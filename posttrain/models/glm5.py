@@ -96,11 +96,25 @@ class StableIndexer(GlmMoeDsaIndexer):
     """transformers' GLM-5 indexer selecting stably (`_indexer_forward`), and training from its own loss while its
     `dsa_state` collects (`install_dsa`). The same parameters and state-dict keys as the library's."""
 
-    def forward(self, *args, **kwargs):
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, *args, **kwargs):
         st = getattr(self, "dsa_state", None)  # set by install_dsa only
         train = st is not None and st.collect and torch.is_grad_enabled()
+        if not train and _selects_every_key(self, st, attention_mask, kwargs):
+            # every key is kept whatever the scores: skip them (half a 16 x 512 training step of the tiny-glm5
+            # profile went to scoring and sorting keys that were all selected)
+            b, s, n = hidden_states.shape[0], hidden_states.shape[1], attention_mask.shape[-1]
+            return torch.arange(n, device=hidden_states.device).expand(b, s, n)
         with torch.set_grad_enabled(train):
-            return _indexer_forward(self, *args, train=train, **kwargs)
+            return _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, *args,
+                                    train=train, **kwargs)
+
+
+def _selects_every_key(indexer, st, attention_mask, kwargs) -> bool:
+    """Whether this forward's selection is every key: DSA not adopted (or its dense warm-up), and the keys are the
+    mask's (a decode cache needs the indexer's keys stored; gathered keys are more than the mask's)."""
+    if kwargs.get("past_key_values") is not None or kwargs.get("gather_keys") is not None:
+        return False
+    return (st is not None and st.mode == "warmup") or indexer.index_topk >= attention_mask.shape[-1]
 
 
 def stable_indexers(module: torch.nn.Module) -> torch.nn.Module:
