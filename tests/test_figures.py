@@ -52,12 +52,34 @@ def test_a_real_models_figures_hold_long_context_and_its_everyday_chat_to_their_
         return r
     f = aggregate([real(0, 0.46, 0.80), real(1, 0.48, 0.90)])
     assert f["chat_retention"]["quantized"] == pytest.approx(0.94)
-    assert f["long_context_top"] == {"length": 1024, "value": pytest.approx(0.85)}
+    assert f["long_context_top"] == {"length": 1024, "value": pytest.approx(0.85), "min": 0.8}
     assert all(c["holds"] for c in f["claims"])
     assert "share of the base's score kept" in markdown(f)
     worse = {c["claim"]: c["holds"] for c in aggregate([real(0, 0.30, 0.50)])["claims"]}
     assert not worse["quantized keeps >= 90% of the base's held-out chat score"]
     assert not worse["quantized scores >= 0.70 on long_context@1024 (the ramp's top length)"]
+    # a mean above the bar does not hide a seed below it
+    one_low = {c["claim"]: c["holds"] for c in aggregate([real(0, 0.46, 0.60), real(1, 0.48, 1.0)])["claims"]}
+    assert one_low["quantized scores >= 0.70 on long_context@1024 (the ramp's top length)"]
+    assert not one_low["quantized scores >= 0.70 on long_context@1024 on every seed"]
+
+
+def test_glm5_claims_balancing_in_base_and_routing_replay_in_rl():
+    def glm(seed, cv_last, without):
+        r = _report(seed, 0.40, 0.60, 0.58, 0.57, 0.20)
+        r["moe"] = {"base": {"moe_cv_first": 0.7, "moe_cv_last": cv_last},
+                    "rl-reasoning": {"moe_cv_first": 0.3, "moe_cv_last": 0.3, "replay_probe_with": 0.010,
+                                     "replay_probe_without": without}}
+        return r
+    f = aggregate([glm(0, 0.30, 0.020), glm(1, 0.40, 0.016)])
+    assert f["moe"]["base"] == {"moe_cv_first": 0.7, "moe_cv_last": 0.35}
+    held = {c["claim"]: (c["value"], c["holds"]) for c in f["claims"]}
+    assert held["base: expert load CV lower over its last steps than its first (ratio)"] == (pytest.approx(0.5), True)
+    key = "rl-reasoning: routing replay lowers mean |log pi_train - log pi_rollout| (with / without)"
+    assert held[key] == (pytest.approx(0.010 / 0.018), True)
+    bad = {c["claim"]: c["holds"] for c in aggregate([glm(0, 0.8, 0.009)])["claims"]}
+    assert not bad[key] and not bad["base: expert load CV lower over its last steps than its first (ratio)"]
+    assert not any("routing replay" in c["claim"] for c in aggregate([_report(0, .4, .6, .58, .57, .2)])["claims"])
 
 
 def test_the_base_models_benchmarks_are_held_to_their_retention_and_every_seed_to_the_gain():

@@ -23,6 +23,11 @@ def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
         assert {"moe_cv_first", "moe_cv_last", "moe_max_mean_last"} <= set(metrics), stage
     for stage in ("rl-reasoning", "rl-agentic", "opd"):  # the rollouts' experts replayed (agentic: multi-turn, PPO)
         assert "routes_differ_last" in stages[stage].data.metrics, stage
+    # what `make figures` holds the GLM-5 default to: balancing in base, replay's effect in each RL specialist
+    assert {"moe_cv_first", "moe_cv_last"} <= set(report["moe"]["base"])
+    for stage in ("rl-reasoning", "rl-agentic"):
+        probe = report["moe"][stage]
+        assert 0 <= probe["replay_probe_with"] and 0 <= probe["replay_probe_without"], stage
     quantized = report["stages"]["quantize"]["artifact"]
     with safe_open(f"{quantized}/model.safetensors", "pt") as f:
         keys = set(f.keys())

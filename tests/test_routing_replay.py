@@ -72,6 +72,26 @@ def test_replay_gives_the_rollouts_logprobs_after_the_routing_moved():
     assert model.model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
 
 
+def test_a_step_measures_what_replay_removes():
+    """Each RL step under replay reports the rollout/trainer gap with and without it, on one micro-batch before the
+    update (the figure behind `make figures`' replay claim): after the routing moved, replay leaves float noise, the
+    trainer's own routing does not; the probe counts no expert load (it would move the balancing)."""
+    from posttrain.rl.step import train_step
+    model = sparse_glm()
+    samples = samples_of(rollout(model))
+    with torch.no_grad():
+        for _, r in moe.routers(model):
+            r.e_score_correction_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(1)))
+    engine = TorchTrainEngine(model, policy_logits(0), lr=1e-3, routing_replay=True)
+    engine.unreplayed_logprobs(samples, 1.0)
+    assert all(float(x.sum()) == 0 for x in engine.routers.loads)
+    stats = train_step(RLConfig(group_size=3, temperature=1.0), engine, samples)
+    assert stats["replay_probe_with"] < 1e-4 and stats["replay_probe_without"] > 1e-3  # 0.005 here
+    plain = train_step(RLConfig(group_size=3, temperature=1.0), TorchTrainEngine(sparse_glm(), policy_logits(0),
+                                                                                  lr=1e-3), samples)
+    assert "replay_probe_with" not in plain
+
+
 @pytest.mark.parametrize("draft", [False, True])
 def test_a_grpo_step_under_replay_trains_and_reports_what_replay_changed(draft):
     model = sparse_glm()

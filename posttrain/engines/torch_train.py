@@ -131,6 +131,13 @@ class TorchTrainEngine:
         with autocast(self.device), self._replaying(samples):
             return completion_scores(self.model, samples, self.pad_id, temperature)
 
+    @torch.no_grad()
+    def unreplayed_logprobs(self, samples, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logprobs` with every router choosing its own experts: what routing replay removes, measured
+        (posttrain.rl.step's probe). No load is counted (no grad)."""
+        with autocast(self.device):
+            return completion_scores(self.model, samples, self.pad_id, temperature)
+
     def logprob_loss(self, samples, temperature: float, loss_of) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with autocast(self.device), self._replaying(samples):
             return completion_loss(self.model, samples, self.pad_id, temperature, loss_of)

@@ -132,6 +132,20 @@ def guard_and_compaction(cfg: PipelineConfig, refs: dict[str, ArtifactRef]) -> d
     return out
 
 
+def moe_figures(refs: dict[str, ArtifactRef]) -> dict[str, dict[str, float]]:
+    """Per stage that trained routers: the expert load's coefficient of variation over its first and last steps,
+    and in RL under routing replay the mean rollout/trainer gap with and without it (rl.step's probe)."""
+    keys = ("moe_cv_first", "moe_cv_last", "replay_probe_with", "replay_probe_without")
+    out = {}
+    for stage, ref in refs.items():
+        if stage in ("raw", "curate", "evaluate", "quantize"):
+            continue
+        m = read_manifest(store.local_path(ref)).get("metrics", {})
+        if "moe_cv_first" in m:
+            out[stage] = {k: round(m[k], 5) for k in keys if k in m}
+    return out
+
+
 def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, extra: dict | None = None) -> dict:
     """Write report.json (and the `latest` copy), register the final model, close the parent run. With
     `extra["stale"]` (a rerun without --downstream: nodes reused from the run it redid one node of) no gates are
@@ -157,6 +171,8 @@ def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, e
     if "curate" in refs:
         report["environments"] = environment_counts(cfg, refs)
     report.update(guard_and_compaction(cfg, refs))
+    if moe := moe_figures(refs):
+        report["moe"] = moe
     passed = report.get("gates", {}).get("passed", True)
     if "quantize" in refs:
         q = refs["quantize"]

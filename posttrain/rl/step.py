@@ -73,6 +73,7 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
             refs = [ref.logprobs(sub, r.temperature)[0] for _, sub in chunks]
     losses = [loss_for(b, a, ref_logp) for b, a, ref_logp in zip(batches, advs, refs)]
     stats: dict[str, float] = {}
+    probe: dict[str, float] = {}
     for epoch in range(r.ppo_epochs):
         stats = {}
         policy.zero_grad()
@@ -89,6 +90,8 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
             stats["loss"] = stats.get("loss", 0.0) + loss.item()
             for k, v in st.items():  # token means, weighted by the micro-batch's tokens among the trained ones
                 stats[k] = stats.get(k, 0.0) + v * mask.sum().item() / trained
+        if epoch == 0 and getattr(policy, "routing_replay", False) and hasattr(policy, "unreplayed_logprobs"):
+            probe = replay_probe(policy, chunks[0][1], batches[0], done[0][1], r.temperature)
         if extra:
             stats.update(extra())
         stats["grad_norm"] = policy.step(1.0)
@@ -97,7 +100,19 @@ def train_step(r: RLConfig, policy: TrainEngine, samples: list[Sample], critic: 
             stats |= first if epoch == 0 else critic_pass(r, critic, chunks, batches, n_tokens, trained,
                                                            old_values=old_vs, returns=returns)[0]
             stats["critic_grad_norm"] = critic.step(1.0)
-    return stats
+    return stats | probe
+
+
+def replay_probe(policy: TrainEngine, samples: list[Sample], b: dict, replayed: torch.Tensor, temperature: float
+                 ) -> dict[str, float]:
+    """What routing replay buys on this micro-batch, before the update: the mean |log pi_train - log pi_rollout|
+    over its generated tokens with the rollout's experts replayed (the trained forward's) and with the trainer's
+    router choosing (one more forward, no grad)."""
+    mask, old = b["mask"], b["old_logprobs"]
+    n = mask.sum().clamp(min=1)
+    free = policy.unreplayed_logprobs(samples, temperature)[0]
+    return {"replay_probe_with": (((replayed - old) * mask).abs().sum() / n).item(),
+            "replay_probe_without": (((free - old) * mask).abs().sum() / n).item()}
 
 
 def critic_pass(r: RLConfig, critic: TrainEngine, chunks: list, batches: list[dict], n_tokens: float, trained: float,

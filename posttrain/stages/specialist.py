@@ -96,6 +96,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
                "stale_dropped": st.dropped, "wall_s": st.wall_s, "steps_per_s": r.steps / st.wall_s,
                "student_tokens": hist["student_tokens"][-1],
                **{f"staleness_{k}_share": v / total for k, v in sorted(st.staleness.items())}}
+    for key in ("replay_probe_with", "replay_probe_without"):  # routing replay's effect, every step (rl.step)
+        if xs := [x for x in hist.get(key, []) if x == x]:
+            metrics[key] = sum(xs) / len(xs)
     if judge:
         per_episode = [x for x in hist["judge_tokens_per_episode"] if x == x]
         metrics |= {f"judge.{k}": v for k, v in judged.items() if isinstance(v, (int, float))}

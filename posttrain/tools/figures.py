@@ -92,7 +92,13 @@ def aggregate(reports: list[dict]) -> dict:
                                   for d in out["thinking_delta"] if all(d in t and f"{d}:nothink" in t for t in tok)}
     lengths = [int(x.split("@")[1]) for x in out["eval"].get("quantized", {}) if x.startswith("long_context@")]
     if lengths:
-        out["long_context_top"] = {"length": max(lengths), "value": m("quantized", f"long_context@{max(lengths)}")}
+        top = f"long_context@{max(lengths)}"
+        out["long_context_top"] = {"length": max(lengths), "value": m("quantized", top),
+                                   "min": out["eval"]["quantized"][top]["min"]}
+    moe = [r.get("moe", {}) for r in reports]  # GLM-5's routers: load balance and routing replay, per stage
+    if stages := [s for s in moe[0] if all(s in x for x in moe)]:
+        out["moe"] = {s: {k: round(mean(x[s][k] for x in moe), 5) for k in moe[0][s] if all(k in x[s] for x in moe)}
+                      for s in stages}
     if "chat" in out["eval"].get("base", {}):
         before = m("base", "chat")
         out["chat_retention"] = {c: round(m(c, "chat") / before, 4) if before > 0 else None
@@ -140,6 +146,17 @@ def claims(f: dict) -> list[dict]:
         rows.append({"claim": f"quantized scores >= {CLAIMS['long_context']:.2f} on long_context@{v['length']} "
                               f"(the ramp's top length)", "value": v["value"],
                      "holds": v["value"] >= CLAIMS["long_context"]})
+        if "min" in v:
+            rows.append({"claim": f"quantized scores >= {CLAIMS['long_context']:.2f} on long_context@{v['length']} "
+                                  f"on every seed", "value": v["min"], "holds": v["min"] >= CLAIMS["long_context"]})
+    if "moe_cv_last" in (b := f.get("moe", {}).get("base", {})) and b.get("moe_cv_first"):
+        rows.append({"claim": "base: expert load CV lower over its last steps than its first (ratio)",
+                     "value": b["moe_cv_last"] / b["moe_cv_first"], "holds": b["moe_cv_last"] < b["moe_cv_first"]})
+    for s, v in f.get("moe", {}).items():
+        if v.get("replay_probe_without"):
+            rows.append({"claim": f"{s}: routing replay lowers mean |log pi_train - log pi_rollout| (with / without)",
+                         "value": v["replay_probe_with"] / v["replay_probe_without"],
+                         "holds": v["replay_probe_with"] < v["replay_probe_without"]})
     if (v := f.get("chat_retention", {}).get("quantized")) is not None:
         rows.append({"claim": f"quantized keeps >= {CLAIMS['chat_retention']:.0%} of the base's held-out chat score",
                      "value": v, "holds": v >= CLAIMS["chat_retention"]})

@@ -1,0 +1,112 @@
+"""bench/ramp_seeds: does the ramp's first rung form retrieval on every seed? (issue 68, item 4)
+
+Per seed: the profile's curated data and that seed's base model (made once, shared by every variant), then the
+profile's first ramp rung alone, once per variant (`--variant NAME=SET;SET...`, `--set`s on top of the profile);
+long_context accuracy at the rung's length after it, the held-out short-text loss, and the training loss curve
+(`history`, for when retrieval formed: the long rows' answer tokens weigh `ramp.long_loss_weight` in it).
+
+    python -m bench.ramp_seeds --profile tiny --seeds 0 1 2 3 4 [--variant lr3e-3='ramp.stages.0.lr=3e-3'] [--jobs 2]
+
+`--jobs 2` runs two rungs at once, one torch thread each (small matmuls: more throughput than two threads on one).
+Results: .posttrain/bench/ramp_seeds.json (cached per seed and variant under ramp-seeds-work/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from statistics import mean
+
+from bench import out_dir
+
+OUT = out_dir()
+
+
+def first_rung(profile: str, extra: list[str]) -> list[str]:
+    """`--set`s that keep only the profile's first rung (after `extra`, which may change it)."""
+    from posttrain.config import load_config
+    st = load_config(profile, extra).ramp.stages[0]
+    return [f"ramp.stages=[{json.dumps(st.model_dump(mode='json', exclude_defaults=True))}]"]
+
+
+def one(profile: str, seed: int, name: str, sets: list[str], work: Path) -> dict:
+    """The first rung from `seed`'s base under variant `name`: its result (cached in work/)."""
+    import torch
+
+    from bench.dsa import tiny_inputs
+    from posttrain.config import load_config
+    from posttrain.stages import ramp
+    out = work / f"ramp-{seed}-{name}"
+    if (out / "result.json").exists():
+        return json.loads((out / "result.json").read_text())
+    torch.set_num_threads(int(os.environ.get("RAMP_SEEDS_THREADS", "2")))
+    cur, base = tiny_inputs(seed, profile, work)
+    cfg = load_config(profile, [f"seed={seed}", *sets, *first_rung(profile, sets)])
+    L = cfg.ramp.stages[0].seq_len
+    t = time.time()
+    res = ramp.run(cfg, {"base": str(base), "curate": str(cur)}, out)
+    m = {k: v for k, v in res["metrics"].items() if isinstance(v, (int, float))}
+    m |= {"seconds": round(time.time() - t, 1), "loss_every_10": res["history"].get(f"loss@{L}", [])[::10]}
+    (out / "result.json").write_text(json.dumps(m, indent=1))
+    return m
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.ramp_seeds", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default="tiny")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=SET;SET... (--set overrides for the rung); 'profile' (no change) always runs")
+    ap.add_argument("--jobs", type=int, default=1, help="rungs at once (one torch thread each when > 1)")
+    ap.add_argument("--one", nargs=3, metavar=("SEED", "NAME", "SETS"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    work = OUT / f"ramp-seeds-work-{args.profile}"
+    work.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        one(args.profile, int(args.one[0]), args.one[1], json.loads(args.one[2]), work)
+        return
+    variants = {"profile": []} | {v.split("=", 1)[0]: [s for s in v.split("=", 1)[1].split(";") if s]
+                                  for v in args.variant}
+    for seed in args.seeds:  # the seed's base first, alone: variants running at once would each build it
+        from bench.dsa import tiny_inputs
+        tiny_inputs(seed, args.profile, work)
+    env = os.environ | {"RAMP_SEEDS_THREADS": "1" if args.jobs > 1 else "2"}
+
+    def launch(job: tuple[int, str]) -> int:
+        seed, name = job
+        return subprocess.run([sys.executable, "-m", "bench.ramp_seeds", "--profile", args.profile, "--one",
+                               str(seed), name, json.dumps(variants[name])], env=env).returncode
+    todo = [(s, n) for s in args.seeds for n in variants]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        failed = [j for j, rc in zip(todo, pool.map(launch, todo)) if rc]
+    if failed:
+        print(f"failed (seed, variant): {failed}", file=sys.stderr)
+    from posttrain.config import load_config
+    L = load_config(args.profile).ramp.stages[0].seq_len
+    fig = {"profile": args.profile, "seq_len": L, "seeds": args.seeds, "variants": variants, "machine": os.uname().machine,
+           "cpus": os.cpu_count(), "jobs": args.jobs}
+    for name in variants:
+        res = {}
+        for s in args.seeds:
+            p = work / f"ramp-{s}-{name}" / "result.json"
+            if p.exists():
+                res[s] = json.loads(p.read_text())
+        acc = [round(r[f"ramp@{L}.long_context@{L}"], 4) for r in res.values()]
+        fig[name] = {"long_context": acc, "mean": round(mean(acc), 4) if acc else None,
+                     "formed": sum(a >= 0.7 for a in acc), "short_val_loss": [r[f"ramp@{L}.short_val_loss"]
+                                                                            for r in res.values()],
+                     "seconds": [r["seconds"] for r in res.values()]}
+        print(f"{name}: long_context@{L} per seed {acc}, formed (>= 0.7) on {fig[name]['formed']} of {len(acc)}")
+    path = OUT / "ramp_seeds.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(old | {args.profile: fig}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
