@@ -37,7 +37,7 @@ OVERRIDES = [f"curate.raw_docs={DOCS}", "world.max_operand=999", "world.n_ops=3"
 
 def _cfg():
     from posttrain.config import load_config
-    return load_config("tiny", OVERRIDES)
+    return load_config("tiny-dense", OVERRIDES)
 
 
 def _corpus(name: str, seeds: range) -> Path:

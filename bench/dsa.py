@@ -10,7 +10,7 @@ alone, the other three sharing one indexer); long_context accuracy at the top le
 stages before the adoption are shared (the DSA ramps resume from its scratch checkpoints), so each variant differs
 only where DSA is on.
 
-`evidence_glm5`: the same on GLM-5's architecture (the tiny-glm5 profile's world, base and model; one ramp rung of
+`evidence_glm5`: the same on GLM-5's architecture (the tiny profile's world, base and model; one ramp rung of
 256 tokens, the profile's first): dense against DSA adopted through the model's own indexers (`models.glm5.install_dsa`:
 the dense warm-up trains them, then sparse training at top-k 64 with their KL).
 
@@ -37,7 +37,7 @@ from bench import children_in_process, mark, out_dir, size, small, smoke_stages,
 OUT = out_dir()
 WORK = OUT / "dsa-work"
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
-PROFILE = size("tiny", "smoke")
+PROFILE = size("tiny-dense", "smoke")
 SEQ_LENS = size([1024, 2048, 4096, 8192, 16384], [256, 512])
 SHAPE = dict(heads=8, kv_heads=2, head_dim=64, indexer_heads=4, top_k=size(512, 64))
 TOP_K = size(256, 100)  # tiny: a quarter of the top length, 1024; smoke: between its two stages (96, 128)
@@ -280,7 +280,7 @@ def _plot(fig: dict, path: Path) -> None:
     plt.close(f)
 
 
-def tiny_inputs(seed: int, profile: str = "tiny", work: Path = WORK) -> tuple[Path, Path]:
+def tiny_inputs(seed: int, profile: str = "tiny-dense", work: Path = WORK) -> tuple[Path, Path]:
     """`profile`'s curated data and its base model for `seed`, made once under `work` (bench/mtp too). Small
     mode: the smoke run's (bench/__init__.py), its base model trained again for another seed."""
     from posttrain.stages import base
@@ -366,24 +366,24 @@ def evidence(seeds: list[int]) -> dict:
 def evidence_glm5(seeds: list[int]) -> dict:
     """Dense against DSA through GLM-5's own indexers, per seed from the same curated data and base model."""
     if small():  # the small size's inputs are the smoke run's dense model
-        raise SystemExit("bench.dsa evidence_glm5: no small size (it needs the tiny-glm5 world and base model)")
+        raise SystemExit("bench.dsa evidence_glm5: no small size (it needs the tiny (GLM-5) world and base model)")
     from posttrain.config import load_config
     work = OUT / "dsa-glm5-work"
-    top = load_config("tiny-glm5", GLM5_SETS).ramp.stages[-1].seq_len
+    top = load_config("tiny", GLM5_SETS).ramp.stages[-1].seq_len
     runs: dict[str, dict[int, dict]] = {v: {} for v in GLM5_VARIANTS}
     for seed in seeds:
-        cur, b = tiny_inputs(seed, "tiny-glm5", work)
+        cur, b = tiny_inputs(seed, "tiny", work)
         for name, sets in GLM5_VARIANTS.items():
             out = work / f"ramp-{seed}-{name}"
             if (out / "result.json").exists():
                 runs[name][seed] = json.loads((out / "result.json").read_text())
                 continue
             shutil.rmtree(out, ignore_errors=True)
-            m = runs[name][seed] = _ramp_result(load_config("tiny-glm5", [f"seed={seed}", *GLM5_SETS, *sets]),
+            m = runs[name][seed] = _ramp_result(load_config("tiny", [f"seed={seed}", *GLM5_SETS, *sets]),
                                                 cur, b, out)
             print(f"glm5 seed {seed} {name}: long_context@{top} {m[f'ramp@{top}.long_context@{top}']} "
                   f"({m['seconds']} s)", flush=True)
-    fig = {"profile": "tiny-glm5", "sets": GLM5_SETS, "variants": GLM5_VARIANTS, "seq_len": top, "seeds": seeds}
+    fig = {"profile": "tiny", "sets": GLM5_SETS, "variants": GLM5_VARIANTS, "seq_len": top, "seeds": seeds}
     for name in GLM5_VARIANTS:
         for key in (f"long_context@{top}", "short_val_loss", "loss_last"):
             xs = [runs[name][s][f"ramp@{top}.{key}"] for s in seeds]

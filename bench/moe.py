@@ -33,7 +33,7 @@ from bench import mark, out_dir, size, threads
 
 OUT = out_dir()
 WORK = OUT / "moe-work"
-PROFILE = size("tiny-glm5", "smoke")
+PROFILE = size("tiny", "smoke")
 # a shorter ladder than the tiny-glm5 profile's (GLM-5's latent attention and masked sdpa cost ~4x the dense tiny
 # model at 512 tokens on this CPU): what the mismatch figures need is a policy that earns some reward
 SETS = size(["ramp.stages=[{seq_len: 256, tokens: 409600, lr: 2.0e-3, rope_theta: 20000.0, long_share: 0.5}]",

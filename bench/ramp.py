@@ -55,7 +55,7 @@ def _measure(seq_len: int, mask: bool, ckpt: bool, packed: bool, attn: str = "sd
     torch.set_num_threads(threads(2))
     torch.manual_seed(0)
     from transformers import LlamaConfig, LlamaForCausalLM
-    m = load_config("tiny").model
+    m = load_config("tiny-dense").model
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=512, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
         num_key_value_heads=m.num_heads, intermediate_size=m.intermediate_size, max_position_embeddings=seq_len,

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default="tiny")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=SET;SET... (--set overrides for the rung); 'profile' (no change) always runs")
+                    help="NAME=SET;SET... (--set overrides for the rung); none: the profile's rung as it is "
+                         "('profile=' names that among others)")
     ap.add_argument("--jobs", type=int, default=1, help="rungs at once (one torch thread each when > 1)")
     ap.add_argument("--one", nargs=3, metavar=("SEED", "NAME", "SETS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv if argv is not None else sys.argv[1:])
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         one(args.profile, int(args.one[0]), args.one[1], json.loads(args.one[2]), work)
         return
-    variants = {"profile": []} | {v.split("=", 1)[0]: [s for s in v.split("=", 1)[1].split(";") if s]
-                                  for v in args.variant}
+    variants = {v.split("=", 1)[0]: [s for s in v.split("=", 1)[1].split(";") if s] for v in args.variant} \
+        or {"profile": []}
     for seed in args.seeds:  # the seed's base first, alone: variants running at once would each build it
         from bench.dsa import tiny_inputs
         tiny_inputs(seed, args.profile, work)

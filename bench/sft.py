@@ -73,7 +73,7 @@ def _cfg():
     from posttrain.config import load_config
     # HF warms up from lr 0, ours from lr/warmup; small: 4 conversations a step (the profile's seq_len kept), 1 thread
     small_mode = ["sft.batch_size=4", "runtime.torch_threads=1"] if small() else []
-    return load_config("tiny", [f"sft.steps={STEPS}", "sft.warmup=0", *small_mode])
+    return load_config("tiny-dense", [f"sft.steps={STEPS}", "sft.warmup=0", *small_mode])
 
 
 def _prepare() -> None:

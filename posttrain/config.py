@@ -220,6 +220,12 @@ class RampStage(_Strict):
     rope_scaling: dict[str, str | float] = Field(default_factory=dict)  # e.g. {rope_type: yarn, factor: 4.0}
     long_share: Share = 0.3      # share of rows holding long-context documents
     cp: AtLeast1 | None = None   # this rung's context-parallel ranks (runtime.train_engine megatron); None: megatron.cp
+    # stop the rung before its token budget once long_context at its length, on held-out validation tasks, reaches
+    # this share (checked every `check_every` steps): retrieval forms as a jump whose step varies by seed (tiny: ~450
+    # to ~1,500 steps at 256 tokens), so the budget is the slow seed's and the fast seeds stop when they are there.
+    # None: the whole budget
+    until_long_context: Share | None = None
+    check_every: AtLeast1 = 250
 
 
 class DSAConfig(_Strict):

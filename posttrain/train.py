@@ -24,14 +24,17 @@ def train(engine: TrainEngine, next_batch: Callable[[int], Batch], *, steps: int
           min_lr_ratio: float = 0.1, grad_clip: float = 1.0, desc: str = "train",
           eval_fn: Callable[[], float] | None = None, eval_every: int = 0, grad_accum: int = 1,
           state: dict | None = None, checkpoint: Callable[[dict], None] | None = None,
-          checkpoint_every: int = 0, zero_loss_hint: str = "", **_) -> dict[str, list[float]]:
+          checkpoint_every: int = 0, zero_loss_hint: str = "", stop_fn: Callable[[object], bool] | None = None,
+          stop_every: int = 0, **_) -> dict[str, list[float]]:
     """Run `steps` optimizer steps of `engine` (posttrain.engines.lm_engine: its LM loss, balancing, DSA and MTP terms);
     return the history (loss per step, the engine's `step_stats` curves, eval loss when asked).
 
     Each step takes `grad_accum` micro-batches `next_batch(step * grad_accum + i)`: the data order is a
     function of the step, so resuming from `state` (what `checkpoint` was given) continues exactly.
     A loss of exactly 0 over the first steps means nothing is being trained (an empty loss mask): it stops,
-    naming `desc` and `zero_loss_hint`. Keywords of the engine's job (`weight_decay`, ...) are the engine's and ignored.
+    naming `desc` and `zero_loss_hint`. `stop_fn(engine)`, asked every `stop_every` steps, ends training early when
+    it says so (`hist["stopped_at"]`: the steps taken). Keywords of the engine's job (`weight_decay`, ...) are the
+    engine's and ignored.
     """
     def schedule(s: int) -> float:
         return cosine_schedule(s, steps, warmup, min_lr_ratio)
@@ -62,8 +65,16 @@ def train(engine: TrainEngine, next_batch: Callable[[int], Batch], *, steps: int
             engine.eval()
             hist.setdefault("val_loss", []).append(eval_fn())
             engine.train()
-        if checkpoint and ((checkpoint_every and (step + 1) % checkpoint_every == 0) or step == steps - 1):
+        stop = stop_fn is not None and stop_every and (step + 1) % stop_every == 0 and step < steps - 1
+        if stop:
+            engine.eval()
+            stop = stop_fn(engine)
+            engine.train()
+        if checkpoint and ((checkpoint_every and (step + 1) % checkpoint_every == 0) or step == steps - 1 or stop):
             checkpoint({"model": engine.weights(), "engine": engine.state_dict(), "hist": hist, "step": step + 1})
+        if stop:
+            hist["stopped_at"] = [step + 1]
+            break
     engine.eval()
     return hist
 

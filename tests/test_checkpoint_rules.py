@@ -143,7 +143,7 @@ def test_a_draft_layer_needs_a_plain_head(dense, tmp_path):
                                             f"30.0); allowed: 0")
 
 
-@pytest.mark.parametrize("profile", ["smoke", "tiny", "tiny-glm5"])
+@pytest.mark.parametrize("profile", ["smoke", "tiny", "tiny-dense"])
 def test_a_profiles_own_preset_passes_as_a_checkpoint(profile, tok, tmp_path):
     cfg = load_config(profile)
     _check_local_inputs(cfg)  # no base.init_from: nothing to read

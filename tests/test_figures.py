@@ -113,13 +113,17 @@ def _weights(report: dict) -> dict[str, str]:
 def test_synchronous_path_gives_the_same_report_twice(tmp_path):
     """Same seed, same machine, rl.max_staleness=0 and opd.max_staleness=0, two fresh homes: every score,
     every generated-token count and every stage's weights are identical, so `posttrain figures` over the two
-    runs shows no spread. (Timings differ, and so do run ids.) One specialist, the agentic one (multi-turn, PPO's
-    critic), keeps the two runs short."""
-    sync = ("--set", "rl.max_staleness=0", "--set", "opd.max_staleness=0", "--set", "rl.domains=[agentic]")
+    runs shows no spread. (Timings differ, and so do run ids.) On the default's architecture, GLM-5 (experts with
+    their balancing, routing replay, the MTP draft), so the routing is part of it: the routers' weights and biases,
+    and each stage's expert-load and replay figures. One specialist, the agentic one (multi-turn, PPO's critic),
+    keeps the two runs short."""
+    from tests.test_glm5_pipeline import GLM5
+    sync = (*GLM5, "--set", "rl.max_staleness=0", "--set", "opd.max_staleness=0", "--set", "rl.domains=[agentic]")
     at_once([(tmp_path / name, ["run", "--profile", "smoke", *sync]) for name in "ab"])
     a, b = (json.loads((tmp_path / name / "latest" / "report.json").read_text()) for name in "ab")
-    for key in ("eval", "tokens", "pass_at_k"):
+    for key in ("eval", "tokens", "pass_at_k", "moe"):
         assert a[key] == b[key], key
+    assert "replay_probe_with" in a["moe"]["rl-agentic"]
     assert _weights(a) == _weights(b) and len(_weights(a)) >= 8  # base, ramp and its 2 rungs, sft, rl, opd, quantize
     runs = [str(tmp_path / n / "runs" / r["run_id"]) for n, r in zip("ab", (a, b))]
     posttrain(tmp_path / "figures", "figures", "--runs", *runs)

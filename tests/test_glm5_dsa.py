@@ -77,12 +77,12 @@ def test_a_ramp_rung_adopts_dsa_on_glm5s_indexers(model, tok, engine, request):
 
 
 def test_dsa_settings_glm5_lays_out_itself_are_refused():
-    cfg = load_config("tiny-glm5", ["ramp.attention=dsa", "ramp.dsa.top_k=64"])
+    cfg = load_config("tiny", ["ramp.attention=dsa", "ramp.dsa.top_k=64"])
     type(cfg).model_validate(cfg.model_dump(mode="json"))  # a run's saved config (every field set) reloads
     megatron = ["ramp.attention=dsa", "ramp.dsa.top_k=64", "runtime.train_engine=megatron"]
-    load_config("tiny-glm5", megatron)
+    load_config("tiny", megatron)
     with pytest.raises(ConfigError, match=r"ramp.attention: dsa on a dense model adds posttrain's own indexers"):
-        load_config("tiny", megatron)
+        load_config("tiny-dense", megatron)
     with pytest.raises(ConfigError, match=r"ramp.dsa.own_indexer: GLM-5's own indexers are laid out by "
                                           r"model.indexer_types"):
-        load_config("tiny-glm5", ["ramp.attention=dsa", "ramp.dsa={top_k: 64, own_indexer: [0, 1]}"])
+        load_config("tiny", ["ramp.attention=dsa", "ramp.dsa={top_k: 64, own_indexer: [0, 1]}"])

@@ -31,8 +31,8 @@ def test_glm5_shapes_that_cannot_build_are_refused_with_their_key(change, key):
         ModelConfig(**(GLM5 | change))
 
 
-def test_the_tiny_glm5_profile_validates():
-    cfg = load_config("tiny-glm5", [])
+def test_the_tiny_default_is_glm5():
+    cfg = load_config("tiny", [])
     assert cfg.model.arch == "glm5" and cfg.model.layer_indexers() == ["full", "full", "shared", "full"]
 
 

@@ -515,7 +515,7 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
                  "megatron.pp: must divide model.num_layers 1"):
         assert rule in str(e.value)
     with pytest.raises(ConfigError) as e:
-        load_config("tiny-glm5", ["runtime.train_engine=megatron", "megatron.ep=3", "megatron.tp=2",
+        load_config("tiny", ["runtime.train_engine=megatron", "megatron.ep=3", "megatron.tp=2",
                                   "moe.aux_loss_weight=0.001", "rl.routing_replay=true", "megatron.recompute=true"])
     for rule in ("megatron.ep: must divide model.n_routed_experts 8 (got 3)", "megatron.tp: Megatron splits a "
                  "mixture-of-experts model", "x ep = 6", "rl.routing_replay: not with megatron.recompute"):

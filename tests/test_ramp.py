@@ -173,7 +173,7 @@ def test_ladder_config():
         load_config("real", ["runtime.train_engine=torch"])
     assert all(a.rope_theta < b.rope_theta for a, b in zip(real.ramp.stages, real.ramp.stages[1:]))
     assert all(a.long_share <= b.long_share for a, b in zip(real.ramp.stages, real.ramp.stages[1:]))
-    tiny = load_config("tiny")  # its first stage has the most long rows: retrieval must form there
+    tiny = load_config("tiny-dense")  # its first stage has the most long rows: retrieval must form there
     assert tiny.eval_lengths() == [128, 256, 512, 1024]
     with pytest.raises(ConfigError, match="strictly increasing seq_len"):
         load_config("tiny", ["ramp.stages=[{seq_len: 512, tokens: 100000, rope_theta: 1.0e4}, "
@@ -193,3 +193,30 @@ def test_stage_checkpoints_carry_their_rope_settings(tmp_path):
     assert saved["max_position_embeddings"] == 256
     rope = saved.get("rope_parameters") or saved.get("rope_scaling")
     assert rope["rope_theta"] == 40000.0 and rope["rope_type"] == "yarn" and rope["factor"] == 2.0
+
+
+def test_a_rung_stops_once_retrieval_formed_and_not_before(tok):
+    """`until_long_context`: the rung asks, every `check_every` steps, whether long_context at its length on validation
+    tasks reached the bar, and stops there (its steps and tokens say so); a bar no model reaches runs the budget."""
+    from posttrain.config import ModelConfig, RampStage
+    from posttrain.engines.torch_train import TorchTrainEngine
+    from posttrain.models.preset import build_model
+    from posttrain.stages.ramp import retrieval_formed
+    from posttrain.train import train
+    cfg = load_config("smoke")
+    asked = []
+
+    def run(bar: float) -> dict:
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
+                                        max_position_embeddings=64), tok)
+        st = RampStage(seq_len=64, tokens=10**6, rope_theta=1e4, until_long_context=bar, check_every=2)
+        stop = retrieval_formed(cfg, st, tok)
+        ids = torch.randint(3, len(tok), (2, 16))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(2, 16)}
+        return train(TorchTrainEngine.for_lm(model, lr=1e-3), lambda i: batch, steps=5, lr=1e-3, warmup=1,
+                     stop_fn=lambda e: asked.append(1) or stop["stop_fn"](e), stop_every=stop["stop_every"])
+    assert run(0.0)["stopped_at"] == [2] and len(asked) == 1  # 0: formed at the first check
+    hist = run(1.0)  # an untrained model retrieves nothing: the whole budget, checked at steps 2 and 4
+    assert "stopped_at" not in hist and len(hist["loss"]) == 5 and len(asked) == 3
+    assert retrieval_formed(cfg, RampStage(seq_len=64, tokens=10**6, rope_theta=1e4), tok) == {}

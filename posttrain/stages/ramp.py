@@ -32,6 +32,9 @@ from posttrain.stages.ramp_ranks import train_rung
 from posttrain.train import eval_loss, moe_metrics, summarize
 
 
+VAL_TASKS = 32  # long_context validation tasks per early-stop check (ramp.stages[].until_long_context)
+
+
 def prose_len(tok, task: Task, extra: int = 0) -> int:
     return len(tok(task.prose(), add_special_tokens=False)["input_ids"]) + 2 + extra
 
@@ -74,6 +77,24 @@ def long_context_accuracy(cfg: PipelineConfig, model, tok, sets: dict[int, list[
                                        batch_size=cfg.eval.batch_size_at(L))
         acc[L] = round(sum(rewards) / len(rewards), 4)
     return acc
+
+
+def retrieval_formed(cfg: PipelineConfig, st: RampStage, tok) -> dict:
+    """`train`'s early stop for a rung with `until_long_context`: long_context at the rung's length on validation
+    tasks (never the test split the evaluation scores) at or above the bar. {} without one."""
+    if st.until_long_context is None:
+        return {}
+    tasks = long_context.fit_to_length("val", VAL_TASKS, cfg.world.seed, st.seq_len,
+                                       lambda t: prose_len(tok, t, cfg.eval.max_new_tokens // 2))
+
+    def formed(engine) -> bool:
+        rewards, _ = completion_scores(engine.hf_model(), tok, tasks, max_new_tokens=cfg.eval.max_new_tokens,
+                                       batch_size=cfg.eval.batch_size_at(st.seq_len))
+        acc = sum(rewards) / len(rewards)
+        print(f"[ramp@{st.seq_len}] long_context on {len(tasks)} validation tasks: {acc:.3f} "
+              f"(stops at {st.until_long_context})", flush=True)
+        return acc >= st.until_long_context
+    return {"stop_fn": formed, "stop_every": st.check_every}
 
 
 def with_rope(model, stage: RampStage):
@@ -165,13 +186,14 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
             warm, model = indexer_warmup(cfg, model, tok, warm_batch, st, name)
             extra = {f"dsa_warmup.{key}": v for c in DSA_CURVES for key, v in summarize(warm, c).items()}
         kw = dict(steps=steps, lr=st.lr, warmup=st.warmup, min_lr_ratio=st.min_lr_ratio, grad_accum=r.grad_accum,
-                  desc=name)
+                  desc=name, **retrieval_formed(cfg, st, tok))
         job = dict(weight_decay=r.weight_decay, moe=cfg.moe, mtp_weight=cfg.mtp.loss_weight,
                    dsa_weight=r.dsa.kl_weight, recompute=r.activation_checkpointing,
                    indexers=("sparse", r.dsa.kl_queries, r.dsa.kl_weight) if adopt else None)
         hist, model = train_rung(cfg, model, tok, next_batch, kw, st, job)
     extra.update({key: v for c in (*DSA_CURVES, "mtp_loss", "mtp_acc1") for key, v in summarize(hist, c).items()})
     acc = long_context_accuracy(cfg, model, tok, sets)  # beyond the stage's length too: the contrast
+    steps = hist.get("stopped_at", [steps])[0]
     metrics = {**summarize(hist), **moe_metrics(hist), **extra, "steps": steps,
                "tokens": steps * r.batch_size * r.grad_accum * st.seq_len,
                "peak_memory_mb": peak["mb"], "short_val_loss": round(eval_loss(model, [short_val]), 4),
