@@ -5,10 +5,12 @@ profile's first ramp rung alone, once per variant (`--variant NAME=SET;SET...`, 
 long_context accuracy at the rung's length after it, the held-out short-text loss, and the training loss curve
 (`history`, for when retrieval formed: the long rows' answer tokens weigh `ramp.long_loss_weight` in it).
 
-    python -m bench.ramp_seeds --profile tiny --seeds 0 1 2 3 4 [--variant lr3e-3='ramp.stages.0.lr=3e-3'] [--jobs 2]
+    python -m bench.ramp_seeds --profile tiny --seeds 0 1 2 3 4 [--jobs 2] \
+        [--variant 'lr2e-3=ramp.stages=[{seq_len: 256, tokens: 2048000, lr: 2.0e-3, rope_theta: 20000.0}]']
 
 `--jobs 2` runs two rungs at once, one torch thread each (small matmuls: more throughput than two threads on one).
-Results: .posttrain/bench/ramp_seeds.json (cached per seed and variant under ramp-seeds-work/).
+Results: .posttrain/bench/ramp_seeds.json, each rung cached under .posttrain/bench/ramp-seeds-work-PROFILE/.
+BENCH_SMALL=1: the smoke profile's first rung from the smoke run's base, seed 0 (wiring only).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import mean
 
-from bench import out_dir
+from bench import out_dir, size
 
 OUT = out_dir()
 
@@ -58,14 +60,14 @@ def one(profile: str, seed: int, name: str, sets: list[str], work: Path) -> dict
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ramp_seeds", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default="tiny")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--profile", default=size("tiny", "smoke"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=size([0, 1, 2, 3, 4], [0]))
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=SET;SET... (--set overrides for the rung); none: the profile's rung as it is "
                          "('profile=' names that among others)")
     ap.add_argument("--jobs", type=int, default=1, help="rungs at once (one torch thread each when > 1)")
     ap.add_argument("--one", nargs=3, metavar=("SEED", "NAME", "SETS"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    args = ap.parse_args(argv if argv is not None else [])  # `python -m bench` calls main() bare
     work = OUT / f"ramp-seeds-work-{args.profile}"
     work.mkdir(parents=True, exist_ok=True)
     if args.one:
@@ -110,4 +112,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

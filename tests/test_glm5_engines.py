@@ -156,7 +156,7 @@ def test_packed_training_rows_keep_their_documents_apart():
 
 def test_a_dense_indexer_skips_its_scores_and_changes_nothing(monkeypatch):
     """Before DSA is adopted every key is selected whatever the indexer scores, so the indexer is not run (half of
-    a 16 x 512 training step on the tiny-glm5 profile): logits and gradients are those of the scored selection,
+    a 16 x 512 training step on the tiny profile): logits and gradients are those of the scored selection,
     exactly, padding included."""
     model = glm5.stable_indexers(tiny_glm(0))
     ids = torch.randint(3, model.config.vocab_size, (2, 24))

@@ -100,7 +100,7 @@ class StableIndexer(GlmMoeDsaIndexer):
         st = getattr(self, "dsa_state", None)  # set by install_dsa only
         train = st is not None and st.collect and torch.is_grad_enabled()
         if not train and _selects_every_key(self, st, attention_mask, kwargs):
-            # every key is kept whatever the scores: skip them (half a 16 x 512 training step of the tiny-glm5
+            # every key is kept whatever the scores: skip them (half a 16 x 512 training step of the tiny (GLM-5)
             # profile went to scoring and sorting keys that were all selected)
             b, s, n = hidden_states.shape[0], hidden_states.shape[1], attention_mask.shape[-1]
             return torch.arange(n, device=hidden_states.device).expand(b, s, n)
