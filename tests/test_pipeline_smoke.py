@@ -307,12 +307,14 @@ def test_cross_stage_workflow_compares_three_consolidations(first):
     assert (home / "runs" / report["run_id"] / "consolidation.md").exists()
 
 
-def test_a_third_train_engine_is_one_module_and_one_registry_line(first, tmp_path, monkeypatch):
+def test_a_third_train_engine_is_one_module_and_one_registry_line(first, tmp_path, monkeypatch, request):
     """The smoke DAG's ramp, sft and one RL specialist, each run on the first run's inputs, train through an engine
     registered with one line (posttrain.engines.registry): every training step of each goes through it, and each
     stage's own figures say it trained."""
     from posttrain.config import config_from_dict, load_config
     from posttrain.engines import registry
+    from ray import shutdown as ray_shutdown
+
     from posttrain.pipeline.raysupport import ensure_ray
     from posttrain.stages import ramp, sft, specialist
     from tests.counting_engine import CountingEngine as counting
@@ -324,6 +326,7 @@ def test_a_third_train_engine_is_one_module_and_one_registry_line(first, tmp_pat
     cfg = config_from_dict({**load_config("smoke").model_dump(mode="json"), "runtime": {
         **load_config("smoke").runtime.model_dump(mode="json"), "train_engine": "counting"}}, "test")
     ensure_ray(cfg.runtime)
+    request.addfinalizer(ray_shutdown)  # not left to the next test file in this worker process
     steps = {}
     out = ramp.run(cfg, {"base": art["base"], "curate": art["curate"]}, tmp_path / "ramp")
     steps["ramp"] = sum(cfg.ramp.steps(st) for st in cfg.ramp.stages)

@@ -26,6 +26,7 @@ def _env_of_stage_shards(name: str) -> list[str | None]:
 def local_ray():
     here = os.path.dirname(os.path.abspath(__file__))  # the workers import this module's probe
     path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    ray.shutdown()  # a Ray another test file left in this worker process has not this runtime_env
     ray.init(num_cpus=1, include_dashboard=False, object_store_memory=128 << 20, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield

@@ -88,9 +88,7 @@ def retrieval_formed(cfg: PipelineConfig, st: RampStage, tok) -> dict:
                                        lambda t: prose_len(tok, t, cfg.eval.max_new_tokens // 2))
 
     def formed(engine) -> bool:
-        rewards, _ = completion_scores(engine.hf_model(), tok, tasks, max_new_tokens=cfg.eval.max_new_tokens,
-                                       batch_size=cfg.eval.batch_size_at(st.seq_len))
-        acc = sum(rewards) / len(rewards)
+        acc = long_context_accuracy(cfg, engine.hf_model(), tok, {st.seq_len: tasks})[st.seq_len]
         print(f"[ramp@{st.seq_len}] long_context on {len(tasks)} validation tasks: {acc:.3f} "
               f"(stops at {st.until_long_context})", flush=True)
         return acc >= st.until_long_context
