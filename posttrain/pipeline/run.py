@@ -134,16 +134,11 @@ def guard_and_compaction(cfg: PipelineConfig, refs: dict[str, ArtifactRef]) -> d
 
 def moe_figures(refs: dict[str, ArtifactRef]) -> dict[str, dict[str, float]]:
     """Per stage that trained routers: the expert load's coefficient of variation over its first and last steps,
-    and in RL under routing replay the mean rollout/trainer gap with and without it (rl.step's probe)."""
+    and in RL under routing replay the mean rollout/trainer gap with and without it (rl.step's probe). From the
+    metrics each ref carries: no artifact is fetched (a remote store would download every checkpoint)."""
     keys = ("moe_cv_first", "moe_cv_last", "replay_probe_with", "replay_probe_without")
-    out = {}
-    for stage, ref in refs.items():
-        if stage in ("raw", "curate", "evaluate", "quantize"):
-            continue
-        m = read_manifest(store.local_path(ref)).get("metrics", {})
-        if "moe_cv_first" in m:
-            out[stage] = {k: round(m[k], 5) for k in keys if k in m}
-    return out
+    return {stage: {k: round(ref.metrics[k], 5) for k in keys if k in ref.metrics}
+            for stage, ref in refs.items() if "moe_cv_first" in ref.metrics}
 
 
 def finish(ctx: RunContext, refs: dict[str, ArtifactRef], wall_seconds: float, extra: dict | None = None) -> dict:
