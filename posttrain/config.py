@@ -552,6 +552,9 @@ class EvalConfig(_Strict):
     max_new_tokens: AtLeast1 = 48
     batch_size: AtLeast1 = 64
     samples: AtLeast0 = 4                # sampled answers per task for pass@k (0: greedy only)
+    # the checkpoints whose domain suites get those samples (empty: every chat-scored one); sampling is most of a
+    # checkpoint's evaluation, and pass@k on sft and the generalist is what most readers compare
+    samples_on: list[str] = []
     temperature: NonNegative = 0.6       # for the sampled answers (0: greedy, every sample the same)
     # environments/chat.py: everyday questions outside the task world, thinking off, never trained on: what a real
     # chat model keeps of its general ability (meaningless for the tiny preset, which never saw English)
@@ -708,6 +711,9 @@ class PipelineConfig(_Strict):
         """Rules across sections, checked at load so a run does not fail stages later. Each message starts with
         the key to change."""
         m, errors = self.model, []
+        known = {"sft", *(f"specialist/{d}" for d in self.rl.domains), "generalist", "quantized"}
+        if unknown := [c for c in self.eval.samples_on if c not in known]:
+            errors.append(f"eval.samples_on: {unknown} are not chat-scored checkpoints (those are {sorted(known)})")
         if self.base.chat_template and not self.base.init_from:
             errors.append("base.chat_template: replaces a checkpoint's template, so it needs base.init_from (the "
                           "tiny preset's own template renders every feature)")

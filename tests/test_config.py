@@ -72,6 +72,8 @@ def test_lengths_must_agree_across_sections():
         load_config("smoke", ["quantize.group_size=24"])
     with pytest.raises(ConfigError, match=r"model\.num_kv_heads: must divide model\.num_heads"):
         load_config("smoke", ["model.num_kv_heads=3"])
+    with pytest.raises(ConfigError, match=r"eval\.samples_on: \['ramped'\] are not chat-scored checkpoints"):
+        load_config("smoke", ["eval.samples_on=[sft, ramped]"])
     # a checkpoint brings its own shapes: the model section's rules on base and quantize do not apply
     assert load_config("smoke", ["base.init_from=/some/ckpt", "base.seq_len=128"]).base.seq_len == 128
 

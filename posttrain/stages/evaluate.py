@@ -220,7 +220,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
     cks, plain = checkpoints(cfg), completion_checkpoints(cfg)
     calls = [(cfg, inputs[stage], completion_suites if ck in plain else chat_suites_of(cfg, ck, chat_suites),
-              ck in plain, cfg.eval.samples) for ck, stage in cks.items()]
+              ck in plain, cfg.eval.samples if ck in (cfg.eval.samples_on or cks) else 0) for ck, stage in cks.items()]
     for ck, (s, t, p, info) in zip(cks, _each(calls)):
         if "acceptance_length" in info:
             result["mtp"][ck] = {"acceptance_length": info.pop("acceptance_length")}
