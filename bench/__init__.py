@@ -81,7 +81,7 @@ def _smoke_home() -> Path:
 
 def smoke_args() -> list[str]:
     """`posttrain run` arguments of small mode's smoke run (bench/store runs the same on S3)."""
-    return ["run", "--profile", "smoke", *(a for kv in SMOKE_SETS for a in ("--set", kv))]
+    return ["run", "--profile", "smoke-dense", *(a for kv in SMOKE_SETS for a in ("--set", kv))]
 
 
 def smoke_report() -> Path:

@@ -34,7 +34,7 @@ from bench import mark, out_dir, size, small, smoke_stages
 OUT = out_dir()
 WORK = OUT / "compaction-work"
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
-PROFILE = size("tiny-dense", "smoke")
+PROFILE = size("tiny-dense", "smoke-dense")
 # four files of one number each; a lazy teacher on a fifth of the demonstrations: RL's headroom
 VARIANT = ["world.agentic_files=4", "world.agentic_numbers=1",
            "sft.shortcut_share={reasoning: 0.4, agentic: 0.2, general: 0.6}"]

@@ -37,7 +37,7 @@ from bench import children_in_process, mark, out_dir, size, small, smoke_stages,
 OUT = out_dir()
 WORK = OUT / "dsa-work"
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
-PROFILE = size("tiny-dense", "smoke")
+PROFILE = size("tiny-dense", "smoke-dense")
 SEQ_LENS = size([1024, 2048, 4096, 8192, 16384], [256, 512])
 SHAPE = dict(heads=8, kv_heads=2, head_dim=64, indexer_heads=4, top_k=size(512, 64))
 TOP_K = size(256, 100)  # tiny: a quarter of the top length, 1024; smoke: between its two stages (96, 128)

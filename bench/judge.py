@@ -26,7 +26,7 @@ from bench import mark, out_dir, size, small, smoke_stages
 OUT = out_dir()
 WORK = OUT / "judge-work"
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
-PROFILE = size("tiny-dense", "smoke")
+PROFILE = size("tiny-dense", "smoke-dense")
 COMPACTION_SFT_STEPS = size(1200, 4)  # bench/compaction's sft without judge questions, when present
 SHARE = 0.3  # share of judge questions in the agentic sft data (0.15 over 1000 steps: precision 0.56)
 

@@ -26,7 +26,7 @@ from bench import mark, out_dir, sft_inputs, size
 
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
 OUT = out_dir()
-PROFILE = size("tiny-dense", "smoke")
+PROFILE = size("tiny-dense", "smoke-dense")
 DOMAIN = "general"
 STEPS = size(12, 2)
 SEEDS = size([0, 1, 2], [0])

@@ -16,7 +16,7 @@ W4A8 (the quantize stage's scheme rounded to nearest at every update), against t
 
     python -m bench.moe [--seeds 0 1 2]     (make bench B=moe)
 
-BENCH_SMALL=1 (bench/__init__.py): the smoke profile with the glm5 preset, one seed, RL_STEPS 2.
+BENCH_SMALL=1 (bench/__init__.py): the smoke profile (GLM-5's architecture), one seed, RL_STEPS 2.
 """
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ PROFILE = size("tiny", "smoke")
 SETS = size(["ramp.stages=[{seq_len: 256, tokens: 409600, lr: 2.0e-3, rope_theta: 20000.0, long_share: 0.5}]",
              "sft.steps=400", "sft.seq_len=256", "rl.domains=[reasoning]", "rl.steps=10", "opd.steps=10",
              "eval.n_per_suite=32", "quantize.calib_samples=128"],
-            ["model.arch=glm5", "ramp.attention=sdpa", "model.num_layers=2", "model.indexer_types=[full, shared]",
-             "rl.domains=[reasoning]"])
+            ["rl.domains=[reasoning]"])
 SEEDS = size([0, 1, 2], [0])
 RL_STEPS = size(20, 2)
 # the rollouts' other precisions against the fp32 trainer (rl.rollout_dtype): bf16, and W4A8 as GLM-5 deploys

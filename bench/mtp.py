@@ -32,7 +32,7 @@ from bench.dsa import WORK, tiny_inputs
 
 OUT = out_dir()
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
-PROFILE = size("tiny-dense", "smoke")
+PROFILE = size("tiny-dense", "smoke-dense")
 DEPTH = 3
 REPEATS = int(os.environ.get("BENCH_MTP_REPEATS", size(2, 1)))
 SINGLE = size(8, 2)  # batch-1 episodes per domain

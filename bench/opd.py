@@ -58,7 +58,7 @@ from pathlib import Path
 from bench import children_in_process, mark, out_dir, peer, release_ray, size, small, smoke_stages
 
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
-PROFILE = size("tiny-dense", "smoke")
+PROFILE = size("tiny-dense", "smoke-dense")
 STEPS = int(os.environ.get("BENCH_OPD_STEPS", size(20, 2)))
 TEMPERATURE = 1.0  # (a): sampling and loss temperature on both sides
 DOMAIN = os.environ.get("BENCH_OPD_DOMAIN", "reasoning")  # single-turn, as TRL's trainer takes it

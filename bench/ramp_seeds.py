@@ -10,7 +10,7 @@ long_context accuracy at the rung's length after it, the held-out short-text los
 
 `--jobs 2` runs two rungs at once, one torch thread each (small matmuls: more throughput than two threads on one).
 Results: .posttrain/bench/ramp_seeds.json, each rung cached under .posttrain/bench/ramp-seeds-work-PROFILE/.
-BENCH_SMALL=1: the smoke profile's first rung from the smoke run's base, seed 0 (wiring only).
+BENCH_SMALL=1: the smoke-dense profile's first rung from the smoke run's base, seed 0 (wiring only).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def one(profile: str, seed: int, name: str, sets: list[str], work: Path) -> dict
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ramp_seeds", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default=size("tiny", "smoke"))
+    ap.add_argument("--profile", default=size("tiny", "smoke-dense"))
     ap.add_argument("--seeds", type=int, nargs="+", default=size([0, 1, 2, 3, 4], [0]))
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=SET;SET... (--set overrides for the rung); none: the profile's rung as it is "

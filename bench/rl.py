@@ -38,7 +38,7 @@ from pathlib import Path
 from bench import children_in_process, mark, out_dir, peer, release_ray, sft_inputs, size, small
 
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
-PROFILE = size("tiny-dense", "smoke")
+PROFILE = size("tiny-dense", "smoke-dense")
 STEPS = int(os.environ.get("BENCH_RL_STEPS", size(48, 2)))
 TRL_STEPS = int(os.environ.get("BENCH_RL_TRL_STEPS", size(20, 2)))
 SEEDS = int(os.environ.get("BENCH_RL_SEEDS", size(3, 1)))

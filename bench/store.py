@@ -63,7 +63,7 @@ def main() -> None:
                 env = {**os.environ, **aws, "POSTTRAIN_HOME": home, "POSTTRAIN_LOCAL": str(work / f"mirror{rep}"),
                        "RAY_AUTH_MODE": "disabled"}
                 t0 = time.perf_counter()
-                args = smoke_args() if small() else ["run", "--profile", "smoke"]
+                args = smoke_args() if small() else ["run", "--profile", "smoke-dense"]
                 p = subprocess.run([sys.executable, "-m", "posttrain.cli", *args], env=env, capture_output=True,
                                    text=True)
                 if p.returncode:
@@ -77,7 +77,7 @@ def main() -> None:
                 sizes[stage] = sizes.get(stage, 0) + o["Size"]
     finally:
         server.terminate()
-    fig = {"profile": "smoke", "sets": bench.SMOKE_SETS if small() else [], "reps": REPS,
+    fig = {"profile": "smoke-dense", "sets": bench.SMOKE_SETS if small() else [], "reps": REPS,
            "wall_s_local": wall["local"], "wall_s_s3": wall["s3"],
            "s3_over_local": round(mean(wall["s3"]) / mean(wall["local"]), 3),
            "s3_extra_s_per_run": round(mean(wall["s3"]) - mean(wall["local"]), 1),

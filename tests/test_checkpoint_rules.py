@@ -34,20 +34,20 @@ def dense(tok, tmp_path_factory):
 
 def refused(path, *sets: str) -> str:
     """The message of the CLI's check before the first stage (smoke profile, base.init_from=path)."""
-    cfg = load_config("smoke", [f"base.init_from={path}", *sets])
+    cfg = load_config("smoke-dense", [f"base.init_from={path}", *sets])
     with pytest.raises(ConfigError) as e:
         _check_local_inputs(cfg)
     return str(e.value)
 
 
 def test_the_odd_checkpoint_gets_sdpa_and_passes_with_a_group_size_that_divides(odd):
-    cfg = load_config("smoke", [f"base.init_from={odd}", "quantize.group_size=16"])
+    cfg = load_config("smoke-dense", [f"base.init_from={odd}", "quantize.group_size=16"])
     assert cfg.ramp.attention == "sdpa"  # smoke never sets it: GLM-5's choice, not the dense default
     _check_local_inputs(cfg)
     # the run's saved config says what runs: reloaded, every field is set, and it stays sdpa
     assert config_from_dict(json.loads(cfg.model_dump_json())).ramp.attention == "sdpa"
-    assert load_config("smoke").ramp.attention == "packed_sdpa"  # a dense model keeps the default
-    preset = load_config("smoke", ["model.arch=glm5", "model.num_layers=2", "quantize.group_size=16"])
+    assert load_config("smoke-dense").ramp.attention == "packed_sdpa"  # a dense model keeps the default
+    preset = load_config("smoke-dense", ["model.arch=glm5", "model.num_layers=2", "quantize.group_size=16"])
     assert preset.ramp.attention == "sdpa"  # the glm5 preset alike
 
 
@@ -63,7 +63,7 @@ def test_both_settings_of_the_issue_fail_together_before_any_stage(odd):
 
 def test_the_in_process_cli_refuses_with_one_line_and_writes_nothing(odd, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("POSTTRAIN_HOME", str(tmp_path))
-    assert main(["run", "--profile", "smoke", "--set", f"base.init_from={odd}"]) == 2
+    assert main(["run", "--profile", "smoke-dense", "--set", f"base.init_from={odd}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"posttrain: error: quantize.group_size: {odd / 'config.json'}: 32") and DIVISORS_48 in err
     assert not list(tmp_path.iterdir())
@@ -95,7 +95,7 @@ def test_the_megatron_split_is_checked_against_the_checkpoint(odd):
     msg = refused(odd, "runtime.train_engine=megatron", "sft.workers=4", "megatron.ep=4", "quantize.group_size=16")
     assert msg.startswith(f"megatron.ep: {odd / 'config.json'}: must divide the checkpoint's n_routed_experts (6)")
     assert "supported: [1, 2, 3, 6]" in msg
-    fits = load_config("smoke", [f"base.init_from={odd}", *dsa, "megatron.pp=2", "quantize.group_size=16"])
+    fits = load_config("smoke-dense", [f"base.init_from={odd}", *dsa, "megatron.pp=2", "quantize.group_size=16"])
     _check_local_inputs(fits)
 
 
@@ -108,7 +108,7 @@ def test_glm5s_own_indexers_refuse_ramp_dsas_layout(odd):
 
 def test_the_ramp_stage_refuses_by_the_same_rule_before_reading_anything(odd, tmp_path):
     from posttrain.stages import ramp
-    cfg = load_config("smoke", [f"base.init_from={odd}", "ramp.attention=packed_sdpa"])
+    cfg = load_config("smoke-dense", [f"base.init_from={odd}", "ramp.attention=packed_sdpa"])
     with pytest.raises(ValueError, match=r"ramp.attention: .*'packed_sdpa' with a GLM-5 checkpoint .*allowed: sdpa"):
         ramp.run(cfg, {"base": str(odd), "curate": str(tmp_path / "not-there")}, tmp_path / "out")
 
@@ -143,7 +143,7 @@ def test_a_draft_layer_needs_a_plain_head(dense, tmp_path):
                                             f"30.0); allowed: 0")
 
 
-@pytest.mark.parametrize("profile", ["smoke", "tiny", "tiny-dense"])
+@pytest.mark.parametrize("profile", ["smoke", "smoke-dense", "tiny", "tiny-dense"])
 def test_a_profiles_own_preset_passes_as_a_checkpoint(profile, tok, tmp_path):
     cfg = load_config(profile)
     _check_local_inputs(cfg)  # no base.init_from: nothing to read

@@ -75,7 +75,7 @@ def _edit(path, **kv):
 def test_cli_refuses_a_bad_init_from_before_any_work(tmp_path):
     path = make_checkpoint("chatml", tmp_path / "ckpt")
     (path / "tokenizer.json").unlink()
-    p = run_cli(["run", "--profile", "smoke", "--set", f"base.init_from={path}"], cwd=ROOT,
+    p = run_cli(["run", "--profile", "smoke-dense", "--set", f"base.init_from={path}"], cwd=ROOT,
                 env={"POSTTRAIN_HOME": str(tmp_path / "home")})
     assert p.returncode == 2 and f"base.init_from: {path}: missing a tokenizer" in p.stderr
     assert not (tmp_path / "home" / "runs").exists()  # nothing started

@@ -34,9 +34,9 @@ def test_help_lists_the_subcommands_without_heavy_imports(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["run", "--profile", "smoke", "--sett", "x=1"], "unrecognized arguments: --sett"),
-    (["run", "--profile", "smoke", "--set", "rl.stepz=1"], "rl.stepz: unknown key"),
-    (["run", "--profile", "smoke", "--force", "sft", "--force", "nosuchstage"], "--force: unknown stage 'nosuchstage'"),
+    (["run", "--profile", "smoke-dense", "--sett", "x=1"], "unrecognized arguments: --sett"),
+    (["run", "--profile", "smoke-dense", "--set", "rl.stepz=1"], "rl.stepz: unknown key"),
+    (["run", "--profile", "smoke-dense", "--force", "sft", "--force", "nosuchstage"], "--force: unknown stage 'nosuchstage'"),
     (["rerun", "nosuchstage", "--from", "latest"], "rerun: unknown stage 'nosuchstage'"),
     (["lineage", "x@abc"], "expected NAME@VERSION"),
 ], ids=["flag", "key", "force", "rerun", "lineage"])

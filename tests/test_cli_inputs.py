@@ -32,12 +32,12 @@ def no_tools(tmp_path_factory):
 
 
 CASES = [
-    (["run", "--profile", "smoke", "--set", "registered_model=a/b c"], "registered_model: must be"),
-    (["run", "--profile", "smoke", "--set", "sft.lr=inf"], "sft.lr: must be a finite number"),
-    (["run", "--profile", "smoke", "--set", "rl.lr=nan"], "rl.lr: must be a finite number"),
-    (["run", "--profile", "smoke", "--set", "sft.steps=true"], "sft.steps: must be a number (got True)"),
-    (["run", "--profile", "smoke", "--set", "sft.warmup=100"], "sft.warmup: must be <= steps (got 100 > 4)"),
-    (["run", "--profile", "smoke", "--force", "xs-agentic"], "--force: unknown stage 'xs-agentic' in workflow post_train"),
+    (["run", "--profile", "smoke-dense", "--set", "registered_model=a/b c"], "registered_model: must be"),
+    (["run", "--profile", "smoke-dense", "--set", "sft.lr=inf"], "sft.lr: must be a finite number"),
+    (["run", "--profile", "smoke-dense", "--set", "rl.lr=nan"], "rl.lr: must be a finite number"),
+    (["run", "--profile", "smoke-dense", "--set", "sft.steps=true"], "sft.steps: must be a number (got True)"),
+    (["run", "--profile", "smoke-dense", "--set", "sft.warmup=100"], "sft.warmup: must be <= steps (got 100 > 4)"),
+    (["run", "--profile", "smoke-dense", "--force", "xs-agentic"], "--force: unknown stage 'xs-agentic' in workflow post_train"),
     (["run", "--profile", "/x/nope.yaml"], "--profile /x/nope.yaml: no such file"),
     (["run", "--profile", "/tmp"], "--profile /tmp: is a directory"),
     (["rerun", "nosuchstage", "--from", "latest"], "rerun: unknown stage 'nosuchstage'"),
@@ -59,21 +59,21 @@ def test_bad_input_fails_before_any_work_with_one_line(tmp_path, args, message):
 def test_an_empty_input_file_is_refused_before_any_work(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"curate.inputs=['{empty}']")
+    p = posttrain(tmp_path, "run", "--profile", "smoke-dense", "--set", f"curate.inputs=['{empty}']")
     assert p.returncode == 2 and "curate.inputs: every file is empty (empty.jsonl)" in p.stderr, p.stderr[-2000:]
-    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"curate.inputs=['{tmp_path}/none*.jsonl']")
+    p = posttrain(tmp_path, "run", "--profile", "smoke-dense", "--set", f"curate.inputs=['{tmp_path}/none*.jsonl']")
     assert p.returncode == 2 and "matches no file" in p.stderr
     assert not (tmp_path / "runs").exists()
 
 
 def test_a_template_without_tool_calls_is_refused_before_base_and_can_be_replaced(tmp_path, no_tools):
-    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"base.init_from={no_tools}")
+    p = posttrain(tmp_path, "run", "--profile", "smoke-dense", "--set", f"base.init_from={no_tools}")
     assert p.returncode == 2 and "renders no tool calls" in p.stderr and "base.chat_template" in p.stderr, p.stderr
     assert not (tmp_path / "runs").exists()
     from posttrain.stages.base import check_checkpoint
     from posttrain.chat import chat_format
     from posttrain.config import load_config
-    cfg = load_config("smoke", [f"base.init_from={no_tools}",
+    cfg = load_config("smoke-dense", [f"base.init_from={no_tools}",
                                 f"base.chat_template={ROOT / 'configs/templates/chatml-tools.jinja'}"])
     assert chat_format(check_checkpoint(cfg)).tool_format == "hermes"  # the checkpoint itself is untouched
     assert "tool_call" not in (no_tools / "chat_template.jinja").read_text()

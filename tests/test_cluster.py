@@ -133,7 +133,7 @@ def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_serv
     # two runs at once, as two machines of a team would start them (each its own mirror): one computes each node
     # (conditional PUTs on the lease and the commit), the other waits for it; both models' lineage verifies
     # the specialists this test reads (agentic's stage run, general's resume): the third adds time, not paths
-    racing = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke", "--set",
+    racing = [subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke-dense", "--set",
                                 "rl.domains=[agentic, general]"], cwd=ROOT,
                                env={**env, "RAY_ADDRESS": address, "POSTTRAIN_LOCAL": str(tmp_path / m)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -143,7 +143,7 @@ def test_a_run_on_two_ray_nodes_the_s3_store_and_the_tracking_server(mlflow_serv
     assert "is computing this node now" in "".join(outs)
     assert not (mirror / "mlflow.db").exists() and not (mirror / "mlruns").exists()  # nothing tracked locally
     for version in ("1", "2"):
-        audit = _cli(["lineage", f"posttrain-smoke@{version}"], {**env, "POSTTRAIN_LOCAL": str(tmp_path / "m-audit")},
+        audit = _cli(["lineage", f"posttrain-smoke-dense@{version}"], {**env, "POSTTRAIN_LOCAL": str(tmp_path / "m-audit")},
                      ROOT, 300)
         assert audit.returncode == 0 and "lineage verified" in audit.stdout, (audit.stdout + audit.stderr)[-2000:]
     reports = [json.loads(s3.get_object(Bucket="posttrain-test", Key=f"home/runs/{run_id}/report.json")["Body"].read())

@@ -17,7 +17,7 @@ GOOD = [{"id": f"g{i}", "text": f"The old road ran past a quiet field number {i}
 
 
 def _cfg(*overrides):
-    return load_config("smoke", list(overrides))
+    return load_config("smoke-dense", list(overrides))
 
 
 def _write_jsonl(path, rows, extra_lines=()):

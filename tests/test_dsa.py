@@ -129,7 +129,7 @@ def warm_up(cfg, model, rows: list) -> tuple[dict, tuple[float, float], tuple[fl
 
 
 def test_warmup_trains_only_the_indexers_towards_the_dense_attention(model, tok):
-    cfg = load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, warmup_steps: 20, warmup_lr: 0.02}"])
+    cfg = load_config("smoke-dense", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, warmup_steps: 20, warmup_lr: 0.02}"])
     dsa.install(model, top_k=16)
     rows = pack([(IDS[i % 2, :40 + i].tolist(), [1] * (40 + i)) for i in range(8)], 128)
     curves, (kl0, recall0), (kl1, recall1) = warm_up(cfg, model, rows)
@@ -139,13 +139,13 @@ def test_warmup_trains_only_the_indexers_towards_the_dense_attention(model, tok)
 
 def test_dsa_settings_that_would_do_nothing_are_refused():
     with pytest.raises(ConfigError, match="ramp.dsa.top_k: 128 is not below the longest stage's seq_len 128"):
-        load_config("smoke", ["ramp.attention=dsa", "ramp.dsa.top_k=128"])
+        load_config("smoke-dense", ["ramp.attention=dsa", "ramp.dsa.top_k=128"])
     with pytest.raises(ConfigError, match="ramp.dsa.adopt_at: 100 is not a stage's seq_len"):
-        load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, adopt_at: 100}"])
-    assert load_config("smoke", ["ramp.attention=dsa", "ramp.dsa.top_k=100"]).ramp.dsa_start() == 128
+        load_config("smoke-dense", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, adopt_at: 100}"])
+    assert load_config("smoke-dense", ["ramp.attention=dsa", "ramp.dsa.top_k=100"]).ramp.dsa_start() == 128
     with pytest.raises(ConfigError,
                        match=r"ramp.dsa.own_indexer: layers must be < model.num_layers 1 \(got \[0, 2\]\)"):
-        load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, own_indexer: [0, 2]}"])
+        load_config("smoke-dense", ["ramp.attention=dsa", "ramp.dsa={top_k: 16, own_indexer: [0, 2]}"])
 
 
 def test_the_w4a8_export_keeps_dsa(model, tok, tmp_path):

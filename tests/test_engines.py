@@ -84,7 +84,7 @@ def test_a_w4a8_rollout_engine_generates_from_integer_layers_and_quantizes_each_
     got, want = ([g.logprobs for g in e.generate(prompts, **kw)] for e in (w4a8, fresh))
     assert got == want and w4a8.version == 1
     with pytest.raises(ConfigError, match=r"rl.rollout_dtype: w4a8 runs on posttrain's integer kernels \(torch;"):
-        load_config("smoke", ["rl.rollout_dtype=w4a8", "runtime.rollout_engine=sglang"])
+        load_config("smoke-dense", ["rl.rollout_dtype=w4a8", "runtime.rollout_engine=sglang"])
 
 
 def test_what_an_engine_cannot_do_is_refused_at_load_from_its_declared_capabilities():
@@ -92,11 +92,11 @@ def test_what_an_engine_cannot_do_is_refused_at_load_from_its_declared_capabilit
     glm5 = ["model.arch=glm5", "model.num_layers=2", "rl.routing_replay=true"]
     with pytest.raises(ConfigError, match=r"rl.routing_replay: the sglang rollout engine does not record expert routes "
                                           r"\(torch does; got runtime.rollout_engine 'sglang'\)"):
-        load_config("smoke", [*glm5, "runtime.rollout_engine=sglang"])
+        load_config("smoke-dense", [*glm5, "runtime.rollout_engine=sglang"])
     with pytest.raises(ConfigError, match=r"rl.partial_rollouts: needs a rollout engine that takes weights "
                                           r"mid-generation \(sglang; got runtime.rollout_engine 'torch'\)"):
-        load_config("smoke", ["rl.partial_rollouts=true", "rl.max_staleness=1"])
-    assert load_config("smoke", glm5).rl.routing_replay  # the torch engines can
+        load_config("smoke-dense", ["rl.partial_rollouts=true", "rl.max_staleness=1"])
+    assert load_config("smoke-dense", glm5).rl.routing_replay  # the torch engines can
 
 
 def test_a_paused_engine_generates_nothing_until_resumed(ckpts, tok):

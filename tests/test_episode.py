@@ -40,7 +40,7 @@ def test_single_turn_and_wrong_answer(tok):
 
 
 def test_a_user_environment_named_in_the_config(tmp_path, parity_env):
-    cfg = load_config("smoke", ["world.environments={parity: parity_env}"])
+    cfg = load_config("smoke-dense", ["world.environments={parity: parity_env}"])
     assert environments.names(cfg.world.environments)[-1] == "parity"
     from posttrain import data
     from posttrain.stages import curate
@@ -56,9 +56,9 @@ def test_a_user_environment_named_in_the_config(tmp_path, parity_env):
 def test_export_test_split_as_jsonl(tmp_path):
     from posttrain.cli import main
     out = tmp_path / "agentic-test.jsonl"
-    assert main(["export-env", "agentic", "--profile", "smoke", "--out", str(out)]) == 0
+    assert main(["export-env", "agentic", "--profile", "smoke-dense", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == load_config("smoke").world.n_test and all(r["split"] == "test" for r in rows)
+    assert len(rows) == load_config("smoke-dense").world.n_test and all(r["split"] == "test" for r in rows)
 
 
 def _play(ep, full: list[int], tok) -> list[int]:

@@ -48,7 +48,7 @@ def test_the_adopted_attention_is_transformers_own_at_the_same_top_k_and_reloads
 
 
 def test_the_warmup_trains_only_glm5s_own_indexers_towards_the_dense_attention(model):
-    cfg = load_config("smoke", ["ramp.attention=dsa", "ramp.dsa={top_k: 8, warmup_steps: 30, warmup_lr: 0.05}"])
+    cfg = load_config("smoke-dense", ["ramp.attention=dsa", "ramp.dsa={top_k: 8, warmup_steps: 30, warmup_lr: 0.05}"])
     glm5.install_dsa(model, top_k=8)
     rows = pack([(IDS[i % 2, :30 + i].tolist(), [1] * (30 + i)) for i in range(8)], 64)
     curves, (kl0, recall0), (kl1, recall1) = warm_up(cfg, model, rows)
@@ -66,7 +66,7 @@ def test_a_ramp_rung_adopts_dsa_on_glm5s_indexers(model, tok, engine, request):
         "model.indexer_types=[full, full, shared, full]", "quantize.group_size=16", "ramp.attention=dsa", "ramp.batch_size=2",
         "ramp.dsa={top_k: 8, warmup_steps: 3, kl_queries: 16}", f"runtime.train_engine={engine}",
         "ramp.stages=[{seq_len: 64, tokens: 512, lr: 1.0e-3, warmup: 1, rope_theta: 20000.0, long_share: 0.5}]"]
-    cfg = load_config("smoke", sets)
+    cfg = load_config("smoke-dense", sets)
     docs = [IDS[i % 2, :20 + i].tolist() for i in range(12)]
     short_val = collate(pack([(d, [1] * len(d)) for d in docs[:4]], 64), 0)
     model, child = ramp.train_stage(cfg, 0, cfg.ramp.stages[0], model, tok, docs, {}, short_val)

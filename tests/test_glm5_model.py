@@ -39,7 +39,7 @@ def test_the_tiny_default_is_glm5():
 def test_quantize_groups_must_divide_the_experts_width():
     sets = [f"model.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in (GLM5 | {"moe_intermediate_size": 24}).items()]
     with pytest.raises(ConfigError, match="quantize.group_size: must divide model.moe_intermediate_size"):
-        load_config("smoke", sets + ["quantize.group_size=16"])
+        load_config("smoke-dense", sets + ["quantize.group_size=16"])
 
 
 def test_the_preset_builds_glm5s_layout(tok):

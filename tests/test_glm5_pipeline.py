@@ -1,18 +1,16 @@
-"""The whole DAG on GLM-5's architecture (the glm5 preset at smoke size): every stage, routing replay in RL and OPD,
-an MTP draft layer where GLM-5 keeps it, W4A8 as GLM-5 deploys, lineage."""
+"""The smoke profile's whole DAG, on GLM-5's architecture as the default: every stage, DSA adopted in the ramp, routing
+replay in RL and OPD, an MTP draft layer where GLM-5 keeps it, W4A8 as GLM-5 deploys, lineage."""
 import json
 
 from safetensors import safe_open
 from tests.test_pipeline_smoke import posttrain, stage_runs
 
-GLM5 = ["--set", "model.arch=glm5", "--set", "ramp.attention=sdpa", "--set", "model.num_layers=2",
-        "--set", "model.indexer_types=[full, shared]", "--set", "moe.aux_loss_weight=0.0001",
-        "--set", "rl.routing_replay=true", "--set", "mtp.depth=1",
-        "--set", "rl.domains=[reasoning, agentic]"]  # GRPO and PPO; the third specialist adds time, not paths
+# the smoke profile is GLM-5's architecture (configs/smoke.yaml); GRPO and PPO, the third specialist adds time, not paths
+TWO_SPECIALISTS = ["--set", "rl.domains=[reasoning, agentic]"]
 
 
 def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
-    out = posttrain(tmp_path, "run", "--profile", "smoke", *GLM5).stdout
+    out = posttrain(tmp_path, "run", "--profile", "smoke", *TWO_SPECIALISTS).stdout
     run = next(line.split()[-1] for line in out.splitlines() if line.startswith("HTML report:")).split("/")[-2]
     report = json.loads((tmp_path / "runs" / run / "report.json").read_text())
     assert set(report["eval"]["quantized"]) == set(report["eval"]["sft"])
@@ -21,6 +19,14 @@ def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
     for stage in ("base", "sft", "rl-reasoning", "opd"):  # every trainer balanced the routers and logged their load
         metrics = stages[stage].data.metrics
         assert {"moe_cv_first", "moe_cv_last", "moe_max_mean_last"} <= set(metrics), stage
+    ramp = stages["ramp"].data.metrics  # DSA adopted at the 128-token rung: its indexers warmed up, then selected
+    assert {"ramp_at_128.dsa_warmup.indexer_kl_last", "ramp_at_128.topk_recall_last"} <= set(ramp), sorted(ramp)
+    # sft goes on training them (frozen, they select from hidden states sft moves): measured, and moved
+    assert {"indexer_kl_last", "topk_recall_last"} <= set(stages["sft"].data.metrics)
+    from safetensors.torch import load_file
+    ramped, sft = (load_file(f"{report['stages'][s]['artifact']}/model.safetensors") for s in ("ramp", "sft"))
+    key = next(k for k in ramped if ".indexer." in k and k.endswith("weight"))
+    assert not ramped[key].equal(sft[key]), key
     for stage in ("rl-reasoning", "rl-agentic", "opd"):  # the rollouts' experts replayed (agentic: multi-turn, PPO)
         assert "routes_differ_last" in stages[stage].data.metrics, stage
     # what `make figures` holds the GLM-5 default to: balancing in base, replay's effect in each RL specialist

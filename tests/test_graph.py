@@ -25,7 +25,7 @@ def test_a_user_environment_with_rl_gets_specialist_teacher_chain_and_gates(pari
     from posttrain.stages.consolidation import methods, midway
     from posttrain.pipeline.graph import checkpoints
     from posttrain.pipeline.gates import suite_names
-    cfg = load_config("smoke", parity)
+    cfg = load_config("smoke-dense", parity)
     check_domains(cfg)
     g = graph(cfg)
     assert g["rl-parity"].params == (("domain", "parity"),)                     # its specialist
@@ -40,8 +40,8 @@ def test_a_user_environment_with_rl_gets_specialist_teacher_chain_and_gates(pari
 
 
 def test_one_specialists_settings_leave_the_others_cache_keys_alone(parity):
-    base, cfg = load_config("smoke"), load_config("smoke", parity)
-    tuned = load_config("smoke", ["rl.per_domain.general.lr=0.1"])
+    base, cfg = load_config("smoke-dense"), load_config("smoke-dense", parity)
+    tuned = load_config("smoke-dense", ["rl.per_domain.general.lr=0.1"])
     gb, gc, gt = graph(base), graph(cfg), graph(tuned)
     assert base.digest(*gb["rl-reasoning"].sections) == cfg.digest(*gc["rl-reasoning"].sections)  # a new domain
     assert base.digest(*gb["rl-reasoning"].sections) == tuned.digest(*gt["rl-reasoning"].sections)
@@ -51,12 +51,12 @@ def test_one_specialists_settings_leave_the_others_cache_keys_alone(parity):
 
 def test_rl_domains_must_be_environments_of_the_world(parity):
     with pytest.raises(ConfigError, match=r"rl.domains: unknown domains \['parity'\]"):
-        check_domains(load_config("smoke", parity[1:]))
+        check_domains(load_config("smoke-dense", parity[1:]))
     with pytest.raises(ConfigError, match="opd.student"):
-        load_config("smoke", ["opd.student=rl-parity"])
+        load_config("smoke-dense", ["opd.student=rl-parity"])
     with pytest.raises(ConfigError, match="rl.domains"):
-        load_config("smoke", ["rl.domains=[reasoning, reasoning]"])
-    one = graph(load_config("smoke", ["rl.domains=[reasoning]"]))
+        load_config("smoke-dense", ["rl.domains=[reasoning, reasoning]"])
+    one = graph(load_config("smoke-dense", ["rl.domains=[reasoning]"]))
     assert "consolidation" not in one and "rl-agentic" not in one and one["opd"].inputs == ("sft", "curate",
                                                                                               "rl-reasoning")
 
@@ -79,8 +79,8 @@ def test_every_task_binds_its_stages_inputs_by_name():
 
 def test_an_unknown_engine_fails_before_any_work():
     with pytest.raises(ConfigError, match=r"runtime.rollout_engine: unknown engine 'vllm' \(known: sglang, torch\)"):
-        check_domains(load_config("smoke", ["runtime.rollout_engine=vllm"]))
+        check_domains(load_config("smoke-dense", ["runtime.rollout_engine=vllm"]))
     with pytest.raises(ConfigError, match=r"runtime.train_engine: unknown engine 'deepspeed' \(known: megatron, torch\)"):
-        load_config("smoke", ["runtime.train_engine=deepspeed"])
+        load_config("smoke-dense", ["runtime.train_engine=deepspeed"])
     with pytest.raises(ConfigError, match=r"rl.rollout_engine: moved to runtime.rollout_engine"):
-        load_config("smoke", ["rl.rollout_engine=sglang"])
+        load_config("smoke-dense", ["rl.rollout_engine=sglang"])

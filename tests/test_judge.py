@@ -88,7 +88,7 @@ def test_a_real_checkpoint_answers_and_an_untrained_one_stops_the_stage(tok, tmp
     cases = agentic.judge_cases("test", 50, 0)[:6]
     judge = ModelJudge(str(ck))
     assert {judge.decide(c["context"], c["tool"], c["arg"]) for c in cases} <= {"allow", "block"}
-    cfg = load_config("smoke", ["rl.per_domain={agentic: {judge: {checkpoint: sft}}}"])
+    cfg = load_config("smoke-dense", ["rl.per_domain={agentic: {judge: {checkpoint: sft}}}"])
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(RuntimeError, match="min_precision"):
@@ -96,5 +96,5 @@ def test_a_real_checkpoint_answers_and_an_untrained_one_stops_the_stage(tok, tmp
     assert json.loads((out / "judge.json").read_text())["labelled_calls"] == 100
     assert checked_judge(cfg, {"sft": str(ck)}, out, "reasoning") == ("", {})  # no judge configured there
     with pytest.raises(ValueError, match="no labelled calls"):
-        checked_judge(load_config("smoke", ["rl.judge.checkpoint=sft"]), {"sft": str(ck)}, out, "reasoning")
+        checked_judge(load_config("smoke-dense", ["rl.judge.checkpoint=sft"]), {"sft": str(ck)}, out, "reasoning")
     assert environments.get("agentic").judge_cases  # the built-in environment supplies them

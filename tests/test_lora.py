@@ -116,13 +116,13 @@ def test_the_rl_loop_trains_adapters_and_returns_a_plain_merged_policy(ckpt):
 
 
 def test_lora_is_configured_per_stage_and_refused_where_the_engine_cannot(ckpt):
-    cfg = load_config("smoke", ["lora.rank=8", "lora.stages=[rl, opd]"])
+    cfg = load_config("smoke-dense", ["lora.rank=8", "lora.stages=[rl, opd]"])
     assert lora_options(cfg, "sft") == {} and lora_options(cfg, "rl")["lora"] == Lora(8, 32.0, "all-linear")
-    assert lora_options(load_config("smoke"), "rl") == {}
+    assert lora_options(load_config("smoke-dense"), "rl") == {}
     model, tok = load_checkpoint(ckpt)  # sft's engine: adapters attached before Ray Train's DDP would wrap it
-    engine = lm_engine(load_config("smoke", ["lora.rank=4"]), model, tok, lr=1e-3, stage="sft")
+    engine = lm_engine(load_config("smoke-dense", ["lora.rank=4"]), model, tok, lr=1e-3, stage="sft")
     assert engine.lora and {n for n, p in model.named_parameters() if p.requires_grad} == \
         {n for n, _ in model.named_parameters() if ".lora_" in n}
     engine.close()
     with pytest.raises(ConfigError, match=r"lora\.rank: the megatron train engine trains no LoRA adapters \(torch"):
-        load_config("smoke", ["lora.rank=8", "runtime.train_engine=megatron"])
+        load_config("smoke-dense", ["lora.rank=8", "runtime.train_engine=megatron"])

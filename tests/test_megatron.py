@@ -510,7 +510,7 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
                                          r"qwen3, glm_moe_dsa\)"):
         check_layout(GPT2Config(), Parallel())
     with pytest.raises(ConfigError) as e:
-        load_config("smoke", ["runtime.train_engine=megatron", "megatron.tp=3", "megatron.pp=2"])
+        load_config("smoke-dense", ["runtime.train_engine=megatron", "megatron.tp=3", "megatron.pp=2"])
     for rule in ("megatron.tp: must divide model.num_heads", "sft.workers: the megatron ranks",
                  "megatron.pp: must divide model.num_layers 1"):
         assert rule in str(e.value)
@@ -521,11 +521,11 @@ def test_layouts_and_models_it_cannot_split_fail_before_any_work(ckpts, tmp_path
                  "mixture-of-experts model", "x ep = 6", "rl.routing_replay: not with megatron.recompute"):
         assert rule in str(e.value)
     with pytest.raises(ConfigError, match="megatron.ep: splits a mixture-of-experts model's experts"):
-        load_config("smoke", ["runtime.train_engine=megatron", "megatron.ep=2", "sft.workers=2"])
+        load_config("smoke-dense", ["runtime.train_engine=megatron", "megatron.ep=2", "sft.workers=2"])
     with pytest.raises(ConfigError, match="ramp.attention: dsa on a dense model adds posttrain.s own indexers"):
-        load_config("smoke", ["runtime.train_engine=megatron", "ramp.attention=dsa", "ramp.dsa.top_k=32"])
+        load_config("smoke-dense", ["runtime.train_engine=megatron", "ramp.attention=dsa", "ramp.dsa.top_k=32"])
     with pytest.raises(ConfigError, match="ramp.stages.0.rope_scaling: the megatron engine runs default RoPE"):
-        load_config("smoke", ["runtime.train_engine=megatron", "ramp.stages=[{seq_len: 96, tokens: 384, rope_theta: "
+        load_config("smoke-dense", ["runtime.train_engine=megatron", "ramp.stages=[{seq_len: 96, tokens: 384, rope_theta: "
                               "20000.0, rope_scaling: {rope_type: yarn, factor: 2.0}}]"])
 
 
@@ -543,7 +543,7 @@ def test_a_ramp_stage_through_megatron_follows_the_torch_ramp(ckpts, tok):
             "ramp.batch_size=2", "ramp.long_docs=4", "mtp.depth=2"]
     got = {}
     for engine, n in (("torch", 1), ("megatron", 2)):
-        cfg = load_config("smoke", [*sets, f"runtime.train_engine={engine}"])
+        cfg = load_config("smoke-dense", [*sets, f"runtime.train_engine={engine}"])
         model, _ = load_checkpoint(ckpts["llama"])
         torch.manual_seed(0)  # the same new draft layer
         with threads(n):

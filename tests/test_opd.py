@@ -138,7 +138,7 @@ def test_routing_picks_the_teacher_and_a_missing_one_is_named(models):
     with pytest.raises(KeyError, match="domain 'agentic'.*teachers: \\['reasoning'\\]"):
         pool.teacher_of("agentic")
     with pytest.raises(ConfigError, match=r"opd.route.general: prompts are domains of rl.domains .* or base"):
-        load_config("smoke", ["opd.route={general: math}"])
+        load_config("smoke-dense", ["opd.route={general: math}"])
 
 
 def test_the_base_model_teaches_everyday_instructions_with_thinking_off(models, tok):
@@ -147,9 +147,9 @@ def test_the_base_model_teaches_everyday_instructions_with_thinking_off(models, 
     from environments import everyday
     from posttrain.pipeline.graph import graph
     from posttrain.replay import PROMPTS
-    assert "base" not in graph(load_config("smoke"))["opd"].inputs
-    assert "base" in graph(load_config("smoke", ["opd.everyday_prompts=8"]))["opd"].inputs
-    assert "base" in graph(load_config("smoke", ["opd.route={general: base}"]))["opd"].inputs
+    assert "base" not in graph(load_config("smoke-dense"))["opd"].inputs
+    assert "base" in graph(load_config("smoke-dense", ["opd.everyday_prompts=8"]))["opd"].inputs
+    assert "base" in graph(load_config("smoke-dense", ["opd.route={general: base}"]))["opd"].inputs
     pool = environments.get("reasoning").generate("train", 8, 0) + everyday.tasks(list(PROMPTS[:8]))
     r = RLConfig(steps=2, prompts_per_step=0, group_size=2, max_new_tokens=8, val_every=0, stop_check=False)
     _, _, st = train_policy(r, models["student"], [], pool[:2], seed=0,
@@ -210,4 +210,4 @@ def test_a_reference_kl_holds_the_student_near_where_it_started(models, tok):
     with pytest.raises(ValueError, match="reference KL in distillation needs the sampled loss, not 'topk'"):
         Distill(teachers, pool, 8, mode="topk", kl_coef=0.1)
     with pytest.raises(ConfigError, match="opd.kl_coef: .* needs opd.loss sampled"):
-        load_config("smoke", ["opd.kl_coef=0.1", "opd.loss=full"])
+        load_config("smoke-dense", ["opd.kl_coef=0.1", "opd.loss=full"])

@@ -13,7 +13,7 @@ from tests.test_pipeline_smoke import ROOT, posttrain
 
 
 def test_bad_input_fails_before_any_work(tmp_path):
-    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", "rl.stepz=1", check=False)
+    p = posttrain(tmp_path, "run", "--profile", "smoke-dense", "--set", "rl.stepz=1", check=False)
     assert p.returncode == 2 and "rl.stepz: unknown key" in p.stderr
     assert not (tmp_path / "runs").exists()
 
@@ -24,7 +24,7 @@ def test_failed_gate_fails_the_run_with_a_readable_message(tmp_path):
     # tests/test_curate.py); the input gate in curate sees them all, 60% without text
     raw.write_text("".join('{"id": "%d", "text": "a row of text number %d"}\n' % (i, i) for i in range(1000)) +
                    "".join('{"id": "x%d", "body": "no text field here"}\n' % i for i in range(1500)))
-    p = posttrain(tmp_path, "run", "--profile", "smoke", "--set", f"curate.inputs=['{raw}']", check=False)
+    p = posttrain(tmp_path, "run", "--profile", "smoke-dense", "--set", f"curate.inputs=['{raw}']", check=False)
     assert p.returncode == 1
     assert "stage curate failed" in p.stderr and "gate 'input mine.jsonl' failed" in p.stderr
     assert not list((tmp_path / "artifacts" / "curate").glob("[!.]*"))  # nothing published
@@ -43,7 +43,7 @@ def test_a_killed_run_is_marked_killed_in_mlflow_by_the_next_command_and_reruns_
     import signal
     import time
     env = {**os.environ, "POSTTRAIN_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
-    p = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke"], cwd=ROOT, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke-dense"], cwd=ROOT, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
     deadline = time.time() + 300
@@ -67,7 +67,7 @@ def test_a_rerun_from_a_failed_main_dag_run_redoes_the_main_dag_after_it_not_the
     from posttrain.config import load_config
     from posttrain.pipeline.nodes import graph
     from workflows.post_train import rerun_downstream
-    g = graph(load_config("smoke"))
+    g = graph(load_config("smoke-dense"))
     failed = {"failed": True, "workflows": ["post_train"], "stages": {"sft": {}, "rl-reasoning": {}}}
     assert rerun_downstream(g, "rl-general", failed) == {"opd", "quantize", "evaluate"}
     both = {**failed, "workflows": ["post_train", "cross_stage"]}

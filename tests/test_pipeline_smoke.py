@@ -66,7 +66,7 @@ def stage_runs(home: Path, parent: str) -> dict:
 def first(tmp_path_factory):
     """Two runs started at once on one home (a team sharing a store): the module's tests use the first."""
     home = tmp_path_factory.mktemp("home")
-    outs = at_once([(home, ["run", "--profile", "smoke"])] * 2)
+    outs = at_once([(home, ["run", "--profile", "smoke-dense"])] * 2)
     reports = [_report_of(out) for out in outs]
     worker = next(i for i, r in enumerate(reports) if not r["stages"]["sft"]["cached"])  # the one that trained sft
     (home / "console.txt").write_text(outs[worker])
@@ -82,7 +82,7 @@ def test_two_runs_at_once_on_one_home_compute_each_node_once_and_both_verify(fir
     for stage in ("raw", "curate", "sft", "rl-agentic", "opd", "quantize"):
         assert len(_published(home, stage)) == 1, stage  # one publication, shared
     for version in ("1", "2"):
-        out = posttrain(home, "lineage", f"posttrain-smoke@{version}").stdout
+        out = posttrain(home, "lineage", f"posttrain-smoke-dense@{version}").stdout
         assert "lineage verified" in out and "MISSING" not in out
 
 
@@ -149,7 +149,7 @@ def test_mlflow_children_lineage_and_registry(first):
 def test_failing_regression_gate_stops_the_run_and_the_registration(first):
     """A second run whose only change is a gate (in no node's key) redoes nothing, and its failed gate stops it."""
     home, _ = first
-    p = posttrain(home, "run", "--profile", "smoke", "--set", "gates.min.general=1.01", check=False)
+    p = posttrain(home, "run", "--profile", "smoke-dense", "--set", "gates.min.general=1.01", check=False)
     assert p.returncode == 1
     assert "regression gate failed: quantized scored" in p.stderr and "below gates.min.general = 1.01" in p.stderr
     report = json.loads((home / "latest" / "report.json").read_text())
@@ -164,7 +164,7 @@ def test_an_opd_change_redoes_only_downstream(first):
     """(A run without a change redoes nothing: the failing-gate test's.)"""
     home, _ = first
     # teachers as Ray actors (the smoke profile places them in the rollout worker): both placements run
-    posttrain(home, "run", "--profile", "smoke", "--set", "opd.lr=1e-4", "--set", "opd.teacher_placement=actor")
+    posttrain(home, "run", "--profile", "smoke-dense", "--set", "opd.lr=1e-4", "--set", "opd.teacher_placement=actor")
     changed = json.loads((home / "latest" / "report.json").read_text())
     redone = {s for s, v in changed["stages"].items() if not v["cached"]}
     assert redone == {"opd", "quantize", "evaluate"}
@@ -206,7 +206,7 @@ def test_a_corrupted_cache_entry_is_reported_kept_and_recomputed_beside_it(first
     original = weights.read_bytes()
     try:
         weights.write_bytes(bytes([original[0] ^ 1]) + original[1:])
-        p = posttrain(home, "run", "--profile", "smoke")
+        p = posttrain(home, "run", "--profile", "smoke-dense")
         out = p.stdout + p.stderr
         assert "[opd] a cached version failed verification and is kept as evidence" in out
         assert "model.safetensors" in out
@@ -293,7 +293,7 @@ def test_opd_resumes_exactly_after_sigkill(first, resumed):
 
 def test_cross_stage_workflow_compares_three_consolidations(first):
     home, _ = first
-    posttrain(home, "run", "--profile", "smoke", "--workflow", "cross_stage")
+    posttrain(home, "run", "--profile", "smoke-dense", "--workflow", "cross_stage")
     report = json.loads((home / "latest" / "report.json").read_text())
     assert all(report["stages"][s]["cached"] for s in ("sft", "rl-reasoning", "opd"))  # the main DAG is reused
     assert {"xs-agentic", "xs-general", "seq-agentic", "seq-general", "consolidation"} <= set(report["stages"])
@@ -323,8 +323,8 @@ def test_a_third_train_engine_is_one_module_and_one_registry_line(first, tmp_pat
                         registry.Engine("tests.counting_engine:CountingEngine", registry.TRAIN["torch"].can))
     _, report = first
     art = {s: report["stages"][s]["artifact"] for s in ("base", "curate")}
-    cfg = config_from_dict({**load_config("smoke").model_dump(mode="json"), "runtime": {
-        **load_config("smoke").runtime.model_dump(mode="json"), "train_engine": "counting"}}, "test")
+    cfg = config_from_dict({**load_config("smoke-dense").model_dump(mode="json"), "runtime": {
+        **load_config("smoke-dense").runtime.model_dump(mode="json"), "train_engine": "counting"}}, "test")
     ensure_ray(cfg.runtime)
     request.addfinalizer(ray_shutdown)  # not left to the next test file in this worker process
     steps = {}

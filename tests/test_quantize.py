@@ -144,8 +144,8 @@ def test_everyday_instructions_join_the_calibration_stream_among_the_conversatio
     for d in environments.DOMAINS:
         ts = environments.get(d).generate("train", 8, 0)
         pq.write_table(pa.Table.from_pylist([{"id": t.id, "task": t.to_json()} for t in ts]), tmp_path / f"sft-{d}.parquet")
-    plain = calibration_rows(load_config("smoke", ["quantize.calib_seq_len=16"]), str(tmp_path), tok)
-    mixed = calibration_rows(load_config("smoke", ["quantize.calib_seq_len=16", "quantize.calib_everyday=4"]),
+    plain = calibration_rows(load_config("smoke-dense", ["quantize.calib_seq_len=16"]), str(tmp_path), tok)
+    mixed = calibration_rows(load_config("smoke-dense", ["quantize.calib_seq_len=16", "quantize.calib_everyday=4"]),
                              str(tmp_path), tok)
     assert mixed.numel() > plain.numel()
     text = tok.decode(mixed.flatten())

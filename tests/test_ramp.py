@@ -203,7 +203,7 @@ def test_a_rung_stops_once_retrieval_formed_and_not_before(tok):
     from posttrain.models.preset import build_model
     from posttrain.stages.ramp import retrieval_formed
     from posttrain.train import train
-    cfg = load_config("smoke")
+    cfg = load_config("smoke-dense")
     asked = []
 
     def run(bar: float) -> dict:

@@ -19,7 +19,7 @@ FAMILIES = {  # family -> (thinking switch, tool format, extra settings)
 def reports(tmp_path_factory) -> dict[str, dict]:
     """Each family's smoke run from its checkpoint, all started at once: {family: report}."""
     root = tmp_path_factory.mktemp("real")
-    calls = [(root / family / "home", ["run", "--profile", "smoke", "--set",
+    calls = [(root / family / "home", ["run", "--profile", "smoke-dense", "--set",
                                        f"base.init_from={make_checkpoint(family, root / family / 'ckpt')}",
                                        "--set", "sft.steps=12", *extra])
              for family, (_, _, extra) in FAMILIES.items()]

@@ -82,21 +82,21 @@ def test_sft_stops_when_the_model_finishes_no_replay_answer(tmp_path):
 
     from posttrain.stages.sft import replay_examples
     base = str(make_checkpoint("chatml", tmp_path / "ckpt"))
-    cfg = load_config("smoke", ["sft.replay_share=0.2", "sft.replay_prompts=3", "sft.replay_max_new_tokens=1"])
+    cfg = load_config("smoke-dense", ["sft.replay_share=0.2", "sft.replay_prompts=3", "sft.replay_max_new_tokens=1"])
     with pytest.raises(ChatFormatError, match="finished none of its 3 replay answers"):
         replay_examples(cfg, base)
-    assert replay_examples(load_config("smoke", []), base) == ([], 0)  # off by default
+    assert replay_examples(load_config("smoke-dense", []), base) == ([], 0)  # off by default
 
 
 def test_replay_share_of_one_is_refused():
     with pytest.raises(ConfigError, match="replay_share"):
-        load_config("smoke", ["sft.replay_share=1"])
+        load_config("smoke-dense", ["sft.replay_share=1"])
 
 
 def test_a_bad_replay_file_fails_before_any_work(tmp_path):
     from posttrain.cli import _check_local_inputs
     bad = tmp_path / "prompts.jsonl"
     bad.write_text(json.dumps({"question": "x"}) + "\n")
-    cfg = load_config("smoke", ["sft.replay_share=0.2", f"sft.replay_file={bad}"])
+    cfg = load_config("smoke-dense", ["sft.replay_share=0.2", f"sft.replay_file={bad}"])
     with pytest.raises(ConfigError, match=r"sft\.replay_file: .*prompts\.jsonl:1"):
         _check_local_inputs(cfg)

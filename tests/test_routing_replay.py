@@ -135,4 +135,4 @@ def test_replay_is_refused_for_a_dense_model():
 def test_the_config_refuses_replay_on_the_dense_preset():
     from posttrain.config import ConfigError, load_config
     with pytest.raises(ConfigError, match="rl.routing_replay: needs a mixture-of-experts policy"):
-        load_config("smoke", ["rl.routing_replay=true"])
+        load_config("smoke-dense", ["rl.routing_replay=true"])

@@ -11,7 +11,7 @@ from tests.test_ramp import tiny_llama
 
 
 def test_packed_sft_batches_give_the_same_loss_as_each_conversation_alone(tok):
-    cfg = load_config("smoke", ["sft.packing=true", "sft.batch_size=2", "sft.seq_len=256"])
+    cfg = load_config("smoke-dense", ["sft.packing=true", "sft.batch_size=2", "sft.seq_len=256"])
     tasks = [t for d in environments.DOMAINS for t in environments.get(d).generate("train", 4, 0)]
     examples = build_examples(cfg, tok, tasks, 0)
     batch = collate(_batches(cfg, examples)(0), tok.pad_token_id)

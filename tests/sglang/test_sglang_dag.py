@@ -19,7 +19,7 @@ def _servers() -> set[str]:
 def test_the_smoke_dag_generates_scores_and_evaluates_through_sglang(tmp_path):
     before = _servers()
     env = {**os.environ, "POSTTRAIN_HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
-    p = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke", "--set",
+    p = subprocess.run([sys.executable, "-m", "posttrain.cli", "run", "--profile", "smoke-dense", "--set",
                         "runtime.rollout_engine=sglang", "--set", "rl.domains=[reasoning]", "--set",
                         "rl.partial_rollouts=true", "--set", "runtime.weight_sync=broadcast"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=1800)

@@ -16,7 +16,7 @@ MEGATRON = ("--set", "runtime.train_engine=megatron", "--set", "rl.domains=[reas
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
-    posttrain(home, "run", "--profile", "smoke", *MEGATRON)
+    posttrain(home, "run", "--profile", "smoke-dense", *MEGATRON)
     return home, json.loads((home / "latest" / "report.json").read_text())
 
 

@@ -25,7 +25,7 @@ def test_the_glm5_preset_trains_through_megatron_with_its_experts_split(tmp_path
     (a warm-up, then sparse at 64 keys: the 96- and 128-token rungs, and sft's 128-token rows, attend sparsely), and
     its draft (MTP) layer trains beside the ramp's and sft's LM loss, over the micro-batches too."""
     from safetensors.torch import load_file
-    posttrain(tmp_path, "run", "--profile", "smoke", *MEGATRON, *GLM5)
+    posttrain(tmp_path, "run", "--profile", "smoke-dense", *MEGATRON, *GLM5)
     report = json.loads((tmp_path / "latest" / "report.json").read_text())
     assert {"ramp", "sft", "rl-reasoning", "opd", "quantize", "evaluate"} <= set(report["stages"])
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
