@@ -12,9 +12,10 @@ The indexer learns only from its own loss, the KL from the attention distributio
 layer of its group to the softmax of its scores, on a strided subset of queries with every input detached: over
 all allowed keys in the dense warm-up (`mode = "warmup"`: attention stays dense, the rest of the model frozen by
 the caller), over the selected keys once sparse. The losses and the top-k recall of the dense attention mass
-collect on the model's `DSAState` (while its `collect` is set) for the training loop to add and report; elsewhere
-(sft, rl) the indexers stay as the ramp left them. The settings live in config.json (`posttrain_dsa`) and the
-indexers in the weights, so `restore` reinstalls them on load.
+collect on the model's `DSAState` (while its `collect` is set) for the training loop to add and report: the ramp's
+sparse rungs and sft train them (sft moves the hidden states they select from); RL and OPD leave them as they are.
+The settings live in config.json (`posttrain_dsa`) and the indexers in the weights, so `restore` reinstalls them
+on load.
 """
 from __future__ import annotations
 

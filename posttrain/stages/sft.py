@@ -24,7 +24,7 @@ from posttrain.config import PipelineConfig
 from posttrain.data import load_tasks
 from posttrain.device import device, stage_gpus
 from posttrain.engines import as_rollout_engine, lm_engine, registry, supports
-from posttrain.models import attention, glm5, moe, mtp
+from posttrain.models import attention, dsa, glm5, moe, mtp
 from posttrain.models.preset import load_checkpoint, save_checkpoint, seed_all
 from posttrain.packing import collate, pack
 from posttrain.pipeline.store import checkpointed, train_storage
@@ -162,14 +162,14 @@ def _train_rank(config: dict, rank: int, state: dict | None, report: Callable[[d
         model.load_state_dict(state["model"])
         print(f"[sft] resuming at step {state['step']} of {s.steps}", flush=True)
     to_batch, to_val = collator(tok, model, s.seq_len, s.packing), collator(tok, model, s.seq_len)
+    # DSA adopted: the indexers keep training on their KL to the dense attention, as in the ramp's sparse rungs.
+    # Frozen, they select from hidden states that sft moves: on tiny, long_context@512 fell 1.00 -> 0.45 in sft
+    dsa_cfg, indexers = cfg.ramp.dsa, {}
+    if glm5.dsa_adopted(model):  # GLM-5's own indexers: the loaded model selects, but collects no KL
+        glm5.install_dsa(model, model.config.index_topk, dsa_cfg.kl_queries)
+    if dsa.state(model) is not None:
+        indexers = dict(dsa_weight=dsa_cfg.kl_weight, indexers=("sparse", dsa_cfg.kl_queries, dsa_cfg.kl_weight))
     # the engine's ranks: DDP replicas (torch), or tp x pp x cp of them holding one replica and seeing one batch
-    # GLM-5 with DSA adopted: its indexers keep training on their KL to the dense attention, as in the ramp's sparse
-    # rungs. Frozen, they select from hidden states that sft moves: on tiny, long_context@512 fell 1.00 -> 0.45 in sft
-    indexers = {}
-    if glm5.dsa_adopted(model):
-        d = cfg.ramp.dsa
-        glm5.install_dsa(model, model.config.index_topk, d.kl_queries)
-        indexers = dict(dsa_weight=d.kl_weight, indexers=("sparse", d.kl_queries, d.kl_weight))
     engine = lm_engine(cfg, model, tok, config["init"], lr=s.lr, weight_decay=s.weight_decay, moe=cfg.moe,
                        mtp_weight=cfg.mtp.loss_weight, prepare=prepare, stage="sft", **indexers)
     shard, shards = engine.data_shard()
