@@ -37,6 +37,7 @@ PROFILE = size("tiny", "smoke")
 # a shorter ladder than the tiny-glm5 profile's (GLM-5's latent attention and masked sdpa cost ~4x the dense tiny
 # model at 512 tokens on this CPU): what the mismatch figures need is a policy that earns some reward
 SETS = size(["ramp.stages=[{seq_len: 256, tokens: 409600, lr: 2.0e-3, rope_theta: 20000.0, long_share: 0.5}]",
+             "ramp.attention=sdpa",  # one 256-token rung: tiny's DSA adopts at 512
              "sft.steps=400", "sft.seq_len=256", "rl.domains=[reasoning]", "rl.steps=10", "opd.steps=10",
              "eval.n_per_suite=32", "quantize.calib_samples=128"],
             ["rl.domains=[reasoning]"])

@@ -32,8 +32,11 @@ OUT = out_dir()
 def first_rung(profile: str, extra: list[str]) -> list[str]:
     """`--set`s that keep only the profile's first rung (after `extra`, which may change it)."""
     from posttrain.config import load_config
-    st = load_config(profile, extra).ramp.stages[0]
-    return [f"ramp.stages=[{json.dumps(st.model_dump(mode='json', exclude_defaults=True))}]"]
+    r = load_config(profile, extra).ramp
+    st = r.stages[0]
+    rung = [f"ramp.stages=[{json.dumps(st.model_dump(mode='json', exclude_defaults=True))}]"]
+    # a profile that adopts DSA at a later rung trains its first one dense (tiny: sdpa, DSA at 512)
+    return rung + (["ramp.attention=sdpa"] if r.attention == "dsa" and r.dsa_start() > st.seq_len else [])
 
 
 def one(profile: str, seed: int, name: str, sets: list[str], work: Path) -> dict:
