@@ -281,9 +281,11 @@ def _plot(fig: dict, path: Path) -> None:
     plt.close(f)
 
 
-def tiny_inputs(seed: int, profile: str = "tiny-dense", work: Path = WORK) -> tuple[Path, Path]:
-    """`profile`'s curated data and its base model for `seed`, made once under `work` (bench/mtp too). Small
-    mode: the smoke run's (bench/__init__.py), its base model trained again for another seed."""
+def tiny_inputs(seed: int, profile: str = "tiny-dense", work: Path = WORK, base_sets: list[str] | None = None,
+                tag: str = "") -> tuple[Path, Path]:
+    """`profile`'s curated data and its base model for `seed` (with `base_sets`, the base under its own `tag`),
+    made once under `work` (bench/mtp too). Small mode: the smoke run's (bench/__init__.py), its base model trained
+    again for another seed."""
     from posttrain.stages import base
     from posttrain.config import load_config
     from posttrain.stages.curate import make_raw
@@ -305,9 +307,9 @@ def tiny_inputs(seed: int, profile: str = "tiny-dense", work: Path = WORK) -> tu
         make_raw(cfg, {}, raw)
         curate(cfg, {"raw": str(raw)}, cur)
         (cur / "done").touch()
-    b = work / f"base-{seed}"
+    b = work / (f"base-{seed}-{tag}" if base_sets else f"base-{seed}")
     if not (b / "done").exists():
-        base.run(load_config(profile, [f"seed={seed}"]), {"curate": str(cur)}, b)
+        base.run(load_config(profile, [f"seed={seed}", *(base_sets or [])]), {"curate": str(cur)}, b)
         (b / "done").touch()
     return cur, b
 

@@ -50,7 +50,9 @@ def one(profile: str, seed: int, name: str, sets: list[str], work: Path) -> dict
     if (out / "result.json").exists():
         return json.loads((out / "result.json").read_text())
     torch.set_num_threads(int(os.environ.get("RAMP_SEEDS_THREADS", "2")))
-    cur, base = tiny_inputs(seed, profile, work)
+    # a variant that sets base.* trains its own base model for the seed
+    base_sets = [s for s in sets if s.startswith("base.")]
+    cur, base = tiny_inputs(seed, profile, work, base_sets, name)
     cfg = load_config(profile, [f"seed={seed}", *sets, *first_rung(profile, sets)])
     L = cfg.ramp.stages[0].seq_len
     t = time.time()
@@ -78,10 +80,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     variants = {v.split("=", 1)[0]: [s for s in v.split("=", 1)[1].split(";") if s] for v in args.variant} \
         or {"profile": []}
-    for seed in args.seeds:  # the seed's base first, alone: variants running at once would each build it
-        from bench.dsa import tiny_inputs
-        tiny_inputs(seed, args.profile, work)
-    env = os.environ | {"RAMP_SEEDS_THREADS": "1" if args.jobs > 1 else "2"}
+    from bench.dsa import tiny_inputs
+    for seed in args.seeds:  # the seeds' bases first, alone: variants running at once would each build theirs
+        for name, sets in variants.items():
+            tiny_inputs(seed, args.profile, work, [s for s in sets if s.startswith("base.")], name)
+    env = {"RAMP_SEEDS_THREADS": "1" if args.jobs > 1 else "2"} | os.environ
 
     def launch(job: tuple[int, str]) -> int:
         seed, name = job
