@@ -2,7 +2,7 @@
 
 Per seed: the profile's curated data and that seed's base model (made once, shared by every variant), then the
 profile's first ramp rung alone, once per variant (`--variant NAME=SET;SET...`, `--set`s on top of the profile);
-long_context accuracy at the rung's length after it, the held-out short-text loss, and the training loss curve
+long_context accuracy at the rung's length after it (a variant with `base.*` sets trains its own base first), the held-out short-text loss, and the training loss curve
 (`history`, for when retrieval formed: the long rows' answer tokens weigh `ramp.long_loss_weight` in it).
 
     python -m bench.ramp_seeds --profile tiny --seeds 0 1 2 3 4 [--jobs 2] \

@@ -11,9 +11,9 @@ FILLER = ("the old road ran past a quiet field where birds sang in the warm ligh
           "slowly home after a long day while clouds moved over hills near a small river town").split()
 
 
-def _make(n_words: int):
+def _make(n_words: int, digits: int = 4):
     def make(rng: random.Random) -> tuple[str, Task]:
-        code = str(rng.randint(1000, 9999))
+        code = str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
         words = [rng.choice(FILLER) for _ in range(n_words)]
         pos = rng.randint(0, len(words))
         fact = f"The secret code is {code}."
@@ -25,22 +25,24 @@ def _make(n_words: int):
     return make
 
 
-def generate(split: str, n: int, seed: int, n_words: int = 40, **_) -> list[Task]:
+def generate(split: str, n: int, seed: int, n_words: int = 40, digits: int = 4, **_) -> list[Task]:
     # the key includes a random draw, so splits differ by seed stream, and by code/position otherwise
-    return collect(DOMAIN, split, n, seed, _make(n_words))
+    return collect(DOMAIN, split, n, seed, _make(n_words, digits))
 
 
-def fit_to_length(split: str, n: int, seed: int, max_tokens: int, count_tokens: Callable[[Task], int]) -> list[Task]:
-    """Largest filler whose rendered prompt fits `max_tokens` (measured with the real tokenizer)."""
+def fit_to_length(split: str, n: int, seed: int, max_tokens: int, count_tokens: Callable[[Task], int],
+                  digits: int = 4) -> list[Task]:
+    """Largest filler whose rendered prompt fits `max_tokens` (measured with the real tokenizer); codes of `digits`
+    digits (the benchmark's are 4)."""
     lo, hi = 0, max_tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        probe = generate(split, 4, seed, n_words=mid)
+        probe = generate(split, 4, seed, n_words=mid, digits=digits)
         if max(count_tokens(t) for t in probe) <= max_tokens:
             lo = mid
         else:
             hi = mid - 1
-    tasks = generate(split, n, seed, n_words=lo)
+    tasks = generate(split, n, seed, n_words=lo, digits=digits)
     return [t for t in tasks if count_tokens(t) <= max_tokens] or tasks[:1]
 
 

@@ -260,6 +260,9 @@ class RampConfig(_Strict):
     dsa: DSAConfig = DSAConfig()
     long_docs: AtLeast0 = 2000   # distinct long-context documents per stage, lengths spread up to seq_len
     long_loss_weight: NonNegative = 8.0  # weight of a long document's answer tokens against a pretraining token
+    # digits of the training documents' codes (spread evenly, min to max); evaluation's are 4. Longer codes: more
+    # tokens to copy from far back in every document
+    long_code_digits: tuple[AtLeast1, AtLeast1] = (4, 4)
     stages: list[RampStage] = Field(default_factory=lambda: [
         RampStage(seq_len=256, tokens=245_760, rope_theta=20000.0),
         RampStage(seq_len=512, tokens=491_520, rope_theta=40000.0, long_share=0.5)])
@@ -278,6 +281,8 @@ class RampConfig(_Strict):
                              f"every key would be selected (dense attention at an indexer's cost)")
         if self.attention == "dsa" and self.dsa.adopt_at and self.dsa.adopt_at not in lens:
             raise ValueError(f"ramp.dsa.adopt_at: {self.dsa.adopt_at} is not a stage's seq_len ({lens})")
+        if self.long_code_digits[0] > self.long_code_digits[1]:
+            raise ValueError(f"ramp.long_code_digits: [min, max] (got {list(self.long_code_digits)})")
         return self
 
     def dsa_start(self) -> int:

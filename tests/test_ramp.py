@@ -220,3 +220,21 @@ def test_a_rung_stops_once_retrieval_formed_and_not_before(tok):
     hist = run(1.0)  # an untrained model retrieves nothing: the whole budget, checked at steps 2 and 4
     assert "stopped_at" not in hist and len(hist["loss"]) == 5 and len(asked) == 3
     assert retrieval_formed(cfg, RampStage(seq_len=64, tokens=10**6, rope_theta=1e4), tok) == {}
+
+
+def test_long_documents_spread_their_code_lengths(tok):
+    """ramp.long_code_digits: the training documents' codes take every length from min to max, evenly; evaluation's
+    tasks keep the environment's four digits."""
+    import re
+    from collections import Counter
+
+    from environments import long_context
+    from posttrain.stages.ramp import long_documents, prose_len
+    cfg = load_config("smoke-dense", ["ramp.long_code_digits=[4,6]"])
+    docs = long_documents(tok, 128, 30, 0, 8.0, cfg.ramp.long_code_digits)
+    codes = [re.search(r"Answer: (\d+)", tok.decode(ids)).group(1) for ids, _ in docs]
+    per_length = Counter(map(len, codes))  # (documents that do not fit the shortest lengths are dropped, evenly)
+    assert set(per_length) == {4, 5, 6} and len(set(per_length.values())) == 1
+    assert {len(t.answer) for t in long_context.fit_to_length("test", 8, 0, 128, lambda t: prose_len(tok, t))} == {4}
+    with pytest.raises(ConfigError, match="long_code_digits"):
+        load_config("smoke-dense", ["ramp.long_code_digits=[6,4]"])

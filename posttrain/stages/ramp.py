@@ -39,19 +39,23 @@ def prose_len(tok, task: Task, extra: int = 0) -> int:
     return len(tok(task.prose(), add_special_tokens=False)["input_ids"]) + 2 + extra
 
 
-def long_documents(tok, seq_len: int, n: int, seed: int, weight: float = 1.0) -> list[tuple[list[int], list[float]]]:
+def long_documents(tok, seq_len: int, n: int, seed: int, weight: float = 1.0,
+                   digits: tuple[int, int] = (4, 4)) -> list[tuple[list[int], list[float]]]:
     """Long-context training documents (a fact buried in filler, question, then reasoning and answer) with
     lengths spread over (seq_len/8, seq_len]: the model must retrieve at every distance, not only the longest.
 
     Loss only on the reasoning and answer, with `weight` per token: the filler is random words, and the
     few tokens that need retrieval are a sliver of a batch's loss next to the pretraining rows (measured
     on tiny: weight 8 forms the retrieval circuit in ~500 steps at 256 tokens, weight 1 not in 1000).
-    The prompt is tokenized on its own, exactly as the evaluation prompts it.
+    The prompt is tokenized on its own, exactly as the evaluation prompts it. `digits`: the codes' lengths, spread
+    evenly from min to max (evaluation's codes have 4).
     """
     buckets = [seq_len // 8, seq_len // 4, seq_len // 2, 3 * seq_len // 4, seq_len]
-    tasks = [t for i, L in enumerate(buckets)
-             for t in long_context.fit_to_length("train", n // len(buckets), seed * 1000 + i, L,
-                                                 lambda t: prose_len(tok, t))]
+    codes = range(digits[0], digits[1] + 1)
+    tasks = [t for d in codes for i, L in enumerate(buckets)
+             for t in long_context.fit_to_length("train", n // (len(buckets) * len(codes)),
+                                                 seed * 1000 + 10 * (d - digits[0]) + i, L,
+                                                 lambda t: prose_len(tok, t), digits=d)]
     eos, bos = doc_end_id(tok), bos_ids(tok)
     out = []
     for t in tasks:
@@ -172,7 +176,8 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
     if cfg.mtp.depth and mtp.get(model) is None:
         mtp.install(model, cfg.mtp.depth)
     short_rows = pack([(d, [1] * len(d)) for d in docs], st.seq_len)
-    long_rows = pack(long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight), st.seq_len)
+    long_rows = pack(long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight,
+                                    r.long_code_digits), st.seq_len)
     name, steps = f"ramp@{st.seq_len}", r.steps(st)
     next_batch = _sampler(cfg, k, short_rows, long_rows, st, pad_id(tok))
     extra: dict[str, float] = {}
