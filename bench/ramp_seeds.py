@@ -1,9 +1,10 @@
 """bench/ramp_seeds: does the ramp's first rung form retrieval on every seed? (issue 68, item 4)
 
-Per seed: the profile's curated data and that seed's base model (made once, shared by every variant), then the
-profile's first ramp rung alone, once per variant (`--variant NAME=SET;SET...`, `--set`s on top of the profile);
-long_context accuracy at the rung's length after it (a variant with `base.*` sets trains its own base first), the held-out short-text loss, and the training loss curve
-(`history`, for when retrieval formed: the long rows' answer tokens weigh `ramp.long_loss_weight` in it).
+Per seed: the profile's curated data and that seed's base model (made once, shared by every variant but those
+with `base.*` sets, which train their own), then the profile's first ramp rung alone, once per variant
+(`--variant NAME=SET;SET...`, `--set`s on top of the profile); long_context accuracy at the rung's length after it,
+the held-out short-text loss, and the training loss curve (`history`, for when retrieval formed: the long rows'
+answer tokens weigh `ramp.long_loss_weight` in it).
 
     python -m bench.ramp_seeds --profile tiny --seeds 0 1 2 3 4 [--jobs 2] \
         [--variant 'lr2e-3=ramp.stages=[{seq_len: 256, tokens: 2048000, lr: 2.0e-3, rope_theta: 20000.0}]']
