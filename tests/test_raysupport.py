@@ -49,3 +49,35 @@ def test_a_stages_variables_reach_its_parallel_shards(local_ray):
     assert ray.get(raysupport.submit(fn, 1, 1, "POSTTRAIN_TEST_STAGE",
                                      stage_env={"POSTTRAIN_TEST_STAGE": "a"})) == ["a", "a"]
     assert ray.get(raysupport.submit(fn, 1, 1, "POSTTRAIN_TEST_STAGE")) == [None, None]
+
+
+def test_a_local_ray_that_misses_its_startup_deadline_is_started_again(monkeypatch, capsys):
+    """Ray gives a new node 30 s to register; on a busy machine a start can miss it. The run starts Ray again, and
+    what the failed start had spawned does not linger."""
+    import subprocess
+    calls, spawned = [], []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            spawned.append(subprocess.Popen(["sleep", "60"]))  # stands for the failed start's raylet
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    raysupport._start_local(num_cpus=1)
+    assert calls == [{"num_cpus": 1}] * 2
+    assert spawned[0].wait(timeout=10) != 0  # killed, not left to run its 60 s
+    assert "starting it again (2/3)" in capsys.readouterr().err
+
+
+def test_a_local_ray_start_that_fails_otherwise_fails_at_once(monkeypatch):
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise ValueError("object_store_memory is too small")
+
+    monkeypatch.setattr(ray, "init", init)
+    with pytest.raises(ValueError, match="too small"):
+        raysupport._start_local(num_cpus=1)
+    assert len(calls) == 1

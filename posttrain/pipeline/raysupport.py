@@ -7,6 +7,7 @@ import importlib
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import ray
@@ -28,10 +29,44 @@ def ensure_ray(rt: RuntimeConfig, log_path: str | Path | None = None) -> None:
     if address:  # on a KubeRay cluster the RayJob sets this
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=rt.ray_num_cpus, include_dashboard=False, object_store_memory=rt.object_store_mb << 20,
-                 log_to_driver=True, configure_logging=False)
+        _start_local(num_cpus=rt.ray_num_cpus, include_dashboard=False, object_store_memory=rt.object_store_mb << 20,
+                     log_to_driver=True, configure_logging=False)
     if log_path:
         route_worker_logs(Path(log_path))
+
+
+START_TRIES = 3
+
+
+def _start_local(**init_args) -> None:
+    """`ray.init(**init_args)` for a new local node, one posttrain process at a time on this machine, started again
+    if it misses Ray's startup deadline. Ray gives a new node's raylet a fixed 30 s to register (ray/_private/node.py);
+    on a busy 2-core machine with several runs starting at once (CI's concurrent-run tests) it can miss that, and the
+    run died before its first node. The lock keeps the starts from competing; a miss kills what the failed start
+    left and tries again."""
+    import fcntl  # POSIX only, as Ray's local node is
+    import psutil  # a dependency of ray[default]
+    me = psutil.Process()
+    with open(Path(tempfile.gettempdir()) / f"posttrain-ray-start-{os.getuid()}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        for attempt in range(1, START_TRIES + 1):
+            before = {p.pid for p in me.children()}  # direct children only: another run's Ray is a grandchild
+            try:
+                ray.init(**init_args)
+                return
+            except Exception as e:  # Ray raises a bare Exception for this
+                if "timed out during startup" not in str(e) or attempt == START_TRIES:
+                    raise
+            ray.shutdown()
+            for child in me.children():
+                if child.pid not in before:  # the failed start's GCS, raylet and reaper, with what they started
+                    with contextlib.suppress(psutil.Error):
+                        family = [*child.children(recursive=True), child]
+                        for p in family:
+                            with contextlib.suppress(psutil.Error):
+                                p.kill()
+            print(f"Ray's node did not register within Ray's 30 s (a busy machine?): starting it again "
+                  f"({attempt + 1}/{START_TRIES})", file=sys.stderr, flush=True)
 
 
 # Ray Train's helper actors and Ray's C++ log lines (glog: "[date time,ms E pid tid] file.cc:line: ...") say
