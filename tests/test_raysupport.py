@@ -1,5 +1,7 @@
 """Stage tasks on Ray: a stage's own variables stay its own although its worker serves the next stage."""
 import os
+import threading
+import time
 
 import pytest
 import ray
@@ -64,6 +66,7 @@ def test_a_local_ray_that_misses_its_startup_deadline_is_started_again(monkeypat
             raise Exception("The current node timed out during startup. This could happen because ...")
 
     monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)  # this module's Ray stays up for the tests after
     raysupport._start_local(num_cpus=1)
     assert calls == [{"num_cpus": 1}] * 2
     assert spawned[0].wait(timeout=10) != 0  # killed, not left to run its 60 s
@@ -81,3 +84,37 @@ def test_a_local_ray_start_that_fails_otherwise_fails_at_once(monkeypatch):
     with pytest.raises(ValueError, match="too small"):
         raysupport._start_local(num_cpus=1)
     assert len(calls) == 1
+
+
+def _gated(**options):
+    """An actor class built once the file `until` exists (defined here, so Ray ships it by value: this test module
+    is not importable in every worker)."""
+    class Gated:
+        def __init__(self, until: str | None = None):
+            while until and not os.path.exists(until):
+                time.sleep(0.1)
+
+        def ready(self) -> bool:
+            return True
+    return ray.remote(Gated).options(**options)
+
+
+def test_an_actor_placed_but_slow_to_build_is_waited_for(local_ray, tmp_path):
+    """A rollout worker that a node took but that builds for longer than the placement deadline (a busy machine
+    loading its checkpoint) is waited for, not reported as unschedulable."""
+    go = tmp_path / "go"
+    actor = _gated(num_cpus=0).remote(str(go))
+    deadline = time.monotonic() + 120
+    while not raysupport._placed(actor):  # a node took it: its constructor now waits for `go`
+        assert time.monotonic() < deadline, "Ray did not place a 0-CPU actor in 120 s"
+        time.sleep(0.2)
+    threading.Timer(8, go.touch).start()  # after the placement deadline (0 s) was checked at least once
+    raysupport.wait_for_actors([actor], "gated actor(s)", "unused", place_s=0)
+    assert go.exists()
+
+
+def test_an_actor_no_node_can_take_fails_naming_the_fix(local_ray):
+    actor = _gated(num_cpus=2).remote()  # the fixture's Ray has 1 CPU
+    with pytest.raises(RuntimeError, match=r"1 rollout worker\(s\) of 2 CPU could not be scheduled in 2 s: raise"):
+        raysupport.wait_for_actors([actor], "rollout worker(s) of 2 CPU", "raise runtime.ray_num_cpus", place_s=2)
+    ray.kill(actor)

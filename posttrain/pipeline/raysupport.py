@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import ray
@@ -172,6 +173,31 @@ def submit(fn_path: str, num_cpus: float, threads: int, *args, env_vars: dict[st
     return (_remote_call_gpu if num_gpus else _remote_call).options(
         num_cpus=num_cpus, num_gpus=num_gpus, max_retries=0, **options).remote(
         fn_path, threads, stage_env or {}, *args, **kwargs)
+
+
+def wait_for_actors(actors: list, what: str, fix: str, place_s: float = 180.0) -> None:
+    """Until each of `actors` (with a `ready` method) is built. An actor that no node has taken after `place_s`
+    (no free share of CPU: stages at once holding what it needs) raises, naming `what` and `fix`, rather than
+    waiting forever; one that a node has taken and is still loading is waited for however long the machine needs
+    (on a busy 2-core machine a rollout worker's imports and checkpoint load took over 180 s)."""
+    refs = [a.ready.remote() for a in actors]
+    deadline, pending = time.monotonic() + place_s, list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=5)
+        ray.get(done)  # an actor that failed to build raises here, at once
+        if pending and time.monotonic() > deadline:
+            unplaced = sum(not _placed(a) for a, r in zip(actors, refs) if r in pending)
+            if unplaced:
+                raise RuntimeError(f"{unplaced} {what} could not be scheduled in {place_s:.0f} s: {fix}")
+
+
+def _placed(actor) -> bool:
+    """Whether a node has started a worker process for `actor` (GCS's actor table: a pid once placed)."""
+    from ray._private import state  # no public API tells placed-and-building from waiting for resources
+    try:
+        return bool((state.actors(actor._actor_id.hex()) or {}).get("Pid"))
+    except Exception:  # another Ray's table: as before, a slow build counts as unplaced
+        return False
 
 
 def actor_options(**options) -> dict:

@@ -20,7 +20,7 @@ import ray
 import torch
 
 from posttrain.engines import rollout_engine
-from posttrain.pipeline.raysupport import actor_options
+from posttrain.pipeline.raysupport import actor_options, wait_for_actors
 
 Mode = Literal["sampled", "topk", "full"]
 
@@ -59,7 +59,8 @@ class TeacherPool:
         if self.use_ray:
             cls = ray.remote(Teacher).options(**actor_options(num_cpus=num_cpus, max_restarts=0))
             self.teachers = {d: cls.remote(c, threads, engine) for d, c in checkpoints.items()}
-            ray.get([t.ready.remote() for t in self.teachers.values()], timeout=180)
+            wait_for_actors(list(self.teachers.values()), f"teacher(s) of {num_cpus} CPU",
+                            "raise runtime.ray_num_cpus or lower opd.teacher_cpus")
         elif ray.is_initialized():
             self.teachers = {}  # loaded by each rollout worker that unpickles the pool (__setstate__)
         else:

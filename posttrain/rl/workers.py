@@ -23,7 +23,7 @@ from posttrain.engines import RolloutEngine, registry, rollout_engine
 from posttrain.engines.base import WeightSource
 from posttrain.engines.weight_group import send, weight_group
 from posttrain.judge import ModelJudge
-from posttrain.pipeline.raysupport import actor_options
+from posttrain.pipeline.raysupport import actor_options, wait_for_actors
 from posttrain.rl.rollout import run_episodes
 
 
@@ -216,11 +216,8 @@ class WorkerPool:
             cls = (ray.remote(concurrency_groups={"weights": 1})(RolloutWorker) if partial else
                    ray.remote(RolloutWorker)).options(**actor_options(num_cpus=num_cpus, max_restarts=0))
             self.workers = [cls.remote(*args) for _ in range(n)]
-            try:
-                ray.get([w.ready.remote() for w in self.workers], timeout=180)
-            except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"{n} rollout worker(s) of {num_cpus} CPU could not be scheduled in 180 s: raise "
-                                   "runtime.ray_num_cpus or lower rl.worker_cpus / rl.rollout_workers") from None
+            wait_for_actors(self.workers, f"rollout worker(s) of {num_cpus} CPU",
+                            "raise runtime.ray_num_cpus or lower rl.worker_cpus / rl.rollout_workers")
         else:
             self.workers = [RolloutWorker(*args) for _ in range(n)]
             self.pools = [ThreadPoolExecutor(1) for _ in range(n)]
