@@ -64,6 +64,27 @@ def one(profile: str, seed: int, name: str, sets: list[str], work: Path) -> dict
     return m
 
 
+def by_repeats(checkpoint: Path, seq_len: int, n: int = 256) -> dict:
+    """long_context at `seq_len` of a rung's checkpoint on `n` test tasks, split by whether the code repeats a digit
+    (a circuit that copies only the token after the last match would miss those)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from environments import long_context
+    from posttrain.completion_eval import completion_scores
+    from posttrain.stages.ramp import prose_len
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tasks = long_context.fit_to_length("test", n, 0, seq_len, lambda t: prose_len(tok, t, 24))
+    with torch.no_grad():
+        rewards, _ = completion_scores(model, tok, tasks, max_new_tokens=48, batch_size=32)
+    out = {}
+    for name, repeats in (("repeats", True), ("distinct", False)):
+        xs = [r for r, t in zip(rewards, tasks) if (len(set(t.answer)) < len(t.answer)) == repeats]
+        out[name] = {"tasks": len(xs), "long_context": round(sum(xs) / len(xs), 4)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.ramp_seeds", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default=size("tiny", "smoke-dense"))
@@ -72,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="NAME=SET;SET... (--set overrides for the rung); none: the profile's rung as it is "
                          "('profile=' names that among others)")
     ap.add_argument("--jobs", type=int, default=1, help="rungs at once (one torch thread each when > 1)")
+    ap.add_argument("--repeats", action="store_true",
+                    help="also score each rung on 256 test tasks, split by whether the code repeats a digit")
     ap.add_argument("--one", nargs=3, metavar=("SEED", "NAME", "SETS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv if argv is not None else [])  # `python -m bench` calls main() bare
     work = OUT / f"ramp-seeds-work-{args.profile}"
@@ -112,6 +135,9 @@ def main(argv: list[str] | None = None) -> None:
                                                                             for r in res.values()],
                      "seconds": [r["seconds"] for r in res.values()]}
         print(f"{name}: long_context@{L} per seed {acc}, formed (>= 0.7) on {fig[name]['formed']} of {len(acc)}")
+        if args.repeats:
+            fig[name]["by_repeats"] = {s: by_repeats(work / f"ramp-{s}-{name}", L) for s in res}
+            print(f"{name}: by codes that repeat a digit or not, per seed: {fig[name]['by_repeats']}")
     path = OUT / "ramp_seeds.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     path.write_text(json.dumps(old | {args.profile: fig}, indent=1))
