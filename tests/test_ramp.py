@@ -238,3 +238,4 @@ def test_long_documents_spread_their_code_lengths(tok):
     assert {len(t.answer) for t in long_context.fit_to_length("test", 8, 0, 128, lambda t: prose_len(tok, t))} == {4}
     with pytest.raises(ConfigError, match="long_code_digits"):
         load_config("smoke-dense", ["ramp.long_code_digits=[6,4]"])
+    assert long_documents(tok, 128, 4, 0) == []  # fewer than one a length: none (ramp.long_docs below 5)

@@ -56,6 +56,8 @@ def long_documents(tok, seq_len: int, n: int, seed: int, weight: float = 1.0,
              for t in long_context.fit_to_length("train", n // (len(buckets) * len(codes)),
                                                  seed * 1000 + 10 * (d - digits[0]) + i, L,
                                                  lambda t: prose_len(tok, t), digits=d)]
+    if not tasks:  # n below one per bucket (a tokenizer refuses an empty batch)
+        return []
     eos, bos = doc_end_id(tok), bos_ids(tok)
     # one batched call each (the same ids as one call a text): per-text calls were most of the cost at 20k documents
     prompts = tok([t.prose_prompt() for t in tasks], add_special_tokens=False)["input_ids"]
