@@ -32,8 +32,9 @@ run: install
 test: install
 	$(BIN)/python -m pytest -x -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 --ignore=tests/test_cluster.py --ignore=tests/slow --ignore=tests/sglang
 
-# the small profile on the real chat model, a few steps per stage (minutes: its forwards), and the megatron DAGs; CI
-# runs it too. Two workers, a file to each at a time, as `make test` (a DAG run keeps 2 cores about half busy)
+# the small profile on the real chat model, a few steps per stage (minutes: its forwards), the megatron DAGs, the
+# smoke DAG on ChatML and Llama-3 templates, the Triton kernels under the interpreter; CI runs it when time is
+# left. Two workers, a file to each at a time, as `make test` (a DAG run keeps 2 cores about half busy)
 test-slow: install
 	$(BIN)/python -m pytest -x -q -n 2 --dist loadfile --no-loadscope-reorder --durations=5 tests/slow
 

@@ -197,30 +197,32 @@ def megatron_groups():
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gloo_pair():
-    """Two warm processes for the two-rank tests (tests/gloo_pair.py): `gloo_pair.spawn(fn, args)`."""
+    """Two warm processes for a module's two-rank tests (tests/gloo_pair.py): `gloo_pair.spawn(fn, args)`. Not kept
+    for the session: idle, they would go on polling the sockets of the process groups they closed."""
     from tests.gloo_pair import Pair
     pair = Pair()
     yield pair
     pair.close()
 
 
-# the longest files first, longest first (seconds on 2 cores, 2026-11-29, beside the other worker): under `make test`'s
-# two workers (xdist, a file to a worker at a time, in this order: the Makefile's --no-loadscope-reorder keeps xdist
-# from putting the files with the most tests first) the smoke-DAG modules run beside the many short files instead of
-# after them, and the two workers finish together
+# the longest files first, longest first (seconds on 2 cores, 2026-11-29, beside the other worker; 2026-11-30 on a
+# 2-core machine ~4.5x slower: the smoke DAG modules ~40 min of the ~60): under `make test`'s two workers (xdist, a
+# file to a worker at a time, in this order: the Makefile's --no-loadscope-reorder keeps xdist from putting the files
+# with the most tests first) the smoke-DAG modules run beside the many short files instead of after them, and the two
+# workers finish together
 LONG = ("test_pipeline_smoke.py",  # 600
-        "test_real_models.py",  # 370
-        "test_figures.py",  # 260
-        "test_glm5_pipeline.py",  # 170
+        "test_glm5_pipeline.py",  # 260 (two runs at once)
         "test_pipeline_failures.py",  # 150
         "test_megatron.py",  # 140
-        "test_megatron_glm5.py", "test_tracking.py", "test_lm_eval.py", "test_bench_small.py",  # 25-45 each
-        "test_raysupport.py", "test_kernels.py", "test_megatron_mtp.py", "test_quantize.py",
-        # `make test-slow`'s files, on its two workers the same way (minutes: the small run ~13 with its checkpoint's
-        # download and conversion, the megatron DAG file ~9.5, glm5's megatron DAG ~4)
-        "test_small_run.py", "test_megatron_dag.py", "test_megatron_glm5_dag.py")
+        "test_quantize.py", "test_bench_small.py", "test_tracking.py", "test_deploy.py", "test_mtp.py",  # 40-70 each
+        "test_megatron_glm5.py", "test_megatron_mtp.py", "test_lm_eval.py", "test_raysupport.py",
+        # `make test-slow`'s files, on its two workers the same way (minutes on the slow machine: real_models ~29 with
+        # two runs at once, the interpreted Triton kernels ~9, lm-eval's built-in index ~6; on a fast one the small
+        # run ~13 with its checkpoint's download and conversion, the megatron DAG file ~9.5, glm5's megatron DAG ~4)
+        "test_real_models.py", "test_small_run.py", "test_megatron_dag.py", "test_triton_interpreted.py",
+        "test_megatron_glm5_dag.py", "test_lm_eval_unknown_task.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,12 +1,8 @@
-"""`posttrain figures`: aggregation over seeds, and determinism of the synchronous path (the reason figures
-over seeds mean something: the same seed gives the same numbers)."""
-import json
-from pathlib import Path
-
+"""`posttrain figures`: aggregation over seeds, its claims and their bars (the synchronous path's determinism, which
+makes figures over seeds mean something, is checked on GLM-5's smoke DAG: tests/test_glm5_pipeline.py)."""
 import pytest
 
 from posttrain.tools.figures import aggregate, markdown
-from tests.test_pipeline_smoke import at_once, posttrain
 
 
 def _report(seed: int, sft: float, spec: float, gen: float, quant: float, nothink: float) -> dict:
@@ -99,34 +95,3 @@ def test_the_base_models_benchmarks_are_held_to_their_retention_and_every_seed_t
     # the mean gain 0.12 holds, seed 1's 0.04 does not
     assert worse["specialist/reasoning gains >= 0.05 over sft on reasoning"]
     assert not worse["specialist/reasoning gains >= 0.05 over sft on reasoning on every seed"]
-
-
-def _weights(report: dict) -> dict[str, str]:
-    """Each stage's weight digests, from its manifest."""
-    out = {}
-    for stage, v in report["stages"].items():
-        files = dict(json.loads((Path(v["artifact"]) / "manifest.json").read_text())["files"])
-        out.update({f"{stage}/{k}": d for k, d in files.items() if k.endswith(".safetensors")})
-    return out
-
-
-def test_synchronous_path_gives_the_same_report_twice(tmp_path):
-    """Same seed, same machine, rl.max_staleness=0 and opd.max_staleness=0, two fresh homes: every score,
-    every generated-token count and every stage's weights are identical, so `posttrain figures` over the two
-    runs shows no spread. (Timings differ, and so do run ids.) On the default's architecture, GLM-5 (experts with
-    their balancing, routing replay, the MTP draft), so the routing is part of it: the routers' weights and biases,
-    and each stage's expert-load and replay figures. One specialist, the agentic one (multi-turn, PPO's critic),
-    keeps the two runs short."""
-    sync = ("--set", "rl.max_staleness=0", "--set", "opd.max_staleness=0", "--set", "rl.domains=[agentic]")
-    at_once([(tmp_path / name, ["run", "--profile", "smoke", *sync]) for name in "ab"])
-    a, b = (json.loads((tmp_path / name / "latest" / "report.json").read_text()) for name in "ab")
-    for key in ("eval", "tokens", "pass_at_k", "moe"):
-        assert a[key] == b[key], key
-    assert "replay_probe_with" in a["moe"]["rl-agentic"]
-    assert _weights(a) == _weights(b) and len(_weights(a)) >= 8  # base, ramp and its 2 rungs, sft, rl, opd, quantize
-    runs = [str(tmp_path / n / "runs" / r["run_id"]) for n, r in zip("ab", (a, b))]
-    posttrain(tmp_path / "figures", "figures", "--runs", *runs)
-    f = json.loads((tmp_path / "figures" / "figures.json").read_text())
-    assert f["seeds"] == [0, 0]
-    assert all(v["min"] == v["max"] for suites in f["eval"].values() for v in suites.values())
-    assert (tmp_path / "figures" / "figures.md").read_text().startswith("# figures: profile smoke, seeds")

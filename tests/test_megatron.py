@@ -586,6 +586,7 @@ def test_the_rl_trainer_over_two_model_parallel_ranks_updates_as_one_rank(ckpts,
 
     from posttrain.config import RLConfig
     from posttrain.engines.megatron.layout import Parallel
+    from posttrain.pipeline.raysupport import start_local
     from posttrain.rl.loop import build_engines
     r = RLConfig(group_size=2, lr=1e-3)
     build = dict(r=r, sft=str(ckpts["llama"]), with_critic=False, rl=False)
@@ -610,8 +611,8 @@ def test_the_rl_trainer_over_two_model_parallel_ranks_updates_as_one_rank(ckpts,
                 group["eps"] = eps
             return opt
         T.make_optimizer = made
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, configure_logging=False,
-             runtime_env={"worker_process_setup_hook": steady})
+    start_local(num_cpus=2, include_dashboard=False, object_store_memory=128 << 20, configure_logging=False,
+                runtime_env={"worker_process_setup_hook": steady})  # Ray's startup deadline retried on a busy machine
     try:
         with threads(1):
             two = build_engines(**build, engine=("megatron", {"parallel": Parallel(**par)}))

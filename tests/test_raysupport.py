@@ -29,8 +29,8 @@ def local_ray():
     here = os.path.dirname(os.path.abspath(__file__))  # the workers import this module's probe
     path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     ray.shutdown()  # a Ray another test file left in this worker process has not this runtime_env
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=128 << 20, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    raysupport.start_local(num_cpus=1, include_dashboard=False, object_store_memory=128 << 20,
+                           configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()
 
@@ -67,7 +67,7 @@ def test_a_local_ray_that_misses_its_startup_deadline_is_started_again(monkeypat
 
     monkeypatch.setattr(ray, "init", init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)  # this module's Ray stays up for the tests after
-    raysupport._start_local(num_cpus=1)
+    raysupport.start_local(num_cpus=1)
     assert calls == [{"num_cpus": 1}] * 2
     assert spawned[0].wait(timeout=10) != 0  # killed, not left to run its 60 s
     assert "starting it again (2/3)" in capsys.readouterr().err
@@ -82,7 +82,7 @@ def test_a_local_ray_start_that_fails_otherwise_fails_at_once(monkeypatch):
 
     monkeypatch.setattr(ray, "init", init)
     with pytest.raises(ValueError, match="too small"):
-        raysupport._start_local(num_cpus=1)
+        raysupport.start_local(num_cpus=1)
     assert len(calls) == 1
 
 

@@ -30,7 +30,7 @@ def ensure_ray(rt: RuntimeConfig, log_path: str | Path | None = None) -> None:
     if address:  # on a KubeRay cluster the RayJob sets this
         ray.init(address=address, log_to_driver=True)
     else:
-        _start_local(num_cpus=rt.ray_num_cpus, include_dashboard=False, object_store_memory=rt.object_store_mb << 20,
+        start_local(num_cpus=rt.ray_num_cpus, include_dashboard=False, object_store_memory=rt.object_store_mb << 20,
                      log_to_driver=True, configure_logging=False)
     if log_path:
         route_worker_logs(Path(log_path))
@@ -39,7 +39,7 @@ def ensure_ray(rt: RuntimeConfig, log_path: str | Path | None = None) -> None:
 START_TRIES = 3
 
 
-def _start_local(**init_args) -> None:
+def start_local(**init_args) -> None:
     """`ray.init(**init_args)` for a new local node, one posttrain process at a time on this machine, started again
     if it misses Ray's startup deadline. Ray gives a new node's raylet a fixed 30 s to register (ray/_private/node.py);
     on a busy 2-core machine with several runs starting at once (CI's concurrent-run tests) it can miss that, and the

@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
-from chat_fixtures import make_checkpoint
-from test_pipeline_smoke import at_once
+from tests.chat_fixtures import make_checkpoint
+from tests.test_pipeline_smoke import at_once
 
 FAMILIES = {  # family -> (thinking switch, tool format, extra settings)
     "chatml": (True, "hermes", ["--set", "rl.domains=[reasoning, agentic]"]),  # thinking, and Hermes tool calls
