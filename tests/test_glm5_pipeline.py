@@ -16,7 +16,7 @@ SYNC_TWO_SPECIALISTS = ["--set", "rl.domains=[reasoning, agentic]", "--set", "rl
 
 @pytest.fixture(scope="module")
 def twice(tmp_path_factory) -> tuple[Path, dict, dict]:
-    """The same seed run twice at once on two fresh homes: (the first home, both reports)."""
+    """The same seed run twice at once on two fresh homes, `a` and `b` under one folder: (that folder, both reports)."""
     root = tmp_path_factory.mktemp("glm5")
     at_once([(root / name, ["run", "--profile", "smoke", *SYNC_TWO_SPECIALISTS]) for name in "ab"])
     a, b = (json.loads((root / name / "latest" / "report.json").read_text()) for name in "ab")
@@ -52,10 +52,10 @@ def test_synchronous_path_gives_the_same_report_twice(twice):
 
 def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(twice):
     root, report, _ = twice
-    tmp_path, run = root / "a", report["run_id"]
+    home, run = root / "a", report["run_id"]
     assert set(report["eval"]["quantized"]) == set(report["eval"]["sft"])
     assert "routed experts pack-quantized int4" in report["quantization"]["format"]
-    stages = stage_runs(tmp_path, report["mlflow_run_id"])
+    stages = stage_runs(home, report["mlflow_run_id"])
     for stage in ("base", "sft", "rl-reasoning", "opd"):  # every trainer balanced the routers and logged their load
         metrics = stages[stage].data.metrics
         assert {"moe_cv_first", "moe_cv_last", "moe_max_mean_last"} <= set(metrics), stage
@@ -85,7 +85,7 @@ def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(twice):
     from posttrain.quant.int_linear import load_compressed
     experts = [m for m in load_compressed(quantized)[0].modules() if isinstance(m, IntExperts)]
     assert len(experts) == 1 and experts[0].grouped_fits  # layer 1's experts: grouped launches on a Triton device
-    assert (tmp_path / "runs" / run / "expert_load_sft.png").is_file()  # the load plots reach the run's report
-    assert "Expert load during rl-agentic" in (tmp_path / "runs" / run / "report.html").read_text()
-    lineage = posttrain(tmp_path, "lineage", "posttrain-smoke@1").stdout
+    assert (home / "runs" / run / "expert_load_sft.png").is_file()  # the load plots reach the run's report
+    assert "Expert load during rl-agentic" in (home / "runs" / run / "report.html").read_text()
+    lineage = posttrain(home, "lineage", "posttrain-smoke@1").stdout
     assert "lineage verified" in lineage and "MISSING" not in lineage
