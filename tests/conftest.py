@@ -213,7 +213,7 @@ def gloo_pair():
 # with the most tests first) the smoke-DAG modules run beside the many short files instead of after them, and the two
 # workers finish together
 LONG = ("test_pipeline_smoke.py",  # 600
-        "test_glm5_pipeline.py",  # 260 (two runs at once)
+        "test_glm5_pipeline.py",  # 170
         "test_pipeline_failures.py",  # 150
         "test_megatron.py",  # 140
         "test_quantize.py", "test_bench_small.py", "test_tracking.py", "test_deploy.py", "test_mtp.py",  # 40-70 each
@@ -221,8 +221,9 @@ LONG = ("test_pipeline_smoke.py",  # 600
         # `make test-slow`'s files, on its two workers the same way (minutes on the slow machine: real_models ~29 with
         # two runs at once, the interpreted Triton kernels ~9, lm-eval's built-in index ~6; on a fast one the small
         # run ~13 with its checkpoint's download and conversion, the megatron DAG file ~9.5, glm5's megatron DAG ~4)
-        "test_real_models.py", "test_small_run.py", "test_megatron_dag.py", "test_triton_interpreted.py",
-        "test_megatron_glm5_dag.py", "test_lm_eval_unknown_task.py")
+        "test_real_models.py", "test_glm5_determinism.py", "test_pipeline_smoke_more.py", "test_small_run.py",
+        "test_megatron_dag.py", "test_triton_interpreted.py", "test_megatron_glm5_dag.py",
+        "test_lm_eval_unknown_task.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,5 +1,5 @@
 """`posttrain figures`: aggregation over seeds, its claims and their bars (the synchronous path's determinism, which
-makes figures over seeds mean something, is checked on GLM-5's smoke DAG: tests/test_glm5_pipeline.py)."""
+makes figures over seeds mean something, is checked on GLM-5's smoke DAG: tests/slow/test_glm5_determinism.py)."""
 import pytest
 
 from posttrain.tools.figures import aggregate, markdown

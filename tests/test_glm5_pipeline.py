@@ -1,58 +1,20 @@
 """The smoke profile's whole DAG, on GLM-5's architecture as the default: every stage, DSA adopted in the ramp, routing
-replay in RL and OPD, an MTP draft layer where GLM-5 keeps it, W4A8 as GLM-5 deploys, lineage; and the synchronous
-path's determinism (the reason `posttrain figures` over seeds means something: the same seed gives the same numbers)."""
+replay in RL and OPD, an MTP draft layer where GLM-5 keeps it, W4A8 as GLM-5 deploys, lineage (the same seed run twice
+giving the same numbers: tests/slow/test_glm5_determinism.py)."""
 import json
-from pathlib import Path
 
-import pytest
 from safetensors import safe_open
-from tests.test_pipeline_smoke import at_once, posttrain, stage_runs
+from tests.test_pipeline_smoke import posttrain, stage_runs
 
-# the smoke profile is GLM-5's architecture (configs/smoke.yaml); GRPO and PPO, the third specialist adds time, not
-# paths. Synchronous (no staleness), so that two runs of one seed can be compared
-SYNC_TWO_SPECIALISTS = ["--set", "rl.domains=[reasoning, agentic]", "--set", "rl.max_staleness=0",
-                        "--set", "opd.max_staleness=0"]
+# the smoke profile is GLM-5's architecture (configs/smoke.yaml); GRPO and PPO, the third specialist adds time, not paths
+TWO_SPECIALISTS = ["--set", "rl.domains=[reasoning, agentic]"]
 
 
-@pytest.fixture(scope="module")
-def twice(tmp_path_factory) -> tuple[Path, dict, dict]:
-    """The same seed run twice at once on two fresh homes, `a` and `b` under one folder: (that folder, both reports)."""
-    root = tmp_path_factory.mktemp("glm5")
-    at_once([(root / name, ["run", "--profile", "smoke", *SYNC_TWO_SPECIALISTS]) for name in "ab"])
-    a, b = (json.loads((root / name / "latest" / "report.json").read_text()) for name in "ab")
-    return root, a, b
-
-
-def _weights(report: dict) -> dict[str, str]:
-    """Each stage's weight digests, from its manifest."""
-    out = {}
-    for stage, v in report["stages"].items():
-        files = dict(json.loads((Path(v["artifact"]) / "manifest.json").read_text())["files"])
-        out.update({f"{stage}/{k}": d for k, d in files.items() if k.endswith(".safetensors")})
-    return out
-
-
-def test_synchronous_path_gives_the_same_report_twice(twice):
-    """Same seed, same machine, rl.max_staleness=0 and opd.max_staleness=0, two fresh homes: every score,
-    every generated-token count and every stage's weights are identical, so `posttrain figures` over the two
-    runs shows no spread. (Timings differ, and so do run ids.) The routing is part of it: the routers' weights and
-    biases, and each stage's expert-load and replay figures, over GRPO and PPO's multi-turn episodes."""
-    root, a, b = twice
-    for key in ("eval", "tokens", "pass_at_k", "moe"):
-        assert a[key] == b[key], key
-    assert "replay_probe_with" in a["moe"]["rl-agentic"]
-    assert _weights(a) == _weights(b) and len(_weights(a)) >= 8  # base, ramp and its 2 rungs, sft, rl, opd, quantize
-    runs = [str(root / n / "runs" / r["run_id"]) for n, r in zip("ab", (a, b))]
-    posttrain(root / "figures", "figures", "--runs", *runs)
-    f = json.loads((root / "figures" / "figures.json").read_text())
-    assert f["seeds"] == [0, 0]
-    assert all(v["min"] == v["max"] for suites in f["eval"].values() for v in suites.values())
-    assert (root / "figures" / "figures.md").read_text().startswith("# figures: profile smoke, seeds")
-
-
-def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(twice):
-    root, report, _ = twice
-    home, run = root / "a", report["run_id"]
+def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
+    home = tmp_path
+    out = posttrain(home, "run", "--profile", "smoke", *TWO_SPECIALISTS).stdout
+    run = next(line.split()[-1] for line in out.splitlines() if line.startswith("HTML report:")).split("/")[-2]
+    report = json.loads((home / "runs" / run / "report.json").read_text())
     assert set(report["eval"]["quantized"]) == set(report["eval"]["sft"])
     assert "routed experts pack-quantized int4" in report["quantization"]["format"]
     stages = stage_runs(home, report["mlflow_run_id"])

@@ -1,5 +1,6 @@
 """The kernels' torch fallbacks against their plain-torch references, and the fused head path giving the training
-losses what the full logits give them (the Triton code itself, interpreted on CPU: tests/slow/test_triton_interpreted.py)."""
+losses what the full logits give them (the Triton code itself, interpreted on CPU:
+tests/slow/test_triton_interpreted.py)."""
 from types import SimpleNamespace
 
 import pytest

@@ -160,16 +160,6 @@ def test_failing_regression_gate_stops_the_run_and_the_registration(first):
     assert c.get_run(report["mlflow_run_id"]).info.status == "FAILED"
 
 
-def test_an_opd_change_redoes_only_downstream(first):
-    """(A run without a change redoes nothing: the failing-gate test's.)"""
-    home, _ = first
-    # teachers as Ray actors (the smoke profile places them in the rollout worker): both placements run
-    posttrain(home, "run", "--profile", "smoke-dense", "--set", "opd.lr=1e-4", "--set", "opd.teacher_placement=actor")
-    changed = json.loads((home / "latest" / "report.json").read_text())
-    redone = {s for s, v in changed["stages"].items() if not v["cached"]}
-    assert redone == {"opd", "quantize", "evaluate"}
-
-
 def test_rerun_one_node_reuses_upstream_by_digest(first):
     home, report = first
     posttrain(home, "rerun", "opd", "--from", report["run_id"], "--set", "opd.steps=1")
@@ -232,22 +222,27 @@ KILLS = {"sft": (["sft.checkpoint_every=1"], {"POSTTRAIN_SFT_KILL_AT_STEP": "2"}
          "opd": ([], {"POSTTRAIN_KILL_AT": "opd:1"}, "resuming at step 1 of 2")}
 
 
+def resume_after_kill(first, stages: list[str]) -> dict:
+    """Each of `stages` (KILLS' keys) rerun from the first run and SIGKILLed right after a checkpoint, then rerun
+    again: {stage: (what the killed rerun published, the resumed rerun's output and report)}. What is killed is the
+    stage's own Ray worker, never the CLI (which reports the failed stage), so the reruns run in this process, one
+    after another: each would pay a fresh interpreter's imports and keep 2 cores busy anyway."""
+    home, report = first
+    args = {stage: ["rerun", stage, "--from", report["run_id"], *(x for kv in KILLS[stage][0] for x in ("--set", kv))]
+            for stage in stages}
+    before = {stage: _published(home, stage) for stage in stages}
+    for stage in stages:
+        p = posttrain(home, *args[stage], check=False, env=KILLS[stage][1])
+        assert p.returncode == 1 and f"stage {stage} failed" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    published = {stage: _published(home, stage) - before[stage] for stage in stages}
+    outs = {stage: posttrain(home, *args[stage]) for stage in stages}
+    return {stage: (published[stage], p.stdout + p.stderr, _report_of(p.stdout)) for stage, p in outs.items()}
+
+
 @pytest.fixture(scope="module")
 def resumed(first):
-    """Each of KILLS' stages rerun from the first run and SIGKILLed right after a checkpoint, then rerun again:
-    {stage: (what the killed rerun published, the resumed rerun's output and report)}. What is killed is the stage's
-    own Ray worker, never the CLI (which reports the failed stage), so the reruns run in this process, one after
-    another: each would pay a fresh interpreter's imports and keep 2 cores busy anyway."""
-    home, report = first
-    args = {stage: ["rerun", stage, "--from", report["run_id"], *(x for kv in sets for x in ("--set", kv))]
-            for stage, (sets, _, _) in KILLS.items()}
-    before = {stage: _published(home, stage) for stage in KILLS}
-    for stage, (_, kill, _) in KILLS.items():
-        p = posttrain(home, *args[stage], check=False, env=kill)
-        assert p.returncode == 1 and f"stage {stage} failed" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
-    published = {stage: _published(home, stage) - before[stage] for stage in KILLS}
-    outs = {stage: posttrain(home, *args[stage]) for stage in KILLS}
-    return {stage: (published[stage], p.stdout + p.stderr, _report_of(p.stdout)) for stage, p in outs.items()}
+    """sft killed and resumed (RL's and OPD's: tests/slow/test_pipeline_smoke_more.py)."""
+    return resume_after_kill(first, ["sft"])
 
 
 def _resumed_histories(first, resumed, stage: str) -> tuple[dict, dict]:
@@ -270,41 +265,6 @@ def test_sft_resumes_exactly_after_sigkill(first, resumed):
     published; the rerun continues from there and its loss curve is the uninterrupted run's, step for step."""
     before, after = _resumed_histories(first, resumed, "sft")
     assert after["loss"] == before["loss"] and len(after["loss"]) == 4
-
-
-def test_rl_specialist_resumes_exactly_after_sigkill(first, resumed):
-    """SIGKILL a specialist right after its step-1 checkpoint (weights, optimizer, RNG, request cursor,
-    rollout buffer); the rerun continues at step 1, and every step's reward and loss is the
-    uninterrupted run's: none lost, none repeated. (Whether two smoke steps reward anything depends on the
-    samples: a group-normalised loss is 0 at ratio 1 while its gradient is not, and an all-equal group has
-    neither; so resume is judged by exact equality, not by a loss being non-zero.)"""
-    before, after = _resumed_histories(first, resumed, "rl-general")
-    for key in ("reward", "loss", "grad_norm", "masked_fraction", "kl_behaviour", "staleness_mean", "val_score"):
-        assert after[key] == before[key], key
-    assert len(after["reward"]) == 2
-
-
-def test_opd_resumes_exactly_after_sigkill(first, resumed):
-    """The distillation node keeps its student buffer and teacher scores across a SIGKILL too."""
-    before, after = _resumed_histories(first, resumed, "opd")
-    for key in ("reverse_kl", "distill_loss", "student_tokens", "teacher_tokens", "val_score"):
-        assert after[key] == before[key], key
-
-
-def test_cross_stage_workflow_compares_three_consolidations(first):
-    home, _ = first
-    posttrain(home, "run", "--profile", "smoke-dense", "--workflow", "cross_stage")
-    report = json.loads((home / "latest" / "report.json").read_text())
-    assert all(report["stages"][s]["cached"] for s in ("sft", "rl-reasoning", "opd"))  # the main DAG is reused
-    assert {"xs-agentic", "xs-general", "seq-agentic", "seq-general", "consolidation"} <= set(report["stages"])
-    c = report["consolidation"]
-    for method in ("multi_teacher_opd", "cross_stage", "sequential_rl"):
-        assert set(c["scores"][method]) == set(c["recovery"][method]) == {"reasoning", "agentic", "general"}
-        assert c["compute"][method]["student_tokens"] > 0 and c["compute"][method]["wall_s"] > 0
-    # cross-stage scores earlier stages' prompts with their checkpoints; the baseline has no teacher
-    assert c["compute"]["cross_stage"]["teacher_tokens"] > 0 == c["compute"]["sequential_rl"]["teacher_tokens"]
-    assert set(c["forgetting"]["sequential_rl"]) == {"reasoning", "agentic"}
-    assert (home / "runs" / report["run_id"] / "consolidation.md").exists()
 
 
 def test_a_third_train_engine_is_one_module_and_one_registry_line(first, tmp_path, monkeypatch, request):
