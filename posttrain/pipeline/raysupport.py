@@ -31,7 +31,7 @@ def ensure_ray(rt: RuntimeConfig, log_path: str | Path | None = None) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         start_local(num_cpus=rt.ray_num_cpus, include_dashboard=False, object_store_memory=rt.object_store_mb << 20,
-                     log_to_driver=True, configure_logging=False)
+                    log_to_driver=True, configure_logging=False)
     if log_path:
         route_worker_logs(Path(log_path))
 
