@@ -72,10 +72,10 @@ def by_repeats(checkpoint: Path, seq_len: int, n: int = 256) -> dict:
 
     from environments import long_context
     from posttrain.completion_eval import completion_scores
-    from posttrain.stages.ramp import prose_len
+    from posttrain.stages.ramp import prose_lens
     tok = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tasks = long_context.fit_to_length("test", n, 0, seq_len, lambda t: prose_len(tok, t, 24))
+    tasks = long_context.fit_to_length("test", n, 0, seq_len, lambda ts: prose_lens(tok, ts, 24))
     with torch.no_grad():
         rewards, _ = completion_scores(model, tok, tasks, max_new_tokens=48, batch_size=32)
     out = {}

@@ -30,20 +30,20 @@ def generate(split: str, n: int, seed: int, n_words: int = 40, digits: int = 4, 
     return collect(DOMAIN, split, n, seed, _make(n_words, digits))
 
 
-def fit_to_length(split: str, n: int, seed: int, max_tokens: int, count_tokens: Callable[[Task], int],
-                  digits: int = 4) -> list[Task]:
-    """Largest filler whose rendered prompt fits `max_tokens` (measured with the real tokenizer); codes of `digits`
-    digits (the benchmark's are 4)."""
+def fit_to_length(split: str, n: int, seed: int, max_tokens: int,
+                  count_tokens: Callable[[list[Task]], list[int]], digits: int = 4) -> list[Task]:
+    """Largest filler whose rendered prompt fits `max_tokens` (measured with the real tokenizer: `count_tokens`
+    takes a list, so a tokenizer counts them in one batched call); codes of `digits` digits (the benchmark's are 4)."""
     lo, hi = 0, max_tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
         probe = generate(split, 4, seed, n_words=mid, digits=digits)
-        if max(count_tokens(t) for t in probe) <= max_tokens:
+        if max(count_tokens(probe)) <= max_tokens:
             lo = mid
         else:
             hi = mid - 1
     tasks = generate(split, n, seed, n_words=lo, digits=digits)
-    return [t for t in tasks if count_tokens(t) <= max_tokens] or tasks[:1]
+    return [t for t, c in zip(tasks, count_tokens(tasks)) if c <= max_tokens] or tasks[:1]
 
 
 verify = verify_number

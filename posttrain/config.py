@@ -219,6 +219,11 @@ class RampStage(_Strict):
     rope_theta: Positive         # RoPE base for this stage (raised with the length: "ABF")
     rope_scaling: dict[str, str | float] = Field(default_factory=dict)  # e.g. {rope_type: yarn, factor: 4.0}
     long_share: Share = 0.3      # share of rows holding long-context documents
+    # this rung's distinct long-context documents; None: ramp.long_docs. A rung whose draws see each document many
+    # times lets a small model memorize codes by their filler instead of retrieving them (tiny's seed 4: 0.31 with
+    # 2,000 documents at 2,000 steps, each seen ~12 times; 0.92 with 24,000). Size it to steps x long rows per step x
+    # ~2 (a row packs 1-2 documents, lengths spread up to seq_len)
+    long_docs: AtLeast0 | None = None
     cp: AtLeast1 | None = None   # this rung's context-parallel ranks (runtime.train_engine megatron); None: megatron.cp
     # stop the rung before its token budget once long_context at its length, on held-out validation tasks, reaches
     # this share (checked every `check_every` steps): retrieval forms as a jump whose step varies by seed (tiny: ~450
@@ -258,7 +263,7 @@ class RampConfig(_Strict):
     # at load (posttrain.checkpoint_rules.ramp_attention)
     attention: str = "packed_sdpa"
     dsa: DSAConfig = DSAConfig()
-    long_docs: AtLeast0 = 2000   # distinct long-context documents per stage, lengths spread up to seq_len
+    long_docs: AtLeast0 = 2000   # distinct long-context documents per stage (ramp.stages[].long_docs), lengths to seq_len
     long_loss_weight: NonNegative = 8.0  # weight of a long document's answer tokens against a pretraining token
     # digits of the training documents' codes (spread evenly, min to max); evaluation's are 4. Longer codes: more
     # tokens to copy from far back in every document

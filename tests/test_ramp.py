@@ -229,13 +229,13 @@ def test_long_documents_spread_their_code_lengths(tok):
     from collections import Counter
 
     from environments import long_context
-    from posttrain.stages.ramp import long_documents, prose_len
+    from posttrain.stages.ramp import long_documents, prose_lens
     cfg = load_config("smoke-dense", ["ramp.long_code_digits=[4,6]"])
     docs = long_documents(tok, 128, 30, 0, 8.0, cfg.ramp.long_code_digits)
     codes = [re.search(r"Answer: (\d+)", tok.decode(ids)).group(1) for ids, _ in docs]
     per_length = Counter(map(len, codes))  # (documents that do not fit the shortest lengths are dropped, evenly)
     assert set(per_length) == {4, 5, 6} and len(set(per_length.values())) == 1
-    assert {len(t.answer) for t in long_context.fit_to_length("test", 8, 0, 128, lambda t: prose_len(tok, t))} == {4}
+    assert {len(t.answer) for t in long_context.fit_to_length("test", 8, 0, 128, lambda ts: prose_lens(tok, ts))} == {4}
     with pytest.raises(ConfigError, match="long_code_digits"):
         load_config("smoke-dense", ["ramp.long_code_digits=[6,4]"])
     assert long_documents(tok, 128, 4, 0) == []  # fewer than one a length: none (ramp.long_docs below 5)

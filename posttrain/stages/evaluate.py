@@ -62,8 +62,9 @@ def suites(cfg: PipelineConfig, curate_dir: str, tok, completion: bool = False) 
     if completion:
         return out | {f"long_context@{L}": (tasks, True) for L, tasks in eval_sets(cfg, tok).items()}
     for L in cfg.eval_lengths():
-        def count(t):
-            return len(render_ids(tok, t.messages(), add_generation_prompt=True)) + cfg.eval.max_new_tokens // 2
+        def count(tasks):
+            return [len(render_ids(tok, t.messages(), add_generation_prompt=True)) + cfg.eval.max_new_tokens // 2
+                    for t in tasks]
         out[f"long_context@{L}"] = (long_context.fit_to_length("test", n, cfg.world.seed, L, count), True)
     return out
 

@@ -35,8 +35,12 @@ from posttrain.train import eval_loss, moe_metrics, summarize
 VAL_TASKS = 32  # long_context validation tasks per early-stop check (ramp.stages[].until_long_context)
 
 
-def prose_len(tok, task: Task, extra: int = 0) -> int:
-    return len(tok(task.prose(), add_special_tokens=False)["input_ids"]) + 2 + extra
+def prose_lens(tok, tasks: list[Task], extra: int = 0) -> list[int]:
+    """Tokens of each task's prose with its document markers, plus `extra`: one batched call (per-text calls were most
+    of `long_documents`' cost at 20,000 documents)."""
+    if not tasks:  # a tokenizer refuses an empty batch
+        return []
+    return [len(ids) + 2 + extra for ids in tok([t.prose() for t in tasks], add_special_tokens=False)["input_ids"]]
 
 
 def long_documents(tok, seq_len: int, n: int, seed: int, weight: float = 1.0,
@@ -55,11 +59,11 @@ def long_documents(tok, seq_len: int, n: int, seed: int, weight: float = 1.0,
     tasks = [t for d in codes for i, L in enumerate(buckets)
              for t in long_context.fit_to_length("train", n // (len(buckets) * len(codes)),
                                                  seed * 1000 + 10 * (d - digits[0]) + i, L,
-                                                 lambda t: prose_len(tok, t), digits=d)]
+                                                 lambda ts: prose_lens(tok, ts), digits=d)]
     if not tasks:  # n below one per bucket (a tokenizer refuses an empty batch)
         return []
     eos, bos = doc_end_id(tok), bos_ids(tok)
-    # one batched call each (the same ids as one call a text): per-text calls were most of the cost at 20k documents
+    # one batched call each (the same ids as one call a text)
     prompts = tok([t.prose_prompt() for t in tasks], add_special_tokens=False)["input_ids"]
     answers = tok([t.prose()[len(t.prose_prompt()):] for t in tasks], add_special_tokens=False)["input_ids"]
     return [([*bos, *p, *a, eos], [0.0] * (len(bos) + len(p)) + [weight] * (len(a) + 1))
@@ -69,7 +73,7 @@ def long_documents(tok, seq_len: int, n: int, seed: int, weight: float = 1.0,
 def eval_sets(cfg: PipelineConfig, tok) -> dict[int, list[Task]]:
     """long_context test tasks per ladder length, sized so prompt + answer fit the length."""
     return {L: long_context.fit_to_length("test", cfg.eval.n_per_suite, cfg.world.seed, L,
-                                          lambda t: prose_len(tok, t, cfg.eval.max_new_tokens // 2))
+                                          lambda ts: prose_lens(tok, ts, cfg.eval.max_new_tokens // 2))
             for L in cfg.eval_lengths()}
 
 
@@ -90,7 +94,7 @@ def retrieval_formed(cfg: PipelineConfig, st: RampStage, tok) -> dict:
     if st.until_long_context is None:
         return {}
     tasks = long_context.fit_to_length("val", VAL_TASKS, cfg.world.seed, st.seq_len,
-                                       lambda t: prose_len(tok, t, cfg.eval.max_new_tokens // 2))
+                                       lambda ts: prose_lens(tok, ts, cfg.eval.max_new_tokens // 2))
 
     def formed(engine) -> bool:
         acc = long_context_accuracy(cfg, engine.hf_model(), tok, {st.seq_len: tasks})[st.seq_len]
@@ -177,8 +181,9 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
     if cfg.mtp.depth and mtp.get(model) is None:
         mtp.install(model, cfg.mtp.depth)
     short_rows = pack([(d, [1] * len(d)) for d in docs], st.seq_len)
-    long_rows = pack(long_documents(tok, st.seq_len, r.long_docs, cfg.seed + k, r.long_loss_weight,
-                                    r.long_code_digits), st.seq_len)
+    n_docs = r.long_docs if st.long_docs is None else st.long_docs
+    long_rows = pack(long_documents(tok, st.seq_len, n_docs, cfg.seed + k, r.long_loss_weight, r.long_code_digits),
+                     st.seq_len)
     name, steps = f"ramp@{st.seq_len}", r.steps(st)
     next_batch = _sampler(cfg, k, short_rows, long_rows, st, pad_id(tok))
     extra: dict[str, float] = {}

@@ -71,8 +71,8 @@ def check_masks(examples: list[tuple[list[int], list[int]]], tok, node: str = "s
 
 
 def _long_tasks(tok, split: str, n: int, seed: int, max_len: int) -> list[Task]:
-    def count(t):
-        return len(render_ids(tok, conversation(t, True)))
+    def count(tasks):
+        return [len(render_ids(tok, conversation(t, True))) for t in tasks]
     lengths = [max_len // 4, max_len // 2, max_len]
     return [t for i, L in enumerate(lengths) for t in long_context.fit_to_length(split, n // 3, seed + i, L, count)]
 
