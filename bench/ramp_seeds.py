@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         fig[name] = {"long_context": acc, "mean": round(mean(acc), 4) if acc else None,
                      "formed": sum(a >= 0.7 for a in acc), "short_val_loss": [r[f"ramp@{L}.short_val_loss"]
                                                                             for r in res.values()],
+                     "steps": [r[f"ramp@{L}.steps"] for r in res.values()],  # where a rung's early stop ended it
                      "seconds": [r["seconds"] for r in res.values()]}
         print(f"{name}: long_context@{L} per seed {acc}, formed (>= 0.7) on {fig[name]['formed']} of {len(acc)}")
         if args.repeats:
