@@ -36,8 +36,8 @@ VAL_TASKS = 32  # long_context validation tasks per early-stop check (ramp.stage
 
 
 def prose_lens(tok, tasks: list[Task], extra: int = 0) -> list[int]:
-    """Tokens of each task's prose with its document markers, plus `extra`: one batched call (per-text calls were most
-    of `long_documents`' cost at 20,000 documents)."""
+    """Tokens of each task's prose with its document markers, plus `extra`, in one batched call (the same ids as a call
+    a text, fewer calls: `long_documents` counts 20,000 and more)."""
     if not tasks:  # a tokenizer refuses an empty batch
         return []
     return [len(ids) + 2 + extra for ids in tok([t.prose() for t in tasks], add_special_tokens=False)["input_ids"]]
