@@ -76,7 +76,10 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
         k = gather_keys(k)
     if past_key_values is not None:
         k = past_key_values.update_indexer(k, self.layer_idx)
-    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale)
+    # one [s*h, d] x [d, t] product per row: the library's broadcast matmul ([b, s, h, d] x [b, 1, d, t]) copies the
+    # keys once per query position (a quarter of a 16 x 512 training step of the tiny profile on CPU)
+    scores = torch.bmm(q.float().reshape(b, s * self.n_heads, self.head_dim), k.float().transpose(-1, -2))
+    scores = F.relu(scores.view(b, s, self.n_heads, -1) * self.softmax_scale)
     weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
     index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
     if attention_mask.dtype == torch.bool:
