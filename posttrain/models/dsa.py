@@ -20,7 +20,7 @@ on load.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -66,7 +66,8 @@ class DSAState:
         self.collect = False       # compute the indexer loss and recall where gradients are on (the ramp sets it)
         self.selection: dict[int, torch.Tensor | None] = {}
         self.index_inputs: dict[int, tuple | None] = {}  # the group indexer's (qi, w, ki) while it trains
-        self.scores: dict[int, torch.Tensor] = {}  # GLM-5's own indexers (models.glm5): their scores while they train
+        # GLM-5's own indexers (models.glm5) while they train: query rows -> those rows' scores, with their graph
+        self.scores: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
         self.recalls: list[torch.Tensor] = []
 

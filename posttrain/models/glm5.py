@@ -58,8 +58,9 @@ def config_errors(config) -> list[str]:
 
 def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
                      past_key_values=None, train: bool = False, gather_keys=None):
-    # transformers 5.23's GlmMoeDsaIndexer.forward (Apache-2.0) with the selection made stable; `train`: the scores
-    # keep their graph (from detached inputs: the indexer learns only from its own loss) for `install_dsa`'s KL;
+    # transformers 5.23's GlmMoeDsaIndexer.forward (Apache-2.0) with the selection made stable; `train`: a function of
+    # query rows giving their scores with a graph (from detached inputs: the indexer learns only from its own loss)
+    # goes on the DSA state, for `install_dsa`'s KL;
     # `gather_keys`: the whole sequence's keys from this rank's [b, s, d] (the megatron engine's context parallelism)
     if train:
         hidden_states, q_resid = hidden_states.detach(), q_resid.detach()
@@ -76,23 +77,30 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
         k = gather_keys(k)
     if past_key_values is not None:
         k = past_key_values.update_indexer(k, self.layer_idx)
-    # one [s*h, d] x [d, t] product per row: the library's broadcast matmul ([b, s, h, d] x [b, 1, d, t]) copies the
-    # keys once per query position (a quarter of a 16 x 512 training step of the tiny profile on CPU)
-    scores = torch.bmm(q.float().reshape(b, s * self.n_heads, self.head_dim), k.float().transpose(-1, -2))
-    scores = F.relu(scores.view(b, s, self.n_heads, -1) * self.softmax_scale)
     weights = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
-    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
-    if attention_mask.dtype == torch.bool:
-        index_scores = index_scores.masked_fill(~attention_mask, float("-inf"))
-    else:
-        index_scores = index_scores + attention_mask
+
+    def scores_of(q, weights, mask):  # [b, n, h, d], [b, n, h], [b or 1, n, t] -> [b, n, t]
+        n = q.shape[1]
+        # one [n*h, d] x [d, t] product per row: the library's broadcast matmul ([b, s, h, d] x [b, 1, d, t]) copies
+        # the keys once per query position (a quarter of a 16 x 512 training step of the tiny profile on CPU)
+        scores = torch.bmm(q.float().reshape(b, n * self.n_heads, self.head_dim), k.float().transpose(-1, -2))
+        scores = F.relu(scores.view(b, n, self.n_heads, -1) * self.softmax_scale)
+        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+        if mask.dtype == torch.bool:
+            return index_scores.masked_fill(~mask, float("-inf"))
+        return index_scores + mask
+
+    with torch.no_grad():  # the selection needs no graph
+        index_scores = scores_of(q, weights, attention_mask)
     st = getattr(self, "dsa_state", None)
     if train:
-        st.scores[self.layer_idx] = index_scores
+        # the KL needs the scores of a few query rows (`kl_queries`) with their graph: recompute just those, not
+        # keep every query's [h, t] scores for backward (a step's KL cost 1/3 of a 16 x 512 sparse step that way)
+        st.scores[self.layer_idx] = lambda rows: scores_of(q[:, rows], weights[:, rows], attention_mask[:, rows])
     # the dense warm-up selects every key: attention stays dense while the indexer learns it
     every = st is not None and st.mode == "warmup"
     topk = index_scores.shape[-1] if every else min(self.index_topk, index_scores.shape[-1])
-    return index_scores.detach().sort(dim=-1, descending=True, stable=True).indices[..., :topk].to(torch.int32)
+    return index_scores.sort(dim=-1, descending=True, stable=True).indices[..., :topk].to(torch.int32)
 
 
 class StableIndexer(GlmMoeDsaIndexer):
@@ -142,7 +150,7 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
     allowed = allowed_keys(attention_mask, b, lq, lk, query.device)
     scores = st.scores.get(module.dsa_group)
     if st.collect and torch.is_grad_enabled() and scores is not None:  # shared layers train their group's indexer too
-        indexer_loss(st, query, key, scaling, lambda rows: scores[:, rows], allowed, indices)
+        indexer_loss(st, query, key, scaling, scores, allowed, indices)
     chosen = allowed & selected_mask(indices, lk)
     chosen |= ~chosen.any(-1, keepdim=True)  # rows that select nothing (padding) attend anywhere, as sdpa's fix
     return sdpa_attention_forward(module, query, key, value, chosen[:, None], dropout=dropout, scaling=scaling,

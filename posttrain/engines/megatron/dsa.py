@@ -182,8 +182,7 @@ def core_attention(base: type, hf_config) -> type:
                 key, total = context_parallel.GatherOutput.apply(key), _sum_over_context
                 rows = torch.nonzero(torch.isin(queries, rows)).flatten()
             q, k = (t.detach().permute(1, 2, 0, 3) for t in (query, key))  # [s, b, n, d] -> [b, n, s, d]
-            indexer_loss(st, q, k, self.softmax_scale, lambda r: scores[:, r], allowed, selections[self.group],
-                         rows, total)
+            indexer_loss(st, q, k, self.softmax_scale, scores, allowed, selections[self.group], rows, total)
 
         def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
             """The indexer too (Megatron's core attention saves only its own softmax offset): replicated over tp."""
