@@ -141,10 +141,10 @@ def stable_indexers(module: torch.nn.Module) -> torch.nn.Module:
 def mla_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention, with MLA's values padded to the queries' head dim on CPU (the tiny profile's
     GLM-5: 48 query and key dims, 32 value dims): torch's CPU flash kernel wants equal head dims, and without them
-    sdpa with a mask falls back to the math path, which materializes every score. On 2 CPU cores: a 16 x 512 masked
-    attention's forward and backward 1.15 s -> 0.51 s, a 16 x 512 sparse training step 10.0 s -> 7.3 s, a 64 x 128
-    prefill 82 -> 59 ms; no gain in training at 256 keys or fewer (4-6% slower at 128), none in one-token decoding,
-    hence the rule below. Registered as "sdpa" (transformers' own override point): with equal head dims, or off the
+    sdpa with a mask falls back to the math path, which materializes every score. On 2 CPU cores (bench.glm5_attention):
+    a 16 x 512 sparse training step's forward and backward 1.27x faster, greedy generation from ~480-token prompts
+    1.22x; no gain in training at 256 keys or fewer (4-6% slower at 128), none in one-token decoding, hence the rule
+    below. Registered as "sdpa" (transformers' own override point): with equal head dims, or off the
     CPU, it is the library's function unchanged."""
     dv, dq = value.shape[-1], query.shape[-1]
     if dv >= dq or query.device.type != "cpu" or (torch.is_grad_enabled() and key.shape[-2] <= 256):
