@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     fig["train_step"] = step
     print(f"training step, {args.batch} x {args.step_len}: {step['no_kl_s']:.2f} s without the indexers' KL, "
           f"{step['kl_rows_s']:.2f} s with it (its rows recomputed), {step['kl_every_query_s']:.2f} s with every "
-          f"query's scores kept: the KL costs {step['kl_cost_rows_s']:.2f} s against {step['kl_cost_every_query_s']:.2f} s",
-          flush=True)
+          f"query's scores kept: the KL costs {step['kl_cost_rows_s']:.2f} s against "
+          f"{step['kl_cost_every_query_s']:.2f} s", flush=True)
     path = out_dir() / "glm5_indexer.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(mark(fig), indent=1))

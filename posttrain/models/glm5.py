@@ -94,8 +94,8 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
         index_scores = scores_of(q, weights, attention_mask)
     st = getattr(self, "dsa_state", None)
     if train:
-        # the KL needs the scores of a few query rows (`kl_queries`) with their graph: recompute just those, not
-        # keep every query's [h, t] scores for backward (a step's KL cost 1/3 of a 16 x 512 sparse step that way)
+        # the KL needs the scores of a few query rows (`kl_queries`) with their graph: recompute just those rather
+        # than keep every query's [h, t] scores for backward (that way the KL cost a third of a 16 x 512 sparse step)
         st.scores[self.layer_idx] = lambda rows: scores_of(q[:, rows], weights[:, rows], attention_mask[:, rows])
     # the dense warm-up selects every key: attention stays dense while the indexer learns it
     every = st is not None and st.mode == "warmup"
@@ -141,11 +141,11 @@ def stable_indexers(module: torch.nn.Module) -> torch.nn.Module:
 def mla_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention, with MLA's values padded to the queries' head dim on CPU (the tiny profile's
     GLM-5: 48 query and key dims, 32 value dims): torch's CPU flash kernel wants equal head dims, and without them
-    sdpa with a mask falls back to the math path, which materializes every score. On 2 CPU cores (bench.glm5_attention):
-    a 16 x 512 sparse training step's forward and backward 1.27x faster, greedy generation from ~480-token prompts
-    1.22x; no gain in training at 256 keys or fewer (4-6% slower at 128), none in one-token decoding, hence the rule
-    below. Registered as "sdpa" (transformers' own override point): with equal head dims, or off the
-    CPU, it is the library's function unchanged."""
+    sdpa with a mask falls back to the math path, which materializes every score. On 2 CPU cores
+    (bench.glm5_attention): a 16 x 512 sparse training step's forward and backward 1.27x faster, greedy generation
+    from ~480-token prompts 1.22x; no gain in training at 256 keys or fewer (4-6% slower at 128), none in one-token
+    decoding, hence the rule below. Registered as "sdpa" (transformers' own override point): with equal head dims,
+    or off the CPU, it is the library's function unchanged."""
     dv, dq = value.shape[-1], query.shape[-1]
     if dv >= dq or query.device.type != "cpu" or (torch.is_grad_enabled() and key.shape[-2] <= 256):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -171,8 +171,7 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
         indexer_loss(st, query, key, scaling, scores, allowed, indices)
     chosen = allowed & selected_mask(indices, lk)
     chosen |= ~chosen.any(-1, keepdim=True)  # rows that select nothing (padding) attend anywhere, as sdpa's fix
-    return mla_sdpa(module, query, key, value, chosen[:, None], dropout=dropout, scaling=scaling,
-                    **kwargs)
+    return mla_sdpa(module, query, key, value, chosen[:, None], dropout=dropout, scaling=scaling, **kwargs)
 
 
 def install_dsa(model, top_k: int, kl_queries: int = 64):
