@@ -86,3 +86,26 @@ def test_dsa_settings_glm5_lays_out_itself_are_refused():
     with pytest.raises(ConfigError, match=r"ramp.dsa.own_indexer: GLM-5's own indexers are laid out by "
                                           r"model.indexer_types"):
         load_config("tiny", ["ramp.attention=dsa", "ramp.dsa={top_k: 64, own_indexer: [0, 1]}"])
+
+
+@pytest.mark.parametrize("keys", [100, 300])  # both sides of the rule: training pads above 256 keys only
+def test_mlas_attention_padded_for_the_flash_kernel_is_the_librarys_attention(keys):
+    """`glm5.mla_sdpa` (transformers' "sdpa" on CPU for MLA's narrower values) gives the library's attention and its
+    gradients, masked, in float64 (where the two kernels' sums may differ only at ~1e-15)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 4, keys, 48, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 4, keys, 32, dtype=torch.float64, generator=g, requires_grad=True)
+    mask = (torch.rand(2, 1, keys, keys, generator=g) > 0.5) | torch.eye(keys, dtype=torch.bool)
+    module = SimpleNamespace(is_causal=False, num_key_value_groups=1)
+    outs = []
+    for attend in (glm5.mla_sdpa, sdpa_attention_forward):
+        out, _ = attend(module, q, k, v, mask)
+        grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v))
+        outs.append((out, *grads))
+    for ours, theirs in zip(*outs):
+        torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(glm5.mla_sdpa(module, q, k, v, mask)[0], outs[1][0], atol=1e-12, rtol=0)
