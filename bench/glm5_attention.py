@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         fn = sdpa_attention_forward if side == "transformers" else ours
         AttentionInterface.register("sdpa", fn)
         glm5.mla_sdpa = fn  # DSA's attention calls it by name
+
     torch.set_num_threads(threads(2))
     cfg = load_config("tiny")
     vocab = {f"t{i}": i for i in range(cfg.tokenizer.vocab_size)}
