@@ -551,6 +551,9 @@ class QuantizeConfig(_Strict):
     # this many everyday instructions (posttrain/replay.py's, thinking off) interleaved with the SFT conversations: the
     # activations of ordinary requests, which the task world's conversations alone leave uncalibrated
     calib_everyday: AtLeast0 = 0
+    # activation-aware per-channel scales folded in before rounding (posttrain/quant/smooth.py: SmoothQuant's form,
+    # searched per fold on the rounded output's error as AWQ does; a fold is left unscaled where no scale helps)
+    smooth: bool = False
     dampening: NonNegative = 0.01        # GPTQ: share of the mean Hessian diagonal added before inverting
     # decoder layers whose int4 weights (the MLP, GLM-5's routed experts) stay int8 per channel instead (W8A8): the
     # few layers whose int4 rounding costs most (`python -m bench.quant_sensitivity --run RUN` measures each one)

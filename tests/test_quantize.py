@@ -158,7 +158,7 @@ def test_calibration_passes_activations_one_decoder_layer_at_a_time_as_the_whole
     """GPTQ calibrates each layer on its predecessors' outputs by running the captured activations through one
     layer at a time (a forward of the whole model per layer was quadratic in depth): chained over every layer they
     are the model's own last hidden states, each layer with its own mask and position embeddings."""
-    from posttrain.stages.quantize import _layer_inputs, _through
+    from posttrain.quant.layerwise import layer_inputs, through
     from tests.test_glm5_model import GLM5
     torch.manual_seed(0)
     tok = train_tokenizer(["hello world 1 2 3 the answer is 42"] * 20, 300)
@@ -171,10 +171,10 @@ def test_calibration_passes_activations_one_decoder_layer_at_a_time_as_the_whole
     seen = []
     model.model.norm.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
     with torch.no_grad():
-        hidden, kwargs = _layer_inputs(model, rows, batch=3)
+        hidden, kwargs = layer_inputs(model, rows, batch=3)
         assert len(hidden) == 2 and all(len(kw) == cfg.num_layers for kw in kwargs)
         for li, layer in enumerate(model.model.layers):
-            hidden = [_through(layer, h, kw[li]) for h, kw in zip(hidden, kwargs)]
+            hidden = [through(layer, h, kw[li]) for h, kw in zip(hidden, kwargs)]
         for i, h in enumerate(hidden):
             model(rows[3 * i:3 * i + 3], use_cache=False)
             want = seen[-1]

@@ -6,7 +6,6 @@ int-quantized attention, bf16 scales): the format vLLM loads as CompressedTensor
 CompressedTensorsW8A8Int8. Our own evaluation runs it on CPU through posttrain/quant/int_linear.py."""
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -31,6 +30,8 @@ from posttrain.pipeline.artifacts import TIMINGS
 from posttrain.pipeline.console import kv
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import load_compressed
+from posttrain.quant import smooth
+from posttrain.quant.layerwise import layer_inputs, through
 from posttrain.quant.scheme import SCALE_DTYPE, scheme, targets
 from posttrain.tools import loadcheck
 
@@ -53,56 +54,27 @@ def calibration_rows(cfg: PipelineConfig, curate_dir: str, tok) -> torch.Tensor:
     return torch.tensor(stream[: len(stream) // L * L]).reshape(-1, L)
 
 
-class _Captured(Exception):
-    """Stops a forward once the decoder layers' inputs are captured."""
-
-
-def _layer_inputs(model, rows: torch.Tensor, batch: int) -> tuple[list[torch.Tensor], list[list[dict]]]:
-    """Per batch of `rows`: the hidden states entering the first decoder layer, and every layer's own keyword
-    arguments (its mask and position embeddings, which a layer type may have of its own), from one forward that
-    stops at the last layer."""
-    layers, hidden, kwargs = model.model.layers, [], []
-
-    def grab(i):
-        def hook(_m, args, kw):
-            if i == 0:
-                hidden.append(args[0] if args else kw["hidden_states"])
-                kwargs.append([])
-            kwargs[-1].append({k: v for k, v in kw.items() if k != "hidden_states"})
-            if i == len(layers) - 1:
-                raise _Captured
-        return hook
-    handles = [m.register_forward_pre_hook(grab(i), with_kwargs=True) for i, m in enumerate(layers)]
-    try:
-        for i in range(0, len(rows), batch):
-            with contextlib.suppress(_Captured):  # the last layer's hook ends the forward: nothing after it is needed
-                model(rows[i:i + batch], use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return hidden, kwargs
-
-
-def _through(layer, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    out = layer(hidden, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
 @torch.no_grad()
-def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig,
-              batch: int = 8) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig, batch: int = 8,
+              smoothing: list[dict] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Quantize every target layer by layer; returns name -> (int8 q, float32 scales). The model's weights
     are left at their quantized values, and each layer is calibrated on its quantized predecessors' outputs:
     the calibration activations pass through one decoder layer at a time (a whole forward per layer made the
-    forwards quadratic in depth)."""
-    found, result = targets(model, qcfg), {}
-    hidden, kwargs = _layer_inputs(model, rows, batch) if qcfg.method == "gptq" else ([], [])
-    for li, layer in enumerate(tqdm(model.model.layers, desc="gptq" if qcfg.method == "gptq" else "rtn")):
+    forwards quadratic in depth). With `quantize.smooth`, each layer's scales are searched and folded in first
+    (posttrain/quant/smooth.py); their records are appended to `smoothing`."""
+    found, result, glm = targets(model, qcfg), {}, is_glm5(model)
+    layerwise = qcfg.method == "gptq" or qcfg.smooth
+    hidden, kwargs = layer_inputs(model, rows, batch) if layerwise else ([], [])
+    for li, layer in enumerate(tqdm(model.model.layers, desc=qcfg.method + (" + smooth" if qcfg.smooth else ""))):
+        if qcfg.smooth:
+            records = smooth.smooth_layer(layer, li, found, glm, hidden, kwargs, qcfg.act_bits)
+            if smoothing is not None:
+                smoothing.extend(records)
         mine = {n: m for n, (m, _, _) in found.items() if any(m is x for x in layer.modules())}
         if qcfg.method == "gptq":
             tracker = HessianTracker(mine)
             for h, kw in zip(hidden, kwargs):
-                _through(layer, h, kw[li])
+                through(layer, h, kw[li])
             hessians = tracker.close()
         for name, m in mine.items():
             _, bits, g = found[name]
@@ -112,7 +84,8 @@ def calibrate(model, rows: torch.Tensor, qcfg: QuantizeConfig,
                     else rtn(m.weight, bits, g, SCALE_DTYPE))
             m.weight.copy_((q.float().reshape(q.shape[0], -1, g) * s[..., None]).reshape(q.shape))
             result[name] = (q, s)
-        hidden = [_through(layer, h, kw[li]) for h, kw in zip(hidden, kwargs)]  # the next layer's inputs
+        if layerwise:
+            hidden = [through(layer, h, kw[li]) for h, kw in zip(hidden, kwargs)]  # the next layer's inputs
     return result
 
 
@@ -176,7 +149,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     moe.unfuse_experts(model)  # GLM-5: each routed expert its own Linears, calibrated on the tokens routed to it
     rows = calibration_rows(cfg, inputs["curate"], tok)
     bf16_bytes = sum(m.weight.numel() * 2 for m, _, _ in targets(model, cfg.quantize).values())
-    ints = calibrate(model, rows, cfg.quantize)
+    smoothing: list[dict] = []
+    ints = calibrate(model, rows, cfg.quantize, smoothing=smoothing)
     export(model, tok, ints, cfg.quantize, out)
     prompt = load_tasks(inputs["curate"], "test", environments.names(cfg.world.environments)[0])[0].prompt
     fresh, fresh_fp = load_checks([out, inputs["opd"]], prompt)
@@ -187,7 +161,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
                    f"channel, int8 per-token activations" if is_glm5(model) else
                    f"compressed-tensors mixed-precision: MLP pack-quantized int4 (group {cfg.quantize.group_size}), "
                    f"attention int-quantized int8 per channel, int8 per-token activations"),
-        "method": cfg.quantize.method, "calibration_tokens": rows.numel(), "quantized_linears": len(ints),
+        "method": cfg.quantize.method + (" + smooth" if cfg.quantize.smooth else ""),
+        **({"smoothing": smooth.summary(smoothing)} if cfg.quantize.smooth else {}),
+        "calibration_tokens": rows.numel(), "quantized_linears": len(ints),
         "linear_weight_bytes": q_bytes, "linear_weight_bytes_bf16": bf16_bytes,
         "bytes_ratio_vs_bf16": round(q_bytes / bf16_bytes, 4),
         "disk_bytes": (out / "model.safetensors").stat().st_size,
@@ -196,6 +172,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
         "fresh_process_generated_tokens": fresh["generated_tokens"], "fresh_process_text": fresh["text"],
     }
     (out / "quantization.json").write_text(json.dumps(metrics, indent=1))  # report.json's "quantization"
+    if smoothing:  # each fold's alpha and rounded-output error, for whoever wants the layer-by-layer picture
+        (out / "smoothing.json").write_text(json.dumps(smoothing, indent=1))
     # what the process measured changes from run to run: beside the digest, not in it (posttrain.pipeline.artifacts)
     measured = {"rss_growth_bytes": fresh["rss_growth_bytes"], "rss_growth_bytes_unquantized": fresh_fp["rss_growth_bytes"],
                 "peak_rss_bytes": fresh["peak_rss_bytes"], "peak_rss_bytes_unquantized": fresh_fp["peak_rss_bytes"]}

@@ -1,0 +1,136 @@
+"""bench/quant_smooth: what `quantize.smooth` (activation-aware scales folded in before W4A8 rounding,
+posttrain/quant/smooth.py) does to a real chat model, side by side with the same W4A8 without it.
+
+The peer is the quantize stage's W4A8 at the profile's own settings (group size, int8 layers, calibration), without
+smoothing. Every variant is calibrated in this process on the same calibration rows, from a copy of one checkpoint,
+and scored against that checkpoint unquantized:
+- KL(unquantized || variant) per answer token and the share of positions where both pick the same next token,
+  teacher-forced on the unquantized model's own greedy answers (48 new tokens) to the held-out everyday questions
+  (environments/chat.py) and 16 IFBench prompts;
+- the held-out everyday questions' greedy score, thinking off: the suite W4A8 cost most on `small` (docs/small.md).
+Variants: round to nearest and GPTQ, each without and with smoothing. A variant runs as the integer kernels compute
+(weights at their rounded values, int8 activations per token by hooks; tests/test_quantize.py checks the kernels
+against that arithmetic).
+
+    python -m bench.quant_smooth --checkpoint DIR --curate DIR [--profile small]
+    python -m bench.quant_smooth --run RUN       (its generalist, calibrated on its curate artifact)
+
+BENCH_SMALL=1: the smoke run's generalist, 4 questions, 8 new tokens, no IFBench.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+import torch
+
+from bench import mark, out_dir, size, small, smoke_report, threads
+
+QUESTIONS, IFBENCH, NEW = size(47, 4), size(16, 0), size(48, 8)
+
+
+def _inputs(argv: list[str]):
+    from posttrain.config import load_config
+    from posttrain.pipeline.run import load_run
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", help="a run whose generalist (opd artifact) and curate artifact are used")
+    p.add_argument("--checkpoint", help="a checkpoint folder to quantize (e.g. the small profile's base)")
+    p.add_argument("--curate", help="the curate artifact the calibration conversations come from")
+    p.add_argument("--profile", default="small", help="whose quantize settings and environments (with --checkpoint)")
+    a = p.parse_args(argv)
+    if small():
+        report = json.loads(smoke_report().read_text())
+        cfg = load_config("smoke-dense")
+        return cfg, report["stages"]["opd"]["artifact"], report["stages"]["curate"]["artifact"], "smoke run"
+    if a.run:
+        report, cfg = load_run(a.run)
+        return cfg, report["stages"]["opd"]["artifact"], report["stages"]["curate"]["artifact"], report["run_id"]
+    if not (a.checkpoint and a.curate):
+        p.error("give --run RUN, or --checkpoint DIR and --curate DIR")
+    return load_config(a.profile), a.checkpoint, a.curate, a.checkpoint
+
+
+def main(argv: list[str] | None = None) -> None:
+    import environments
+    from posttrain.chat import chat_format, render_ids
+    from posttrain.engines.torch_rollout import sample
+    from posttrain.models.preset import load_checkpoint
+    from posttrain.quant import smooth
+    from posttrain.stages.quantize import calibrate, calibration_rows, targets
+
+    cfg, ckpt, curate, source = _inputs(argv if argv is not None else [])
+    torch.set_num_threads(threads(2))
+    model, tok = load_checkpoint(ckpt)
+    model.eval()
+    fmt = chat_format(tok)
+    chat = environments.get("chat").generate()[:QUESTIONS]
+    sets = {"chat": chat, **({"ifbench": environments.get("ifbench").generate("test", IFBENCH)} if IFBENCH else {})}
+    prompts = {k: [render_ids(tok, t.messages(), add_generation_prompt=True, enable_thinking=False) for t in ts]
+               for k, ts in sets.items()}
+    rows = calibration_rows(cfg, curate, tok)
+
+    def greedy(m, ps):
+        return [g.ids for g in sample(m, ps, max_new_tokens=NEW, temperature=0.0, stop_ids=set(fmt.stop_ids),
+                                      pad_id=fmt.pad_id)]
+
+    def chat_score(answers) -> float:
+        verify = environments.get("chat").verify
+        return sum(verify(t, tok.decode(a, skip_special_tokens=True))[0] for t, a in zip(chat, answers)) / len(chat)
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        answers = {k: greedy(model, ps) for k, ps in prompts.items()}
+
+        def logps(m) -> dict[str, list[torch.Tensor]]:
+            return {k: [torch.log_softmax(m(input_ids=torch.tensor([p + a])).logits[0, len(p) - 1:-1].float(), -1)
+                        for p, a in zip(prompts[k], answers[k]) if a] for k in prompts}
+        ref = logps(model)
+
+    def act_int8(_, args):
+        x = args[0]
+        s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
+        return (torch.round(x / s).clamp(-128, 127) * s,)
+
+    def score(m) -> dict:
+        with torch.no_grad():
+            got = logps(m)
+            out = {}
+            for k in ref:
+                kl = torch.cat([(r.exp() * (r - g)).sum(-1) for r, g in zip(ref[k], got[k])])
+                same = torch.cat([(r.argmax(-1) == g.argmax(-1)).float() for r, g in zip(ref[k], got[k])])
+                out[k] = {"kl": round(kl.mean().item(), 5), "top1_agree": round(same.mean().item(), 4)}
+            out["chat_score"] = round(chat_score(greedy(m, prompts["chat"])), 4)
+        return out
+
+    fig = {"unquantized": {"chat_score": round(chat_score(answers["chat"]), 4)}}
+    print(f"bench/quant_smooth: unquantized: {fig['unquantized']}", flush=True)
+    for method in ("rtn", "gptq"):
+        for smoothed in (False, True):
+            name = f"{method}{' + smooth' if smoothed else ''}"
+            qcfg = cfg.quantize.model_copy(update={"method": method, "smooth": smoothed})
+            m = copy.deepcopy(model)
+            t = time.perf_counter()
+            records: list[dict] = []
+            calibrate(m, rows, qcfg, smoothing=records)
+            seconds = time.perf_counter() - t
+            for lin, _, _ in targets(m, qcfg).values():
+                lin.register_forward_pre_hook(act_int8)
+            fig[name] = {**score(m), "calibrate_s": round(seconds, 1),
+                         **({"smoothing": smooth.summary(records)} if smoothed else {})}
+            print(f"bench/quant_smooth: {name}: {fig[name]}", flush=True)
+    out = out_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "quant_smooth.json"
+    path.write_text(json.dumps(mark({
+        "checkpoint": source, "peer": "the same W4A8 without smoothing, calibrated alike in this process",
+        "quantize": cfg.quantize.model_dump(exclude={"smooth", "method"}), "calibration_tokens": rows.numel(),
+        "prompts": {k: len(v) for k, v in prompts.items()}, "new_tokens": NEW, "threads": threads(2),
+        "variants": fig, "seconds": round(time.perf_counter() - t0, 1)}), indent=1))
+    print(f"bench/quant_smooth: wrote {path}")
+
+
+if __name__ == "__main__":
+    import sys
+    main(sys.argv[1:])
