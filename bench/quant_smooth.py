@@ -8,12 +8,14 @@ and scored against that checkpoint unquantized:
   teacher-forced on the unquantized model's own greedy answers (48 new tokens) to the held-out everyday questions
   (environments/chat.py) and 16 IFBench prompts;
 - the held-out everyday questions' greedy score, thinking off: the suite W4A8 cost most on `small` (docs/small.md).
-Variants: round to nearest and GPTQ, each without and with smoothing. A variant runs as the integer kernels compute
-(weights at their rounded values, int8 activations per token by hooks; tests/test_quantize.py checks the kernels
-against that arithmetic).
+Variants: round to nearest and GPTQ, each without and with smoothing, and bf16 storage alone (what the export does to
+the tensors it does not quantize: embeddings, head, norms). A variant runs as the export computes on the integer
+kernels (weights at their rounded values, int8 activations per token by hooks, the rest in bf16;
+tests/test_quantize.py checks the kernels against that arithmetic).
 
     python -m bench.quant_smooth --checkpoint DIR --curate DIR [--profile small]
-    python -m bench.quant_smooth --run RUN       (its generalist, calibrated on its curate artifact)
+    python -m bench.quant_smooth [--run RUN]     (a run's generalist, calibrated on its curate artifact; default:
+                                                 the latest run)
 
 BENCH_SMALL=1: the smoke run's generalist, 4 questions, 8 new tokens, no IFBench.
 """
@@ -35,7 +37,7 @@ def _inputs(argv: list[str]):
     from posttrain.config import load_config
     from posttrain.pipeline.run import load_run
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--run", help="a run whose generalist (opd artifact) and curate artifact are used")
+    p.add_argument("--run", default="latest", help="a run whose generalist (opd artifact) and curate artifact are used")
     p.add_argument("--checkpoint", help="a checkpoint folder to quantize (e.g. the small profile's base)")
     p.add_argument("--curate", help="the curate artifact the calibration conversations come from")
     p.add_argument("--profile", default="small", help="whose quantize settings and environments (with --checkpoint)")
@@ -44,12 +46,12 @@ def _inputs(argv: list[str]):
         report = json.loads(smoke_report().read_text())
         cfg = load_config("smoke-dense")
         return cfg, report["stages"]["opd"]["artifact"], report["stages"]["curate"]["artifact"], "smoke run"
-    if a.run:
-        report, cfg = load_run(a.run)
-        return cfg, report["stages"]["opd"]["artifact"], report["stages"]["curate"]["artifact"], report["run_id"]
-    if not (a.checkpoint and a.curate):
-        p.error("give --run RUN, or --checkpoint DIR and --curate DIR")
-    return load_config(a.profile), a.checkpoint, a.curate, a.checkpoint
+    if a.checkpoint or a.curate:
+        if not (a.checkpoint and a.curate):
+            p.error("--checkpoint and --curate go together (the calibration conversations come from --curate)")
+        return load_config(a.profile), a.checkpoint, a.curate, a.checkpoint
+    report, cfg = load_run(a.run)
+    return cfg, report["stages"]["opd"]["artifact"], report["stages"]["curate"]["artifact"], report["run_id"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     from posttrain.engines.torch_rollout import sample
     from posttrain.models.preset import load_checkpoint
     from posttrain.quant import smooth
+    from posttrain.quant.scheme import SCALE_DTYPE
     from posttrain.stages.quantize import calibrate, calibration_rows, targets
 
     cfg, ckpt, curate, source = _inputs(argv if argv is not None else [])
@@ -104,8 +107,18 @@ def main(argv: list[str] | None = None) -> None:
             out["chat_score"] = round(chat_score(greedy(m, prompts["chat"])), 4)
         return out
 
+    def as_exported(m, quantized: set[int]) -> None:
+        """The export's storage of everything it does not quantize (embeddings, head, norms): bf16."""
+        for p in m.parameters():
+            if id(p) not in quantized:
+                p.data = p.data.to(SCALE_DTYPE).float()
+
     fig = {"unquantized": {"chat_score": round(chat_score(answers["chat"]), 4)}}
     print(f"bench/quant_smooth: unquantized: {fig['unquantized']}", flush=True)
+    m = copy.deepcopy(model)
+    as_exported(m, set())
+    fig["bf16 storage only (no W4A8)"] = score(m)
+    print(f"bench/quant_smooth: bf16 storage only: {fig['bf16 storage only (no W4A8)']}", flush=True)
     for method in ("rtn", "gptq"):
         for smoothed in (False, True):
             name = f"{method}{' + smooth' if smoothed else ''}"
@@ -115,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
             records: list[dict] = []
             calibrate(m, rows, qcfg, smoothing=records)
             seconds = time.perf_counter() - t
-            for lin, _, _ in targets(m, qcfg).values():
+            linears = [lin for lin, _, _ in targets(m, qcfg).values()]
+            as_exported(m, {id(lin.weight) for lin in linears})
+            for lin in linears:
                 lin.register_forward_pre_hook(act_int8)
             fig[name] = {**score(m), "calibrate_s": round(seconds, 1),
                          **({"smoothing": smooth.summary(records)} if smoothed else {})}
