@@ -7,7 +7,9 @@ and scored against that checkpoint unquantized:
 - KL(unquantized || variant) per answer token and the share of positions where both pick the same next token,
   teacher-forced on the unquantized model's own greedy answers (48 new tokens) to the held-out everyday questions
   (environments/chat.py) and 16 IFBench prompts;
-- the held-out everyday questions' greedy score, thinking off: the suite W4A8 cost most on `small` (docs/small.md).
+- the held-out everyday questions' greedy score, thinking off: the suite W4A8 cost most on `small` (docs/small.md);
+  with the share of questions answered token for token as unquantized, and how many right answers were lost and
+  gained (at 47 questions one answer is 2 points).
 Variants: round to nearest and GPTQ, each without and with smoothing, and bf16 storage alone (what the export does to
 the tensors it does not quantize: embeddings, head, norms). A variant runs as the export computes on the integer
 kernels (weights at their rounded values, int8 activations per token by hooks, the rest in bf16;
@@ -41,17 +43,21 @@ def _inputs(argv: list[str]):
     p.add_argument("--checkpoint", help="a checkpoint folder to quantize (e.g. the small profile's base)")
     p.add_argument("--curate", help="the curate artifact the calibration conversations come from")
     p.add_argument("--profile", default="small", help="whose quantize settings and environments (with --checkpoint)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the profile's config (with --checkpoint), e.g. quantize.calib_everyday=32")
+    p.add_argument("--methods", default="rtn,gptq", help="the rounding methods compared, each without and with smoothing")
+    p.add_argument("--tag", default="", help="written to quant_smooth-TAG.json instead of quant_smooth.json")
     a = p.parse_args(argv)
     if small():
         report = json.loads(smoke_report().read_text())
         cfg = load_config("smoke-dense")
-        return cfg, report["stages"]["opd"]["artifact"], report["stages"]["curate"]["artifact"], "smoke run"
+        return cfg, report["stages"]["opd"]["artifact"], report["stages"]["curate"]["artifact"], "smoke run", a
     if a.checkpoint or a.curate:
         if not (a.checkpoint and a.curate):
             p.error("--checkpoint and --curate go together (the calibration conversations come from --curate)")
-        return load_config(a.profile), a.checkpoint, a.curate, a.checkpoint
+        return load_config(a.profile, a.set), a.checkpoint, a.curate, a.checkpoint, a
     report, cfg = load_run(a.run)
-    return cfg, report["stages"]["opd"]["artifact"], report["stages"]["curate"]["artifact"], report["run_id"]
+    return cfg, report["stages"]["opd"]["artifact"], report["stages"]["curate"]["artifact"], report["run_id"], a
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     from posttrain.quant.scheme import SCALE_DTYPE
     from posttrain.stages.quantize import calibrate, calibration_rows, targets
 
-    cfg, ckpt, curate, source = _inputs(argv if argv is not None else [])
+    cfg, ckpt, curate, source, args = _inputs(argv if argv is not None else [])
     torch.set_num_threads(threads(2))
     model, tok = load_checkpoint(ckpt)
     model.eval()
@@ -78,9 +84,12 @@ def main(argv: list[str] | None = None) -> None:
         return [g.ids for g in sample(m, ps, max_new_tokens=NEW, temperature=0.0, stop_ids=set(fmt.stop_ids),
                                       pad_id=fmt.pad_id)]
 
-    def chat_score(answers) -> float:
+    def verdicts(answers) -> list[float]:
         verify = environments.get("chat").verify
-        return sum(verify(t, tok.decode(a, skip_special_tokens=True))[0] for t, a in zip(chat, answers)) / len(chat)
+        return [verify(t, tok.decode(a, skip_special_tokens=True))[0] for t, a in zip(chat, answers)]
+
+    def chat_score(answers) -> float:
+        return sum(verdicts(answers)) / len(chat)
 
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -104,7 +113,13 @@ def main(argv: list[str] | None = None) -> None:
                 kl = torch.cat([(r.exp() * (r - g)).sum(-1) for r, g in zip(ref[k], got[k])])
                 same = torch.cat([(r.argmax(-1) == g.argmax(-1)).float() for r, g in zip(ref[k], got[k])])
                 out[k] = {"kl": round(kl.mean().item(), 5), "top1_agree": round(same.mean().item(), 4)}
-            out["chat_score"] = round(chat_score(greedy(m, prompts["chat"])), 4)
+            mine = greedy(m, prompts["chat"])
+            ref_v, got_v = verdicts(answers["chat"]), verdicts(mine)
+            out["chat_score"] = round(sum(got_v) / len(chat), 4)
+            # which questions moved: a 47-question score cannot resolve 2 points, the answers themselves can
+            out["chat_same_answer"] = round(sum(a == b for a, b in zip(mine, answers["chat"])) / len(chat), 4)
+            out["chat_lost"] = sum(r > g for r, g in zip(ref_v, got_v))
+            out["chat_gained"] = sum(g > r for r, g in zip(ref_v, got_v))
         return out
 
     def as_exported(m, quantized: set[int]) -> None:
@@ -119,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     as_exported(m, set())
     fig["bf16 storage only (no W4A8)"] = score(m)
     print(f"bench/quant_smooth: bf16 storage only: {fig['bf16 storage only (no W4A8)']}", flush=True)
-    for method in ("rtn", "gptq"):
+    for method in args.methods.split(","):
         for smoothed in (False, True):
             name = f"{method}{' + smooth' if smoothed else ''}"
             qcfg = cfg.quantize.model_copy(update={"method": method, "smooth": smoothed})
@@ -137,9 +152,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"bench/quant_smooth: {name}: {fig[name]}", flush=True)
     out = out_dir()
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "quant_smooth.json"
+    path = out / f"quant_smooth{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(mark({
         "checkpoint": source, "peer": "the same W4A8 without smoothing, calibrated alike in this process",
+        "overrides": args.set,
         "quantize": cfg.quantize.model_dump(exclude={"smooth", "method"}), "calibration_tokens": rows.numel(),
         "prompts": {k: len(v) for k, v in prompts.items()}, "new_tokens": NEW, "threads": threads(2),
         "variants": fig, "seconds": round(time.perf_counter() - t0, 1)}), indent=1))

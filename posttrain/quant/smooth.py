@@ -18,7 +18,7 @@ from torch import nn
 
 from posttrain.quant.gptq import rtn
 
-ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 MAX_TOKENS = 2048  # calibration tokens a fold's search rounds (sampled with a fixed generator)
 
 
@@ -69,15 +69,17 @@ def _fake_weight(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 
 
 def output_error(x: torch.Tensor, fold: Fold, s: torch.Tensor | None, act_bits: int) -> float:
-    """Sum over the fold's Linears of the relative squared error of their W4A8-rounded outputs on `x`, with the
-    scales `s` applied (None: as the model is)."""
+    """Sum over the fold's Linears of the W4A8-rounded outputs' squared error on `x` relative to each token's own
+    output, averaged over tokens, with the scales `s` applied (None: as the model is). Per token: a few tokens with
+    massive activations (the attention sink) would otherwise be most of a summed error, and scales chosen for them
+    cost every ordinary token (measured on SmolLM2: lower KL on its own answers, 10 of 47 everyday answers lost)."""
     xs = _fake_act(x if s is None else x / s, act_bits)
     err = 0.0
     for _, m, bits, g in fold.nexts:
         w = m.weight.float()
         ref = x @ w.T
         got = xs @ _fake_weight(w if s is None else w * s, bits, g).T
-        err += (((got - ref) ** 2).sum() / (ref ** 2).sum().clamp(min=1e-30)).item()
+        err += (((got - ref) ** 2).sum(-1) / (ref ** 2).sum(-1).clamp(min=1e-30)).mean().item()
     return err
 
 
@@ -155,6 +157,7 @@ def smooth_layer(layer: nn.Module, index: int, found: dict[str, tuple[nn.Linear,
     if not layer_folds:
         return []
     sampler = InputSampler(layer_folds)
+    # one pass over every batch fills the sampler; its first batch's output is what the folds must leave unchanged
     before = [through(layer, h, kw[index]) for h, kw in zip(hidden, kwargs)][:1]
     records = []
     for i, fold in enumerate(layer_folds):
