@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
                         for p, a in zip(prompts[k], answers[k]) if a] for k in prompts}
         ref = logps(model)
 
-    def act_int8(_, args):
-        x = args[0]
+    def act_int8(_, inputs):
+        x = inputs[0]
         s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
         return (torch.round(x / s).clamp(-128, 127) * s,)
 

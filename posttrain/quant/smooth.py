@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from posttrain.quant.gptq import rtn
+from posttrain.quant.layerwise import through
 
 ALPHAS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 MAX_TOKENS = 2048  # calibration tokens a fold's search rounds (sampled with a fixed generator)
@@ -136,15 +137,14 @@ class InputSampler:
         return x
 
 
-def check_unchanged(layer_out_before: list[torch.Tensor], layer_out_after: list[torch.Tensor], where: str) -> None:
+def check_unchanged(before: torch.Tensor, after: torch.Tensor, where: str) -> None:
     """A fold must leave the float model's function as it was: a norm of another form (Gemma's 1 + weight) would
     not. Refuse loudly rather than quantize a different model."""
-    for a, b in zip(layer_out_before, layer_out_after):
-        rel = ((a - b).norm() / a.norm().clamp(min=1e-30)).item()
-        if rel > 1e-3:  # float32 rounding of a rescaled product is ~1e-6 of it
-            raise RuntimeError(f"quantize.smooth: folding the scales into {where} changed its output by {rel:.2e} "
-                               f"(relative): this layer's norm is not a plain per-channel scale. Set "
-                               f"quantize.smooth: false for this model")
+    rel = ((before - after).norm() / before.norm().clamp(min=1e-30)).item()
+    if rel > 1e-3:  # float32 rounding of a rescaled product is ~1e-6 of it
+        raise RuntimeError(f"quantize.smooth: folding the scales into {where} changed its output by {rel:.2e} "
+                           f"(relative): this layer's norm is not a plain per-channel scale. Set "
+                           f"quantize.smooth: false for this model")
 
 
 @torch.no_grad()
@@ -152,13 +152,12 @@ def smooth_layer(layer: nn.Module, index: int, found: dict[str, tuple[nn.Linear,
                  hidden: list[torch.Tensor], kwargs: list[list[dict]], act_bits: int) -> list[dict]:
     """Search and fold every fold of one decoder layer on its calibration inputs (`hidden`, with each batch's layer
     keyword arguments); returns a record per fold (its alpha, or None where no scaling rounded better)."""
-    from posttrain.quant.layerwise import through
     layer_folds = folds(layer, found, glm5)
     if not layer_folds:
         return []
     sampler = InputSampler(layer_folds)
     # one pass over every batch fills the sampler; its first batch's output is what the folds must leave unchanged
-    before = [through(layer, h, kw[index]) for h, kw in zip(hidden, kwargs)][:1]
+    before = [through(layer, h, kw[index]) for h, kw in zip(hidden, kwargs)][0]
     records = []
     for i, fold in enumerate(layer_folds):
         x = sampler.take(i, seed=index)
@@ -170,7 +169,7 @@ def smooth_layer(layer: nn.Module, index: int, found: dict[str, tuple[nn.Linear,
             apply(fold, s)
         records.append({"layer": index, "fold": fold.name, "alpha": alpha, "tokens": len(x),
                         "error": round(plain, 6), "error_smoothed": round(best, 6)})
-    check_unchanged(before, [through(layer, hidden[0], kwargs[0][index])], f"decoder layer {index}")
+    check_unchanged(before, through(layer, hidden[0], kwargs[0][index]), f"decoder layer {index}")
     return records
 
 
@@ -182,7 +181,9 @@ def summary(records: list[dict]) -> dict:
     for r in searched:
         key = "none" if r["alpha"] is None else f"{r['alpha']:.1f}"
         alphas[key] = alphas.get(key, 0) + 1
-    mean = lambda k: round(sum(r[k] for r in searched) / max(1, len(searched)), 6)  # noqa: E731
+
+    def mean(key: str) -> float:
+        return round(sum(r[key] for r in searched) / max(1, len(searched)), 6)
     return {"folds": len(records), "folds_scaled": sum(r["alpha"] is not None for r in searched),
             "alphas": dict(sorted(alphas.items())), "mean_output_error": mean("error"),
             "mean_output_error_smoothed": mean("error_smoothed")}
