@@ -25,6 +25,7 @@ import time
 import torch
 
 from bench import mark, out_dir, size, small, smoke_report, threads
+from bench._quant import act_int8, agreement, answer_logps
 
 SMOKE_RUN = True
 PROMPTS, NEW = size(16, 2), size(48, 8)  # per prompt set
@@ -78,26 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = {k: [(pr, g.ids) for pr, g in zip(ps, sample(model, ps, max_new_tokens=NEW, temperature=0.0,
                                                         stop_ids=set(fmt.stop_ids), pad_id=fmt.pad_id))]
             for k, ps in sets.items()}
-
-    @torch.no_grad()
-    def logps(m) -> dict[str, list[torch.Tensor]]:
-        return {k: [torch.log_softmax(m(input_ids=torch.tensor([pr + a])).logits[0, len(pr) - 1:-1].float(), -1)
-                    for pr, a in rs if a] for k, rs in rows.items()}
-    ref = logps(model)
+    ref = answer_logps(model, rows)
 
     def score(m) -> dict[str, dict[str, float]]:
-        got = logps(m)
-        out = {}
-        for k in ref:
-            kl = torch.cat([(r.exp() * (r - g)).sum(-1) for r, g in zip(ref[k], got[k])])
-            same = torch.cat([(r.argmax(-1) == g.argmax(-1)).float() for r, g in zip(ref[k], got[k])])
-            out[k] = {"kl": round(kl.mean().item(), 5), "top1_agree": round(same.mean().item(), 4)}
-        return out
-
-    def act_int8(_, args):
-        x = args[0]
-        s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
-        return (torch.round(x / s).clamp(-128, 127) * s,)
+        return agreement(ref, answer_logps(m, rows))
 
     def variant(parts: set[str], layer: int | None = None):
         m = copy.deepcopy(model)

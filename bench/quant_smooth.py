@@ -31,6 +31,7 @@ import time
 import torch
 
 from bench import mark, out_dir, size, small, smoke_report, threads
+from bench._quant import act_int8, agreement, answer_logps
 
 QUESTIONS, IFBENCH, NEW = size(47, 4), size(16, 0), size(48, 8)
 
@@ -94,25 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     with torch.no_grad():
         answers = {k: greedy(model, ps) for k, ps in prompts.items()}
-
-        def logps(m) -> dict[str, list[torch.Tensor]]:
-            return {k: [torch.log_softmax(m(input_ids=torch.tensor([p + a])).logits[0, len(p) - 1:-1].float(), -1)
-                        for p, a in zip(prompts[k], answers[k]) if a] for k in prompts}
-        ref = logps(model)
-
-    def act_int8(_, inputs):
-        x = inputs[0]
-        s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
-        return (torch.round(x / s).clamp(-128, 127) * s,)
+    answered = {k: list(zip(prompts[k], answers[k])) for k in prompts}
+    ref = answer_logps(model, answered)
 
     def score(m) -> dict:
+        out = agreement(ref, answer_logps(m, answered))
         with torch.no_grad():
-            got = logps(m)
-            out = {}
-            for k in ref:
-                kl = torch.cat([(r.exp() * (r - g)).sum(-1) for r, g in zip(ref[k], got[k])])
-                same = torch.cat([(r.argmax(-1) == g.argmax(-1)).float() for r, g in zip(ref[k], got[k])])
-                out[k] = {"kl": round(kl.mean().item(), 5), "top1_agree": round(same.mean().item(), 4)}
             mine = greedy(m, prompts["chat"])
             ref_v, got_v = verdicts(answers["chat"]), verdicts(mine)
             out["chat_score"] = round(sum(got_v) / len(chat), 4)
