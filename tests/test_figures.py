@@ -95,3 +95,40 @@ def test_the_base_models_benchmarks_are_held_to_their_retention_and_every_seed_t
     # the mean gain 0.12 holds, seed 1's 0.04 does not
     assert worse["specialist/reasoning gains >= 0.05 over sft on reasoning"]
     assert not worse["specialist/reasoning gains >= 0.05 over sft on reasoning on every seed"]
+
+
+def test_claims_say_whether_their_test_items_can_tell_the_verdict_from_chance():
+    """Measured on SmolLM2 (docs/quantize-and-evaluate.md): W4A8 flips 13 of 47 everyday answers for a net of one.
+    Such a suite can hold a mean above a bar, but its interval over resampled items is not clear of the bar; a
+    gain every item shows is; a quantized model that answers each item as the generalist does has no spread."""
+    def run(seed: int) -> dict:
+        r = _report(seed, 0.40, 0.60, 0.58, 0.57, 0.20)
+        base = [1.0] * 22 + [0.0] * 25
+        quant = [0.0] * 7 + [1.0] * 15 + [1.0] * 6 + [0.0] * 19  # 7 lost, 6 gained: 21 of 47
+        sft, spec = [1.0, 0.0] * 100, [1.0] * 200  # the specialist answers every item sft missed
+        items = {"base": {"chat": base}, "sft": {"reasoning": sft, "reasoning:nothink": [0.0] * 200},
+                 "specialist/reasoning": {"reasoning": spec},
+                 "generalist": {"reasoning": spec, "chat": base}, "quantized": {"reasoning": spec, "chat": quant}}
+        r["items"] = items
+        for ck, suites in items.items():
+            r["eval"].setdefault(ck, {}).update({s: sum(v) / len(v) for s, v in suites.items()})
+        return r
+    f = aggregate([run(0), run(1)])
+    rows = {c["claim"]: c for c in f["claims"]}
+    chat = rows["quantized keeps >= 90% of the base's held-out chat score"]
+    assert chat["holds"] and chat["value"] == pytest.approx(21 / 22, abs=1e-4)
+    lo, hi = chat["interval"]
+    assert lo < 0.9 < hi and not chat["clear"]
+    gain = rows["specialist/reasoning gains >= 0.05 over sft on reasoning"]
+    assert gain["value"] == pytest.approx(0.5) and gain["interval"][0] > 0.3 and gain["clear"]
+    assert rows["sft: thinking on beats off on reasoning by >= 0.10"]["clear"]
+    # the reasoning suite is item for item the same after quantization: the chat suite alone spreads the drop
+    drop = rows["quantized within 0.02 of the generalist on every suite"]
+    assert drop["interval"][1] > 0.02 and not drop["clear"]
+    # the same draws every time: figures.json does not change between two aggregations of the same runs
+    assert aggregate([run(0), run(1)])["claims"] == f["claims"]
+    md = markdown(f)
+    assert "no: the items cannot tell" in md and "95% interval" in md
+    # runs without per-item scores keep their claims, with no interval
+    plain = aggregate([_report(0, 0.40, 0.60, 0.58, 0.57, 0.20)])
+    assert plain["claims"] and not any("interval" in c for c in plain["claims"])

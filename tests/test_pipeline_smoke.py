@@ -105,6 +105,10 @@ def test_report_has_every_checkpoint_and_suite(first):
         assert {"reasoning", "agentic", "general", "long_context@64", "long_context@96", "long_context@128"} <= set(suites)
         assert all(0.0 <= v <= 1.0 for v in suites.values())
         assert set(report["tokens"][ck]) == set(suites)
+        # each task's score, in the suite's order, for `posttrain figures`' paired intervals
+        items = report["items"][ck]
+        assert {"reasoning", "agentic", "long_context@128"} <= set(items) <= set(suites)
+        assert all(abs(sum(v) / len(v) - suites[s]) <= 2e-4 for s, v in items.items())  # both rounded to 1e-4
     assert (home / "runs" / report["run_id"] / "report.json").exists()
     envs = report["environments"]
     assert set(envs) == {"reasoning", "agentic", "general", "long_context"}

@@ -118,8 +118,8 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
                         samples: int = 0) -> tuple[dict, dict, dict, dict]:
     """Greedy score and mean generated tokens per suite; with `samples`, pass@1 and pass@samples of
     that many sampled answers per task (a sample passes on full reward) for the domain suites; and the seconds
-    it took, the precision it was decoded in and, for a checkpoint with an MTP layer (decoded speculatively), the
-    mean tokens per model forward."""
+    it took, the precision it was decoded in, each task's score (`items`) and, for a checkpoint with an MTP layer
+    (decoded speculatively), the mean tokens per model forward."""
     torch.manual_seed(cfg.seed)
     started, name = time.perf_counter(), cfg.runtime.rollout_engine
     # a W4A8 export runs on its integer kernels (int4 / int8 weights, fp32 scales and the rest)
@@ -132,7 +132,7 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
         name = runs
     engine = rollout_engine(name, path, dtype=dtype)
     tok = engine.tokenizer
-    scores, tokens, passk = {}, {}, {}
+    scores, tokens, passk, items = {}, {}, {}, {}
     for name, (tasks, thinking, *budget) in suite_tasks.items():
         bs = cfg.eval.batch_size_at(int(name.split("@")[1])) if "@" in name else cfg.eval.batch_size
         max_new = budget[0] if budget else cfg.eval.max_new_tokens  # a suite's own budget (IFBench's paragraphs)
@@ -147,6 +147,7 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
             eps = run_episodes(engine, tok, tasks, temperature=0.0, **kw)
             s, n_gen = score(eps), [e.n_generated for e in eps]
         scores[name] = round(sum(s) / len(s), 4)
+        items[name] = [round(float(x), 4) for x in s]  # in the suite's order: `posttrain figures` pairs them
         env = environments.get(tasks[0].domain)
         if not completion and hasattr(env, "aggregate"):  # a benchmark's own scores besides the per-prompt one
             extra = env.aggregate(tasks, [e.last_turn for e in eps])
@@ -160,7 +161,7 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
             passk[name] = {f"pass@{k}": round(sum(pass_at_k(samples, c, k) for c in passed) / len(tasks), 4)
                            for k in sorted({1, samples})}
     engine.close()  # a server process: gone with the evaluation, not at garbage collection
-    st, info = engine.stats, {"seconds": round(time.perf_counter() - started, 1), "dtype": dtype}
+    st, info = engine.stats, {"seconds": round(time.perf_counter() - started, 1), "dtype": dtype, "items": items}
     if st.get("verifications"):
         info["acceptance_length"] = round(st["accepted"] / st["verifications"], 3)
     return scores, tokens, passk, info
@@ -217,7 +218,7 @@ def plot(scores: dict[str, dict[str, float]], path: Path) -> None:
 def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     tok = AutoTokenizer.from_pretrained(inputs["sft"])
     chat_suites, completion_suites = suites(cfg, inputs["curate"], tok), suites(cfg, inputs["curate"], tok, True)
-    result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {}, "decoding": {},
+    result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {}, "decoding": {}, "items": {},
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
     cks, plain = checkpoints(cfg), completion_checkpoints(cfg)
     calls = [(cfg, inputs[stage], completion_suites if ck in plain else chat_suites_of(cfg, ck, chat_suites),
@@ -225,6 +226,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     for ck, (s, t, p, info) in zip(cks, _each(calls)):
         if "acceptance_length" in info:
             result["mtp"][ck] = {"acceptance_length": info.pop("acceptance_length")}
+        result["items"][ck] = info.pop("items")
         result["decoding"][ck] = info  # how long each checkpoint took to score, and in what precision
         result["eval"][ck], result["tokens"][ck] = s, t
         if ck not in plain:  # which template, thinking support and tool format the checkpoint was scored with
