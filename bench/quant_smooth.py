@@ -10,8 +10,9 @@ and scored against that checkpoint unquantized:
 - the held-out everyday questions' greedy score, thinking off: the suite W4A8 cost most on `small` (docs/small.md);
   with the share of questions answered token for token as unquantized, and how many right answers were lost and
   gained (at 47 questions one answer is 2 points).
-Variants: round to nearest and GPTQ, each without and with smoothing, and bf16 storage alone (what the export does to
-the tensors it does not quantize: embeddings, head, norms). A variant runs as the export computes on the integer
+Variants: round to nearest and GPTQ, each without and with smoothing, bf16 storage alone (what the export does to
+the tensors it does not quantize: embeddings, head, norms), and the embedding and head at int8 besides (per row, as
+an 8-bit export of them would store them; the export keeps them at 16 bits). A variant runs as the export computes on the integer
 kernels (weights at their rounded values, int8 activations per token by hooks, the rest in bf16;
 tests/test_quantize.py checks the kernels against that arithmetic).
 
@@ -46,7 +47,8 @@ def _inputs(argv: list[str]):
     p.add_argument("--profile", default="small", help="whose quantize settings and environments (with --checkpoint)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override the profile's config (with --checkpoint), e.g. quantize.calib_everyday=32")
-    p.add_argument("--methods", default="rtn,gptq", help="the rounding methods compared, each without and with smoothing")
+    p.add_argument("--methods", default="rtn,gptq",
+                   help="the rounding methods compared, each without and with smoothing ('' for none)")
     p.add_argument("--tag", default="", help="written to quant_smooth-TAG.json instead of quant_smooth.json")
     a = p.parse_args(argv)
     if small():
@@ -116,13 +118,23 @@ def main(argv: list[str] | None = None) -> None:
             if id(p) not in quantized:
                 p.data = p.data.to(SCALE_DTYPE).float()
 
+    def embed_int8(m) -> None:
+        """The input embedding and the head (one tensor where tied) rounded to int8 per row."""
+        for w in {id(w): w for w in (m.get_input_embeddings().weight, m.get_output_embeddings().weight)}.values():
+            s = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
+            w.data = torch.round(w / s).clamp(-127, 127) * s
+
     fig = {"unquantized": {"chat_score": round(chat_score(answers["chat"]), 4)}}
     print(f"bench/quant_smooth: unquantized: {fig['unquantized']}", flush=True)
     m = copy.deepcopy(model)
     as_exported(m, set())
     fig["bf16 storage only (no W4A8)"] = score(m)
     print(f"bench/quant_smooth: bf16 storage only: {fig['bf16 storage only (no W4A8)']}", flush=True)
-    for method in args.methods.split(","):
+    embed_int8(m)
+    fig["int8 embedding and head, the rest bf16 (no W4A8)"] = score(m)
+    print(f"bench/quant_smooth: int8 embedding and head: {fig['int8 embedding and head, the rest bf16 (no W4A8)']}",
+          flush=True)
+    for method in filter(None, args.methods.split(",")):
         for smoothed in (False, True):
             name = f"{method}{' + smooth' if smoothed else ''}"
             qcfg = cfg.quantize.model_copy(update={"method": method, "smooth": smoothed})
