@@ -7,11 +7,15 @@ import torch
 Rows = dict[str, list[tuple[list[int], list[int]]]]  # prompt set -> (prompt ids, the unquantized model's answer ids)
 
 
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` rounded to int8 per row (absmax scale) and back."""
+    s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
+    return torch.round(x / s).clamp(-128, 127) * s
+
+
 def act_int8(_module, inputs):
     """A Linear's input quantized per token to int8 and back, as the integer kernels see it."""
-    x = inputs[0]
-    s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
-    return (torch.round(x / s).clamp(-128, 127) * s,)
+    return (int8_rows(inputs[0]),)
 
 
 @torch.no_grad()

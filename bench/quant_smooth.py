@@ -32,7 +32,7 @@ import time
 import torch
 
 from bench import mark, out_dir, size, small, smoke_report, threads
-from bench._quant import act_int8, agreement, answer_logps
+from bench._quant import act_int8, agreement, answer_logps, int8_rows
 
 QUESTIONS, IFBENCH, NEW = size(47, 4), size(16, 0), size(48, 8)
 
@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     def embed_int8(m) -> None:
         """The input embedding and the head (one tensor where tied) rounded to int8 per row."""
         for w in {id(w): w for w in (m.get_input_embeddings().weight, m.get_output_embeddings().weight)}.values():
-            s = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
-            w.data = torch.round(w / s).clamp(-127, 127) * s
+            w.data = int8_rows(w.data)
 
     fig = {"unquantized": {"chat_score": round(chat_score(answers["chat"]), 4)}}
     print(f"bench/quant_smooth: unquantized: {fig['unquantized']}", flush=True)
