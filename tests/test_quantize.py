@@ -8,6 +8,7 @@ from posttrain.chat import train_tokenizer
 from posttrain.config import ModelConfig, QuantizeConfig
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import IntLinear, load_compressed
+from posttrain.quant.int_matmul import EXACT_FLOAT32_K, _int_mm
 from posttrain.models.preset import build_model, save_checkpoint
 from posttrain.stages.quantize import calibrate, export, linear_bytes, load_checks, targets
 
@@ -23,6 +24,20 @@ def test_int_linear_matches_the_dequantized_matmul_on_int8_activations():
     assert layer.qweight_t.dtype == torch.int8
     assert torch.allclose(layer(x), xq @ deq.T, atol=1e-4)
     assert (layer(x) - x @ w.T).abs().mean() / (x @ w.T).abs().mean() < 0.15
+
+
+@pytest.mark.parametrize("k", [EXACT_FLOAT32_K, 4 * EXACT_FLOAT32_K])
+def test_cpu_integer_matmul_is_exact_at_the_largest_sums(k):
+    """The CPU path runs int8 x int8 as a float GEMM: exact even where every product is the largest (-128 x -128)."""
+    torch.manual_seed(0)
+    a = torch.randint(-128, 128, (5, k), dtype=torch.int8)
+    a[0] = -128
+    b = torch.randint(-128, 128, (k, 7), dtype=torch.int8)
+    b[:, 0] = -128
+    a[1], b[:, 1], b[0, 1] = -127, -127, -126  # an odd sum: past 2^24 float32 cannot hold it
+    exact = a.long() @ b.long()
+    assert exact[0, 0] == k * 2 ** 14 and exact[1, 1] % 2 == 1
+    assert torch.equal(_int_mm(a, b).long(), exact)
 
 
 def test_gptq_beats_round_to_nearest_on_correlated_inputs():
