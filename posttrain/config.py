@@ -246,6 +246,9 @@ class DSAConfig(_Strict):
     warmup_lr: Positive = 1e-3
     kl_queries: AtLeast1 = 64     # queries per row the indexer loss samples
     kl_weight: NonNegative = 1.0  # the indexer loss's weight in sparse training (it reaches only the indexers)
+    # the indexers' KL only on batches of more keys than this (0: every batch; sft's short batches, where top_k keeps
+    # every key and the selection decides nothing, spent up to a third of a step on it on tiny)
+    kl_min_keys: AtLeast0 = 0
     adopt_at: AtLeast1 | None = None  # the stage length DSA starts at; None: the first longer than top_k
 
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.models import attention, glm5
+from posttrain.models import attention, dsa, glm5
 from posttrain.engines.torch_rollout import sample
 from posttrain.models.prefix import prefix_forward
 from tests.test_megatron import forward_tol, threads
@@ -179,3 +179,25 @@ def test_a_dense_indexer_skips_its_scores_and_changes_nothing(monkeypatch):
     assert calls
     assert torch.equal(skipped[0], full[0])
     assert len(skipped[1]) == len(full[1]) and all(torch.equal(a, b) for a, b in zip(skipped[1], full[1]))
+
+
+def test_the_indexers_kl_skips_batches_whose_selection_keeps_every_key():
+    """`ramp.dsa.kl_min_keys`: a batch no wider than it trains the indexers on no KL (top_k keeps every key there:
+    the selection decides nothing), a wider one does; the shared layer never scores a narrow batch with the
+    indexer closure of an earlier wide one."""
+    model = tiny_glm(0)
+    glm5.install_dsa(model, top_k=8, kl_queries=4)
+    st = dsa.state(model)
+    st.collect, st.kl_min_keys = True, 8
+    wide, narrow = (torch.randint(3, model.config.vocab_size, (2, n)) for n in (16, 8))
+    model(input_ids=wide, use_cache=False)
+    per_wide = len(st.losses)
+    assert per_wide == 4  # every layer, the shared one (2) on layer 1's indexer
+    model(input_ids=narrow, use_cache=False)
+    assert len(st.losses) == per_wide
+    st.pop()
+    model(input_ids=narrow, use_cache=False)
+    assert st.pop()[0] is None
+    st.kl_min_keys = 0
+    model(input_ids=narrow, use_cache=False)
+    assert st.pop()[0] is not None

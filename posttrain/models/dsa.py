@@ -64,12 +64,17 @@ class DSAState:
         self.top_k, self.kl_queries = top_k, kl_queries
         self.mode = "sparse"       # or "warmup": dense attention, the indexer learning the dense distribution
         self.collect = False       # compute the indexer loss and recall where gradients are on (the ramp sets it)
+        self.kl_min_keys = 0       # ... on forwards of more keys than this only (DSAConfig.kl_min_keys)
         self.selection: dict[int, torch.Tensor | None] = {}
         self.index_inputs: dict[int, tuple | None] = {}  # the group indexer's (qi, w, ki) while it trains
         # GLM-5's own indexers (models.glm5) while they train: query rows -> those rows' scores, with their graph
         self.scores: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
         self.recalls: list[torch.Tensor] = []
+
+    def collects(self, keys: int) -> bool:
+        """Whether a forward over `keys` keys computes the indexer loss."""
+        return self.collect and torch.is_grad_enabled() and keys > self.kl_min_keys
 
     def pop(self) -> tuple[torch.Tensor | None, float | None, float | None]:
         """(sum of the indexer losses with their graph, their mean, mean top-k recall) since the last pop."""
@@ -148,11 +153,11 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
         qi, w = module.indexer(hidden.detach(), cos, sin)
         idx = indexer_topk(qi.detach(), w.detach(), ki, allowed, st.top_k) if lk > st.top_k else None
         st.selection[group] = idx
-        training = st.collect and torch.is_grad_enabled()
+        training = st.collects(lk)
         st.index_inputs[group] = (qi, w, ki) if training else None
         if training:
             indexer_loss(st, query, key, scaling, _scores_of(qi, w, ki), allowed, idx)
-    elif st.collect and torch.is_grad_enabled() and st.index_inputs.get(group) is not None:
+    elif st.collects(lk) and st.index_inputs.get(group) is not None:
         # IndexShare: the layers that reuse the selection train the shared indexer too (KL to their own attention),
         # so it selects what the whole group attends to, not its first layer alone
         indexer_loss(st, query, key, scaling, _scores_of(*st.index_inputs[group]), allowed, st.selection[group])

@@ -109,7 +109,9 @@ class StableIndexer(GlmMoeDsaIndexer):
 
     def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, *args, **kwargs):
         st = getattr(self, "dsa_state", None)  # set by install_dsa only
-        train = st is not None and st.collect and torch.is_grad_enabled()
+        train = st is not None and st.collects(attention_mask.shape[-1])
+        if st is not None and not train:  # the layers sharing this indexer find no scores of an earlier forward
+            st.scores.pop(self.layer_idx, None)
         if not train and _selects_every_key(self, st, attention_mask, kwargs):
             # every key is kept whatever the scores: skip them (half a 16 x 512 training step of the tiny (GLM-5)
             # profile went to scoring and sorting keys that were all selected)
@@ -167,7 +169,7 @@ def dsa_attention(module, query, key, value, attention_mask, scaling: float | No
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     allowed = allowed_keys(attention_mask, b, lq, lk, query.device)
     scores = st.scores.get(module.dsa_group)
-    if st.collect and torch.is_grad_enabled() and scores is not None:  # shared layers train their group's indexer too
+    if st.collects(lk) and scores is not None:  # shared layers train their group's indexer too
         indexer_loss(st, query, key, scaling, scores, allowed, indices)
     chosen = allowed & selected_mask(indices, lk)
     chosen |= ~chosen.any(-1, keepdim=True)  # rows that select nothing (padding) attend anywhere, as sdpa's fix

@@ -176,6 +176,8 @@ def train_stage(cfg: PipelineConfig, k: int, st: RampStage, model, tok, docs: li
         glm5.install_dsa(model, r.dsa.top_k, r.dsa.kl_queries)
     elif adopt:
         dsa.install(model, r.dsa.top_k, r.dsa.index_share, r.dsa.heads, r.dsa.kl_queries, r.dsa.own_indexer)
+    if adopt:
+        dsa.state(model).kl_min_keys = r.dsa.kl_min_keys
     elif dsa.state(model) is None:  # dense stages before DSA's adoption run packed sdpa (GLM-5's indexer: sdpa)
         model = attention.use(model, ("sdpa" if own else "packed_sdpa") if r.attention == "dsa" else r.attention)
     if cfg.mtp.depth and mtp.get(model) is None:

@@ -168,6 +168,7 @@ def _train_rank(config: dict, rank: int, state: dict | None, report: Callable[[d
     if glm5.dsa_adopted(model):  # GLM-5's own indexers: the loaded model selects, but collects no KL
         glm5.install_dsa(model, model.config.index_topk, dsa_cfg.kl_queries)
     if dsa.state(model) is not None:
+        dsa.state(model).kl_min_keys = dsa_cfg.kl_min_keys
         indexers = dict(dsa_weight=dsa_cfg.kl_weight, indexers=("sparse", dsa_cfg.kl_queries, dsa_cfg.kl_weight))
     # the engine's ranks: DDP replicas (torch), or tp x pp x cp of them holding one replica and seeing one batch
     engine = lm_engine(cfg, model, tok, config["init"], lr=s.lr, weight_decay=s.weight_decay, moe=cfg.moe,
