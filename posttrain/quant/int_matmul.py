@@ -20,20 +20,16 @@ from kernels.w4a8 import default_config, kernel_layout, w4a8_linear
 EXACT_FLOAT32_K = 2 ** 24 // 2 ** 14  # int8 x int8 products summed over this many stay exact in float32
 
 
-def _int_mm(a: torch.Tensor, b: torch.Tensor, b_float: torch.Tensor | None = None) -> torch.Tensor:
+def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """int8 [m, k] x int8 [k, n], exactly: int32 on CUDA (its `_int_mm` wants more than 16 rows, so a decode step's
-    few rows are padded), on CPU the same integers as float32 (float64 past EXACT_FLOAT32_K) from `b_float`, `b`
-    as floats."""
+    few rows are padded), on CPU the same integers as float32 (float64 past EXACT_FLOAT32_K). The CPU path converts
+    the weights for each call: a float copy kept would hold 4 bytes a weight in memory."""
     if a.is_cuda:
         if a.size(0) <= 16:
             return torch._int_mm(torch.nn.functional.pad(a, (0, 0, 0, 17 - a.size(0))), b)[:a.size(0)]
         return torch._int_mm(a, b)
-    bf = b_float if b_float is not None else b.to(_exact_dtype(a.size(1)))
-    return a.to(bf.dtype) @ bf
-
-
-def _exact_dtype(k: int) -> torch.dtype:
-    return torch.float32 if k <= EXACT_FLOAT32_K else torch.float64
+    dtype = torch.float32 if a.size(1) <= EXACT_FLOAT32_K else torch.float64
+    return a.to(dtype) @ b.to(dtype)
 
 
 class IntLinear(torch.nn.Module):
@@ -51,7 +47,6 @@ class IntLinear(torch.nn.Module):
         # prefill's many take different layouts), 4 bits a weight each beside the int8 copy the CPU path reads
         self._packed: dict[str, torch.Tensor] = {}
         self._scales: torch.Tensor | None = None
-        self._float_t: torch.Tensor | None = None  # the CPU path's integer weights as floats (not in the state dict)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -68,19 +63,14 @@ class IntLinear(torch.nn.Module):
         x2 = x2.float()
         sx = (x2.abs().amax(-1, keepdim=True) / self.act_max).clamp(min=1e-8)
         xq = torch.round(x2 / sx).clamp(-self.act_max - 1, self.act_max).to(torch.int8)
-        g, wf = self.group_size, None
-        if not x2.is_cuda:  # made once: converting the weights every call would cost a decode step what it saves
-            if self._float_t is None or self._float_t.device != x2.device:
-                self._float_t = self.qweight_t.to(_exact_dtype(g))
-            wf = self._float_t
+        g = self.group_size
         if g == self.in_features:
-            acc = _int_mm(xq, self.qweight_t, wf).float() * self.scales_t[0]
+            acc = _int_mm(xq, self.qweight_t).float() * self.scales_t[0]
         else:  # one fused multiply-add a group into one buffer: a decode step's few rows spent most of their time
             # converting, scaling and summing each group's int32 result apart
             acc = torch.zeros(x2.size(0), self.out_features, device=x2.device)
             for k, a in enumerate(range(0, self.in_features, g)):
-                acc.addcmul_(_int_mm(xq[:, a:a + g].contiguous(), self.qweight_t[a:a + g],
-                                     None if wf is None else wf[a:a + g]).float(), self.scales_t[k])
+                acc.addcmul_(_int_mm(xq[:, a:a + g].contiguous(), self.qweight_t[a:a + g]).float(), self.scales_t[k])
         return (acc * sx).to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
