@@ -100,9 +100,11 @@ def aggregate(reports: list[dict]) -> dict:
         out["long_context_top"] = {"length": max(lengths), "value": m("quantized", top),
                                    "min": out["eval"]["quantized"][top]["min"]}
     moe = [r.get("moe", {}) for r in reports]  # GLM-5's routers: load balance and routing replay, per stage
-    if stages := [s for s in moe[0] if all(s in x for x in moe)]:
-        out["moe"] = {s: {k: round(mean(x[s][k] for x in moe), 5) for k in moe[0][s] if all(k in x[s] for x in moe)}
-                      for s in stages}
+    # a stage some reports lack (a `posttrain rerun` reports only the nodes it ran): over those that have it, counted
+    for s in dict.fromkeys(k for x in moe for k in x):
+        have = [x[s] for x in moe if s in x]
+        v = {k: round(mean(h[k] for h in have), 5) for k in have[0] if all(k in h for h in have)}
+        out.setdefault("moe", {})[s] = v | ({"runs": len(have)} if len(have) < len(moe) else {})
     if "chat" in out["eval"].get("base", {}):
         before = m("base", "chat")
         out["chat_retention"] = {c: round(m(c, "chat") / before, 4) if before > 0 else None
@@ -199,12 +201,15 @@ def claims(f: dict, boot: dict[tuple[str, str], np.ndarray] | None = None) -> li
         if "min" in v:
             rows.append(_row(f"quantized scores >= {bar:.2f} on long_context@{v['length']} on every seed", v["min"],
                              bar, draws(lambda q: q.min(0), top)))
+    def over(v: dict) -> str:
+        return f" (the {v['runs']} of {len(f['runs'])} runs that ran it)" if "runs" in v else ""
     if "moe_cv_last" in (m := f.get("moe", {}).get("base", {})) and m.get("moe_cv_first"):
-        rows.append({"claim": "base: expert load CV lower over its last steps than its first (ratio)",
+        rows.append({"claim": f"base: expert load CV lower over its last steps than its first (ratio){over(m)}",
                      "value": m["moe_cv_last"] / m["moe_cv_first"], "holds": m["moe_cv_last"] < m["moe_cv_first"]})
     for s, v in f.get("moe", {}).items():
         if v.get("replay_probe_without"):
-            rows.append({"claim": f"{s}: routing replay lowers mean |log pi_train - log pi_rollout| (with / without)",
+            rows.append({"claim": f"{s}: routing replay lowers mean |log pi_train - log pi_rollout| (with / without)"
+                                  f"{over(v)}",
                          "value": v["replay_probe_with"] / v["replay_probe_without"],
                          "holds": v["replay_probe_with"] < v["replay_probe_without"]})
     if (v := f.get("chat_retention", {}).get("quantized")) is not None:
