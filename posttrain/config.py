@@ -443,6 +443,10 @@ class RLConfig(_Strict):
     ppo_epochs: AtLeast1 = 1             # passes over each rollout batch
     micro_batch_cells: AtLeast1 = 2048   # completion tokens (padding included) per length-sorted micro-batch
     val_every: AtLeast0 = 10             # greedy validation accuracy every n steps (0: only before and after)
+    # which of the validated checkpoints the stage writes: the last, or the best on validation (ties: the later one;
+    # step 0, the starting checkpoint, competes too). On small validation splits a few RL steps can sharpen the samples
+    # and lose greedy accuracy; "best" keeps the stage from handing that on
+    keep: Literal["last", "best"] = "last"
     # and/or at the first step past every n student tokens generated: the same validation points, in
     # tokens, for methods whose steps differ in size (RL against OPD in bench/opd)
     val_every_tokens: AtLeast0 = 0
@@ -512,6 +516,7 @@ class OPDConfig(_Strict):
     # rollout worker loads every teacher into its own process and scores there (posttrain.rl.teachers)
     teacher_placement: Literal["actor", "worker"] = "actor"
     val_every: AtLeast0 = 10
+    keep: Literal["last", "best"] = "last"  # as rl.keep: the last checkpoint, or the best on validation
     checkpoint_every: AtLeast0 = 10
 
     def base_teaches(self) -> bool:

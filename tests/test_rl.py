@@ -300,3 +300,41 @@ def test_the_fused_heads_gradient_made_in_the_forward_gives_the_full_logits_upda
         assert torch.allclose(p_full, p_fused, atol=1e-5), agg
         for k in ("loss", "entropy", "kl_ref", "masked_fraction"):
             assert full[k] == pytest.approx(fused[k], abs=1e-5), (agg, k)
+
+
+def _scripted_validation(monkeypatch, scores: list[float]) -> list[dict]:
+    """Validation that returns `scores` in order and records the weights each call saw."""
+    import posttrain.rl.loop as loop
+    seen = []
+    monkeypatch.setattr(loop, "as_rollout_engine", lambda model, tok: model)
+
+    def fake(model, tok, val, **kw):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return {"all": scores[len(seen) - 1]}
+    monkeypatch.setattr(loop, "val_scores", fake)
+    return seen
+
+
+def test_keep_best_writes_the_best_validated_weights_and_a_resumed_run_keeps_them(ckpt, monkeypatch, tmp_path):
+    """rl.keep best: the stage hands on the weights of its best validation (ties: the later step), not the last
+    step's; with a scratch dir the copy survives a resume from a checkpoint taken after it."""
+    tasks = environments.get("reasoning").generate("train", 32, 0)
+    # the entropy bonus moves the weights where an untrained policy earns no reward
+    r = RLConfig(steps=4, prompts_per_step=2, group_size=2, max_new_tokens=8, val_every=1, checkpoint_every=2,
+                 lr=1e-2, entropy_coef=0.1, keep="best", stop_check=False)  # untrained weights never stop
+    seen = _scripted_validation(monkeypatch, [0.5, 0.9, 0.2, 0.9, 0.1])  # steps 0..4: step 3 ties step 1, later wins
+    model, _, st = train_policy(r, ckpt, tasks, tasks[:2], seed=0, scratch=tmp_path)
+    assert st.kept == (3, 0.9)
+    out = model.state_dict()
+    assert all(torch.equal(out[k], seen[3][k]) for k in out)
+    assert any(not torch.equal(seen[3][k], seen[4][k]) for k in out)  # training moved the weights after step 3
+    assert [p.name for p in tmp_path.glob("best_step*.pt")] == ["best_step1.pt"]  # as of the step-2 checkpoint
+
+    # the scratch still holds the step-2 checkpoint: a rerun resumes there, with step 1 the best so far
+    seen.clear()
+    scores = [0.3, 0.1, 0.0, 0.0]  # steps 3 and 4 (then the step-1 run below): step 1 (0.9, from the file) stays
+    monkeypatch.setattr("posttrain.rl.loop.val_scores", lambda m, t, v, **kw: {"all": scores.pop(0)})
+    model, _, st = train_policy(r, ckpt, tasks, tasks[:2], seed=0, scratch=tmp_path)
+    assert st.kept == (1, 0.9)
+    first = train_policy(r.model_copy(update={"steps": 1, "keep": "last"}), ckpt, tasks, tasks[:2], seed=0)[0]
+    assert all(torch.equal(model.state_dict()[k], first.state_dict()[k]) for k in out)

@@ -110,6 +110,7 @@ class State:
     attempts: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
     alarms: list[dict] = field(default_factory=list)  # reward-hacking alarms raised (posttrain.rl.alarms)
+    kept: tuple[int, float] | None = None  # rl.keep best: the best-validated step so far and its score
 
 
 def build_engines(r: RLConfig, sft: str, with_critic: bool, rl: bool = True, moe: MoEConfig | None = None,
@@ -203,14 +204,14 @@ class Feed:
                 self.dbuffer.take(self.n_distill, step) if self.n_distill else [], gen_s, gen_tok)
 
     def snapshot(self, step: int, hist: dict, attempts: list, wall_s: float, drain: bool,
-                 alarms: list[dict]) -> State:
+                 alarms: list[dict], kept: tuple[int, float] | None) -> State:
         """The loop's state after `step` steps; `drain` first waits for the rollouts in flight (they are part
         of a resumable state: the buffers are saved whole)."""
         while drain and self.inflight:
             self._add(self.inflight.popleft()[1].result()[0])
         b, d = self.buffer, self.dbuffer
         return State(step, self.st.next_request, b.groups if drain else [], d.groups if drain else [],
-                     b.dropped + d.dropped, dict(b.staleness + d.staleness), hist, attempts, wall_s, alarms)
+                     b.dropped + d.dropped, dict(b.staleness + d.staleness), hist, attempts, wall_s, alarms, kept)
 
     def close(self) -> None:
         for _, f in self.inflight:
@@ -285,9 +286,13 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
               compaction=r.compaction, summary=r.compaction_summary)
     kill_at, hist = kill_step(label), st.history
     domains = sorted({t.domain for t in val})
+    best = BestWeights(Path(scratch) if scratch and r.keep == "best" else None, getattr(st, "kept", None))
     def validate(step: int, wall_s: float) -> None:  # generated from the trained weights
-        scores = val_scores(as_rollout_engine(eng.policy.hf_model(), tok), tok, val, **kw)
+        model = eng.policy.hf_model()
+        scores = val_scores(as_rollout_engine(model, tok), tok, val, **kw)
         hist["val_score"].append((step, scores["all"]))
+        if r.keep == "best":
+            best.offer(step, scores["all"], model)
         for d in domains if len(domains) > 1 or distill else ():  # distillation reads its domains' curves
             hist.setdefault(f"val_score/{d}", []).append((step, scores[d]))
         hist["val_wall_s"].append((step, wall_s))
@@ -328,14 +333,21 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             st.alarms += alarms.check(hist, r.alarms, active_alarms, done, label, st.alarms)
             bar.set_postfix(reward=f"{row['reward']:.3f}", val=f"{hist['val_score'][-1][1]:.3f}", refresh=False)
             if ckpt and r.checkpoint_every and done % r.checkpoint_every == 0 and done < r.steps:
+                best.save()  # before the state that names it
                 st = feed.st = feed.snapshot(done, hist, st.attempts, time.perf_counter() - t0, drain=True,
-                                             alarms=st.alarms)
+                                             alarms=st.alarms, kept=best.kept)
                 eng.save(ckpt, st)
+                best.prune()
                 checkpointed(ckpt.parent)  # to the artifact store too, when it is remote
                 if kill_at == done:  # fault injection for the resume test
                     os.kill(os.getpid(), signal.SIGKILL)
-        st = feed.snapshot(r.steps, hist, st.attempts, time.perf_counter() - t0, drain=False, alarms=st.alarms)
+        st = feed.snapshot(r.steps, hist, st.attempts, time.perf_counter() - t0, drain=False, alarms=st.alarms,
+                           kept=best.kept)
         model = eng.policy.hf_model()
+        if best.kept and best.kept[0] != r.steps:
+            model.load_state_dict(best.weights())
+            print(f"[{label}] keeping step {best.kept[0]}'s weights (validation {best.kept[1]:.3f}; the last step's "
+                  f"{hist['val_score'][-1][1]:.3f})", flush=True)
     finally:
         feed.close()
         workers.close()
@@ -343,6 +355,45 @@ def train_policy(r: RLConfig, sft: str, pool: list[Task], val: list[Task], *, se
             teachers.close()
         eng.close()
     return model, tok, st
+
+
+class BestWeights:
+    """rl.keep best: a copy of the best-validated weights (ties go to the later step). With a scratch dir the copy
+    is written beside each resumable checkpoint, as `best_step<N>.pt`, so a resumed run keeps it."""
+
+    def __init__(self, scratch: Path | None, kept: tuple[int, float] | None):
+        self.scratch, self.kept = scratch, kept
+        self._weights: dict[str, torch.Tensor] | None = None
+
+    def _path(self) -> Path:
+        return self.scratch / f"best_step{self.kept[0]}.pt"
+
+    def offer(self, step: int, score: float, model: torch.nn.Module) -> None:
+        if self.kept is None or score >= self.kept[1]:
+            self.kept = (step, score)
+            self._weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self._weights is None:  # resumed: the copy the checkpoint names
+            self._weights = torch.load(self._path(), weights_only=True)
+        return self._weights
+
+    def save(self) -> None:
+        if self.scratch and self.kept and not self._path().exists():
+            tmp = self._path().with_suffix(".tmp")
+            torch.save(self.weights(), tmp)
+            os.replace(tmp, self._path())
+
+    def prune(self) -> None:
+        if self.scratch and self.kept:
+            for p in self.scratch.glob("best_step*.pt"):
+                if p != self._path():
+                    p.unlink()
+
+
+def kept_metrics(st: State) -> dict[str, float]:
+    """rl.keep best: the step whose weights the stage wrote and its validation score (the teachers' figure in OPD)."""
+    return {"kept_step": st.kept[0], "val_score_kept": st.kept[1]} if st.kept else {}
 
 
 def _passed(cumulative: list[float], every: int) -> bool:

@@ -15,7 +15,7 @@ from posttrain.models import moe
 from posttrain.models.preset import save_checkpoint
 from posttrain.pipeline.artifacts import read_manifest
 from posttrain.replay import PROMPTS
-from posttrain.rl.loop import Distill, train_policy
+from posttrain.rl.loop import Distill, kept_metrics, train_policy
 from posttrain.train import moe_metrics, summarize
 
 
@@ -24,8 +24,13 @@ def loop_config(cfg: PipelineConfig) -> RLConfig:
     o = cfg.opd
     return cfg.rl.model_copy(update=dict(
         steps=o.steps, prompts_per_step=0, lr=o.lr, temperature=o.temperature, max_new_tokens=o.max_new_tokens,
-        max_staleness=o.max_staleness, val_every=o.val_every, checkpoint_every=o.checkpoint_every, kl_coef=o.kl_coef,
-        entropy_coef=0.0, ppo_epochs=1, per_domain={}))
+        max_staleness=o.max_staleness, val_every=o.val_every, keep=o.keep, checkpoint_every=o.checkpoint_every,
+        kl_coef=o.kl_coef, entropy_coef=0.0, ppo_epochs=1, per_domain={}))
+
+
+def teacher_score(metrics: dict) -> float:
+    """A specialist's validation score as written: the kept step's under rl.keep best, else the last step's."""
+    return metrics.get("val_score_kept", metrics["val_score_after"])
 
 
 def tokens_to_reach(hist: dict, key: str, target: float) -> float | None:
@@ -82,12 +87,12 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     (out / "history.json").write_text(json.dumps(hist))
     moe.plot_load(hist, out / moe.PLOT, "opd")
     # the teachers' own validation scores (same val tasks, from their runs): how far the student got
-    teacher_val = {d: read_manifest(inputs[f"rl-{d}"])["metrics"]["val_score_after"] for d in domains}
+    teacher_val = {d: teacher_score(read_manifest(inputs[f"rl-{d}"])["metrics"]) for d in domains}
     plot(hist, teacher_val, out / "opd_curves.png")
     metrics = {"wall_s": st.wall_s, "steps_per_s": o.steps / st.wall_s,
                "student_tokens": hist["student_tokens"][-1], "teacher_tokens": hist["teacher_tokens"][-1],
                **summarize(hist, "reverse_kl", 5), **moe_metrics(hist, 5),
-               "masked_token_fraction": sum(hist["distill_masked_fraction"]) / o.steps}
+               "masked_token_fraction": sum(hist["distill_masked_fraction"]) / o.steps, **kept_metrics(st)}
     for d in domains:
         before, after = hist[f"val_score/{d}"][0][1], hist[f"val_score/{d}"][-1][1]
         metrics |= {f"val_score_before_{d}": before, f"val_score_after_{d}": after,

@@ -14,11 +14,11 @@ from posttrain.models import moe
 from posttrain.models.preset import save_checkpoint
 from posttrain.pipeline.console import kv
 from posttrain.rl import alarms
-from posttrain.rl.loop import train_policy
+from posttrain.rl.loop import kept_metrics, train_policy
 from posttrain.train import moe_metrics, summarize
 
 
-def plot_curves(hist: dict, path: Path, title: str) -> None:
+def plot_curves(hist: dict, path: Path, title: str, kept: tuple[int, float] | None = None) -> None:
     import matplotlib  # heavy, for this figure only; its backend is set before pyplot is imported
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # matplotlib: only when plotting (a second to import)
@@ -27,6 +27,8 @@ def plot_curves(hist: dict, path: Path, title: str) -> None:
     ax = axes[0, 0]
     ax.plot(range(1, len(hist["reward"]) + 1), hist["reward"], label="reward (train batch)", alpha=0.6)
     ax.plot(*zip(*hist["val_score"]), "o-", label="validation accuracy (greedy)")
+    if kept and kept[0] != hist["val_score"][-1][0]:  # rl.keep best wrote an earlier step's weights
+        ax.axvline(kept[0], color="gray", ls=":", label=f"kept: step {kept[0]}")
     ax.set(xlabel="step", ylabel="score", title=title, ylim=(0, 1.02))
     ax.legend(loc="lower right")
     if gap:  # where the train engine and the rollout engine disagree on the sampled tokens
@@ -88,9 +90,10 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, domain: str, scr
     (out / "history.json").write_text(json.dumps(hist))
     moe.plot_load(hist, out / moe.PLOT, f"rl-{domain}")
     plot_curves(hist, out / "rl_curves.png", f"rl {domain} ({r.algorithm}, k={r.max_staleness}, "
-                f"{cfg.runtime.train_engine} / {cfg.runtime.rollout_engine})")
+                f"{cfg.runtime.train_engine} / {cfg.runtime.rollout_engine})", st.kept)
     total = sum(st.staleness.values())
     metrics = {"val_score_before": hist["val_score"][0][1], "val_score_after": hist["val_score"][-1][1],
+               **kept_metrics(st),
                **summarize(hist, "reward", 5), **moe_metrics(hist, 5), "hack_attempts_blocked": sum(hist["blocked"]),
                "masked_token_fraction": sum(hist["masked_fraction"]) / len(hist["masked_fraction"]),
                "stale_dropped": st.dropped, "wall_s": st.wall_s, "steps_per_s": r.steps / st.wall_s,
