@@ -19,6 +19,7 @@ EPILOG = """examples:
   posttrain run --profile smoke --set rl.steps=4
   posttrain run --workflow cross_stage           # GLM-5 cross-stage vs sequential RL vs multi-teacher OPD
   posttrain rerun opd --from latest --set opd.steps=40 --downstream
+  posttrain rerun rl-reasoning rl-agentic rl-general --from latest --set rl.keep=best --downstream
   posttrain lineage posttrain-tiny@1             # chain back to the raw corpus, digests re-verified
   posttrain report                               # eval table of the latest run
   posttrain figures --seeds 0 1 2                # the default over 3 seeds: means and spreads (figures.md)
@@ -180,17 +181,18 @@ def cmd_run(a: argparse.Namespace) -> int:
 def cmd_rerun(a: argparse.Namespace) -> int:
     from posttrain.config import apply_overrides, config_from_dict
     fixed = ("raw", "curate", "base", "ramp", "sft", "opd", "quantize", "evaluate", "consolidation")
-    if a.stage not in fixed and not re.fullmatch(r"(rl|xs|seq)-[a-z][a-z0-9_]*", a.stage):  # before reading any run
-        raise ConfigError(f"rerun: unknown stage {a.stage!r}; stages: {', '.join(fixed)}, rl-<domain>, xs-<domain>, "
-                          f"seq-<domain>")
+    for stage in a.stage:  # before reading any run
+        if stage not in fixed and not re.fullmatch(r"(rl|xs|seq)-[a-z][a-z0-9_]*", stage):
+            raise ConfigError(f"rerun: unknown stage {stage!r}; stages: {', '.join(fixed)}, rl-<domain>, "
+                              f"xs-<domain>, seq-<domain>")
     from posttrain.pipeline.run import load_run
     _, old = load_run(a.from_run)
     cfg = config_from_dict(apply_overrides(old.model_dump(mode="json"), a.set), f"--set {a.set}")
-    _check_stages([a.stage], "rerun", cfg)
+    _check_stages(a.stage, "rerun", cfg)
     if not a.remote:  # a changed setting may not suit the checkpoint (quantize.group_size): before the node, not in it
         _check_checkpoint(cfg)
     from workflows.post_train import rerun
-    report = _run_flyte(rerun, cfg, a.remote, stage=a.stage, from_run=a.from_run, overrides=a.set,
+    report = _run_flyte(rerun, cfg, a.remote, stages=a.stage, from_run=a.from_run, overrides=a.set,
                         downstream=a.downstream)
     if report:
         print_report(report)
@@ -316,12 +318,13 @@ def parser() -> argparse.ArgumentParser:
                    help="post_train: the GLM-5.2 DAG (default); cross_stage: the GLM-5 chains with and without "
                         "distillation, compared with multi-teacher OPD (report.json 'consolidation')")
     r.set_defaults(fn=cmd_run)
-    rr = sub.add_parser("rerun", help="redo one node with inputs from an earlier run's lineage")
-    rr.add_argument("stage", help="stage name: raw, curate, base, ramp, sft, rl-<domain>, opd, quantize, evaluate, "
-                    "xs-<domain>, seq-<domain>, consolidation")
+    rr = sub.add_parser("rerun", help="redo one node (or siblings, such as the RL specialists) with inputs from an "
+                        "earlier run's lineage")
+    rr.add_argument("stage", nargs="+", help="stage names: raw, curate, base, ramp, sft, rl-<domain>, opd, quantize, "
+                    "evaluate, xs-<domain>, seq-<domain>, consolidation")
     rr.add_argument("--from", dest="from_run", required=True, help="run id (see .posttrain/runs) or 'latest'")
     rr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    rr.add_argument("--downstream", action="store_true", help="also redo every node that consumes STAGE")
+    rr.add_argument("--downstream", action="store_true", help="also redo every node that consumes a STAGE")
     rr.add_argument("--remote", action="store_true")
     rr.set_defaults(fn=cmd_rerun)
     ln = sub.add_parser("lineage", help="print a registered model's chain back to the raw corpus, re-verifying digests")

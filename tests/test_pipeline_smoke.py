@@ -178,6 +178,16 @@ def test_rerun_one_node_reuses_upstream_by_digest(first):
     assert set(runs) == {"opd"}
 
 
+def test_rerun_of_sibling_nodes_redoes_them_together(first):
+    """The RL specialists at once (one setting changed for all): both redone, the rest reused and reported stale."""
+    home, report = first
+    posttrain(home, "rerun", "rl-agentic", "rl-general", "--from", report["run_id"], "--set", "rl.keep=best")
+    new = json.loads((home / "latest" / "report.json").read_text())
+    assert set(stage_runs(home, new["mlflow_run_id"])) == {"rl-agentic", "rl-general"}
+    assert all(not new["stages"][s]["cached"] for s in ("rl-agentic", "rl-general"))
+    assert new["stale"] == ["evaluate", "opd", "quantize"]
+
+
 def test_tampered_artifact_is_refused_and_lineage_fails(first):
     home, report = first
     sft_dir = Path(report["stages"]["sft"]["artifact"])

@@ -111,23 +111,24 @@ def rerun_downstream(g: dict[str, Stage], stage: str, report: dict) -> set[str]:
 
 
 @env.task(report=True)
-async def rerun(stage: str, from_run: str, overrides: list[str] = [], downstream: bool = False,  # noqa: B006
+async def rerun(stages: list[str], from_run: str, overrides: list[str] = [], downstream: bool = False,  # noqa: B006
                 run_id: str = "") -> PipelineOutput:
-    """Redo `stage` (and, if asked, what follows it) with upstream artifacts taken from `from_run`."""
+    """Redo `stages` (siblings such as the RL specialists at once; and, if asked, what follows them) with upstream
+    artifacts taken from `from_run`."""
     from posttrain.config import apply_overrides, config_from_dict
     report, old_cfg = pipeline.load_run(from_run)
     cfg = config_from_dict(apply_overrides(old_cfg.model_dump(mode="json"), list(overrides)),
                            f"run {from_run} with --set {list(overrides)}")
     # downstream nodes the earlier run had (a main-DAG run has no cross-stage chains to redo)
     g = graph(cfg)
-    if stage not in g:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(g)}")
-    after = rerun_downstream(g, stage, report)
-    todo = after | {stage} if downstream else {stage}
+    if unknown := [s for s in stages if s not in g]:
+        raise ValueError(f"unknown stage {unknown[0]!r}; stages: {', '.join(g)}")
+    after = set().union(*(rerun_downstream(g, s, report) for s in stages)) - set(stages)
+    todo = after | set(stages) if downstream else set(stages)
     refs = {s: ref_from_dict({"stage": s, "path": v["artifact"], "sha256": v["sha256"],
                               "mlflow_run_id": v["mlflow_run_id"], "cached": True})
             for s, v in report["stages"].items() if s not in todo}
-    ctx = pipeline.start(cfg, run_id=run_id, force=[stage],
-                         tags={"posttrain.rerun_of": report["run_id"], "posttrain.rerun_stage": stage})
+    ctx = pipeline.start(cfg, run_id=run_id, force=list(stages),
+                         tags={"posttrain.rerun_of": report["run_id"], "posttrain.rerun_stage": ",".join(stages)})
     refs = await run_waves(ctx, refs, todo, ("post_train", "cross_stage"), stale=(after - todo) & set(refs))
     return PipelineOutput(ctx.run_id, f"{ctx.home}/runs/{ctx.run_id}/report.json", refs)
