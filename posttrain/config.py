@@ -661,8 +661,9 @@ class RuntimeConfig(_Strict):
     torch_threads: AtLeast1 = 2
     # training forwards under bf16 autocast on CPU as on CUDA (weights, optimizer state and log-probability sums
     # stay fp32; rollouts stay fp32, and the importance-sampling ratio absorbs the difference): for real
-    # checkpoints on CPUs with AVX512-BF16 or AMX. Like device, it is not part of a stage's cache key
-    cpu_bf16: bool = False
+    # checkpoints on CPUs with AVX512-BF16 or AMX; "auto": on where the CPU has them (elsewhere torch emulates bf16,
+    # 9x slower than fp32 on an AVX2-only EPYC). Like device, it is not part of a stage's cache key
+    cpu_bf16: Literal["auto"] | bool = False
     object_store_mb: AtLeast1 = 256
 
 

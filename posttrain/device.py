@@ -4,7 +4,9 @@ optimizer state and the log-probability sums stay fp32."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -32,7 +34,31 @@ def stage_gpus(setting: str, per_stage: float) -> float:
     return per_stage if has else 0.0
 
 
-CPU_BF16 = "POSTTRAIN_CPU_BF16"  # "1" from runtime.cpu_bf16, set in the stage's Ray runtime_env
+CPU_BF16 = "POSTTRAIN_CPU_BF16"  # "1" or "auto" from runtime.cpu_bf16, set in the stage's Ray runtime_env
+
+
+def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without it torch's CPU bf16 matmul is
+    emulated: 9x slower than fp32 at SmolLM2's shapes on an AVX2-only AMD EPYC (2026-12-01)."""
+    try:
+        flags = next(x for x in Path(cpuinfo).read_text().splitlines() if x.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_bf16_on() -> bool:
+    """runtime.cpu_bf16 as the stage's process sees it: true, or auto on a CPU with native bf16."""
+    setting = os.environ.get(CPU_BF16, "0")
+    if setting == "1" and not native_cpu_bf16():
+        _say_emulated()
+    return setting == "1" or setting == "auto" and native_cpu_bf16()
+
+
+@functools.cache
+def _say_emulated() -> None:
+    print("runtime.cpu_bf16: true on a CPU without AVX512-BF16 or AMX: bf16 matmuls are emulated here, several times "
+          "slower than fp32; set runtime.cpu_bf16: auto", flush=True)
 
 
 def autocast(dev: torch.device):
@@ -40,8 +66,7 @@ def autocast(dev: torch.device):
     backward is not trusted (`cudnn_sdpa_trusted`); on CPU fp32 (the embedded default), or bf16 autocast with
     runtime.cpu_bf16 (1.65-2.19x the training tokens/s of SmolLM2-135M on an AVX512-BF16 Xeon: bench/cpu_bf16)."""
     if dev.type != "cuda":
-        bf16 = os.environ.get(CPU_BF16) == "1"
-        return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=torch.bfloat16) if cpu_bf16_on() else contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
     if not cudnn_sdpa_trusted(torch.cuda.get_device_capability(dev)):

@@ -39,3 +39,28 @@ def test_runtime_cpu_bf16_runs_cpu_training_forwards_under_bf16_autocast(monkeyp
     monkeypatch.setenv(CPU_BF16, "1")
     with autocast(torch.device("cpu")):
         assert (x @ x).dtype == torch.bfloat16
+
+
+def test_cpu_bf16_auto_follows_the_cpus_native_bf16(monkeypatch, tmp_path, capsys):
+    """auto: bf16 autocast only where the CPU multiplies bf16 in hardware (elsewhere torch emulates it, 9x slower
+    than fp32 on an AVX2-only EPYC); true is obeyed anyway, with a warning."""
+    import torch
+
+    import posttrain.device as device
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\nflags : fpu avx2 fma\n")
+    assert not device.native_cpu_bf16(str(info))
+    info.write_text("processor : 0\nflags : fpu avx512f avx512_bf16\n")
+    assert device.native_cpu_bf16(str(info))
+    x = torch.ones(4, 4)
+    for native in (False, True):
+        monkeypatch.setattr(device, "native_cpu_bf16", lambda native=native: native)
+        monkeypatch.setenv(device.CPU_BF16, "auto")
+        with device.autocast(torch.device("cpu")):
+            assert (x @ x).dtype == (torch.bfloat16 if native else torch.float32)
+    monkeypatch.setattr(device, "native_cpu_bf16", lambda: False)
+    monkeypatch.setenv(device.CPU_BF16, "1")
+    device._say_emulated.cache_clear()  # said once per process
+    with device.autocast(torch.device("cpu")):
+        assert (x @ x).dtype == torch.bfloat16
+    assert "emulated" in capsys.readouterr().out

@@ -139,7 +139,7 @@ async def _compute(name: str, ctx: RunContext, stage: Stage, cfg: PipelineConfig
         if cfg.runtime.device != "auto":
             env_vars[DEVICE_VAR] = cfg.runtime.device
         if cfg.runtime.cpu_bf16:
-            env_vars[CPU_BF16] = "1"
+            env_vars[CPU_BF16] = "auto" if cfg.runtime.cpu_bf16 == "auto" else "1"
         gpus = stage_gpus(cfg.runtime.device, cfg.runtime.gpus_per_stage) if stage.gpu else 0.0
         # this stage's own variables: set in its worker for the call (and passed to the actors it starts), so that
         # the run-wide runtime_env above stays one and Ray reuses the workers, imports and all, stage after stage
