@@ -658,6 +658,10 @@ class RuntimeConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"   # auto: CUDA where the Ray cluster has GPUs
     gpus_per_stage: NonNegative = 1.0    # Ray GPUs a training or evaluation stage reserves on CUDA (0.25: share)
     ray_num_cpus: AtLeast1 = 2
+    # at most this many of a wave's nodes at once (0: all; the RL specialists are one wave). Memory, not CPUs, is
+    # what runs out: three SmolLM2-135M specialists with their rollout workers held 21.5 of 23.5 GB, and Ray's
+    # memory monitor killed one (2026-11-29 and 2026-12-01)
+    parallel_stages: AtLeast0 = 0
     torch_threads: AtLeast1 = 2
     # training forwards under bf16 autocast on CPU as on CUDA (weights, optimizer state and log-probability sums
     # stay fp32; rollouts stay fp32, and the importance-sampling ratio absorbs the difference): for real

@@ -84,3 +84,28 @@ def test_an_unknown_engine_fails_before_any_work():
         load_config("smoke-dense", ["runtime.train_engine=deepspeed"])
     with pytest.raises(ConfigError, match=r"rl.rollout_engine: moved to runtime.rollout_engine"):
         load_config("smoke-dense", ["rl.rollout_engine=sglang"])
+
+
+def test_a_waves_nodes_run_at_most_parallel_stages_at_once_and_all_to_their_end():
+    """runtime.parallel_stages: memory, not CPUs, bounds how many specialists one machine holds; a failed node does
+    not stop its siblings, and results come back in the wave's order."""
+    import asyncio
+
+    from workflows.post_train import gather_bounded
+    running, peak = [0], [0]
+
+    def call(i: int):
+        async def go():
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            await asyncio.sleep(0.01)
+            running[0] -= 1
+            if i == 1:
+                raise RuntimeError("node 1 failed")
+            return i
+        return go
+    for limit, expect in ((2, 2), (0, 4)):
+        peak[0] = 0
+        outs = asyncio.run(gather_bounded([call(i) for i in range(4)], limit))
+        assert peak[0] == expect
+        assert outs[0] == 0 and isinstance(outs[1], RuntimeError) and outs[2:] == [2, 3]

@@ -5,10 +5,12 @@ raw -> curate -> base -> ramp -> sft -> {rl-<domain> for each of rl.domains} -> 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +60,16 @@ async def node(stage: Stage, ctx: RunContext, refs: dict[str, ArtifactRef]) -> A
     return await task(ctx, **bind(stage, task, refs))
 
 
+async def gather_bounded(calls: list[Callable[[], Awaitable]], limit: int) -> list:
+    """Await every call, at most `limit` at once (0: all), each to its end; results (or exceptions) in order."""
+    gate = asyncio.Semaphore(limit or max(1, len(calls)))
+
+    async def one(call):
+        async with gate:
+            return await call()
+    return await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+
+
 async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str],
                     workflows: tuple[str, ...] = ("post_train",), stale: set[str] = frozenset()
                     ) -> dict[str, ArtifactRef]:
@@ -69,7 +81,8 @@ async def run_waves(ctx: RunContext, refs: dict[str, ArtifactRef], todo: set[str
         for wave in (w for wf in workflows for w in waves(g, wf)):
             stages = [s for s in wave if s in todo]
             # every node of the wave finishes (or fails) before the first failure is raised: what finished is kept
-            outs = await asyncio.gather(*(node(g[s], ctx, refs) for s in stages), return_exceptions=True)
+            outs = await gather_bounded([functools.partial(node, g[s], ctx, refs) for s in stages],
+                                        ctx.cfg().runtime.parallel_stages)
             refs.update((s, o) for s, o in zip(stages, outs) if not isinstance(o, BaseException))
             if failed := next((o for o in outs if isinstance(o, BaseException)), None):
                 raise failed
