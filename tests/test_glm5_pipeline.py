@@ -51,3 +51,8 @@ def test_the_smoke_dag_runs_on_glm5_and_deploys_its_experts_in_int4(tmp_path):
     assert "Expert load during rl-agentic" in (home / "runs" / run / "report.html").read_text()
     lineage = posttrain(home, "lineage", "posttrain-smoke@1").stdout
     assert "lineage verified" in lineage and "MISSING" not in lineage
+    # a rerun of one node keeps the figures of the nodes it reuses (`posttrain figures` over rerun seeds needs base's)
+    posttrain(home, "rerun", "opd", "--from", run, "--set", "opd.keep=best")
+    again = json.loads((home / "latest" / "report.json").read_text())
+    assert again["run_id"] != run and again["moe"]["base"] == report["moe"]["base"]
+    assert "kept_step" in stage_runs(home, again["mlflow_run_id"])["opd"].data.metrics

@@ -138,8 +138,10 @@ async def rerun(stages: list[str], from_run: str, overrides: list[str] = [], dow
         raise ValueError(f"unknown stage {unknown[0]!r}; stages: {', '.join(g)}")
     after = set().union(*(rerun_downstream(g, s, report) for s in stages)) - set(stages)
     todo = after | set(stages) if downstream else set(stages)
+    # a reused node keeps the figures the earlier report had of it (the expert load's CV in base)
     refs = {s: ref_from_dict({"stage": s, "path": v["artifact"], "sha256": v["sha256"],
-                              "mlflow_run_id": v["mlflow_run_id"], "cached": True})
+                              "mlflow_run_id": v["mlflow_run_id"], "cached": True,
+                              "metrics": report.get("moe", {}).get(s, {})})
             for s, v in report["stages"].items() if s not in todo}
     ctx = pipeline.start(cfg, run_id=run_id, force=list(stages),
                          tags={"posttrain.rerun_of": report["run_id"], "posttrain.rerun_stage": ",".join(stages)})
