@@ -436,6 +436,11 @@ class RLConfig(_Strict):
     # torch threads of each rollout worker: a synchronous loop (max_staleness 0) alone on a machine can give the
     # worker as many threads as the trainer has, since the two take turns
     worker_threads: AtLeast1 = 1
+    # DAPO's dynamic sampling (grpo): a group whose rewards are all equal (every sample right, or every one wrong)
+    # has no advantage and gives no gradient, so it is set aside and more prompts are drawn until the step has
+    # prompts_per_step groups that differ, or this many times prompts_per_step groups were drawn for it (then the
+    # set-aside ones fill the batch). A policy sft left nearly deterministic agrees within most groups; 0: off
+    dynamic_sampling: AtLeast0 = 0
     critic_lr: Positive = 3e-4           # ppo: the value model (the policy's backbone with a scalar head)
     gae_gamma: Share = 1.0
     gae_lambda: Share = 0.95
@@ -465,6 +470,8 @@ class RLConfig(_Strict):
             raise ValueError(f"rl.is_lower < 1 < rl.is_upper must hold (got {self.is_lower}, {self.is_upper})")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError("rl.group_size must be at least 2 for grpo (its baseline is the group mean)")
+        if self.dynamic_sampling and self.algorithm != "grpo":
+            raise ValueError("rl.dynamic_sampling compares rewards within a group: it needs rl.algorithm: grpo")
         if self.context_budget and self.compaction and self.algorithm == "grpo":
             raise ValueError("rl.compaction: GRPO compares whole episodes within a group, and compaction splits an "
                              "episode into sub-traces whose number and lengths vary between samples of one prompt; "

@@ -338,3 +338,47 @@ def test_keep_best_writes_the_best_validated_weights_and_a_resumed_run_keeps_the
     assert st.kept == (1, 0.9)
     first = train_policy(r.model_copy(update={"steps": 1, "keep": "last"}), ckpt, tasks, tasks[:2], seed=0)[0]
     assert all(torch.equal(model.state_dict()[k], first.state_dict()[k]) for k in out)
+
+
+class _ScriptedPool:
+    """Rollout workers whose rewards are a function of the prompt: `agree(task)` true gives every sample of its
+    group the same reward, false one right and the rest wrong."""
+
+    def __init__(self, agree):
+        self.agree, self.requests = agree, 0
+
+    def __len__(self) -> int:
+        return 1
+
+    def submit(self, worker, tasks, group_size, seed, **kw):
+        from concurrent.futures import Future
+        self.requests += 1
+        out = [Sample(t.id, g, [1], [2], [1], [0.0], float(self.agree(t) or i == 0), 0)
+               for g, t in enumerate(tasks) for i in range(group_size)]
+        f = Future()
+        f.set_result((out, {"seconds": 1.0, "tokens": len(out)}))
+        return f
+
+
+@pytest.mark.parametrize("cap", [0, 2, 100])
+def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ(cap):
+    from posttrain.rl.loop import Feed, State
+    pool = environments.get("reasoning").generate("train", 64, 0)
+    mixed = {t.id for t in pool[:16]}  # a quarter of the prompts give a group with signal
+    workers = _ScriptedPool(lambda t: t.id not in mixed)
+    r = RLConfig(prompts_per_step=4, group_size=4, max_staleness=0, dynamic_sampling=cap)
+    feed = Feed(r, pool, None, workers, seed=0, st=State(), kw={})
+    batch, _, _, _ = feed.collect(0)
+    groups = {}
+    for s in batch:
+        groups.setdefault((s.task_id, s.group), []).append(s.reward)
+    signal = sum(len(set(g)) > 1 for g in groups.values())
+    assert len(batch) == 4 * 4  # a full batch, whatever was set aside
+    if cap == 0:  # off: the first prompts drawn, agreeing or not
+        assert workers.requests == 1 and signal == sum(t in mixed for t, _ in groups)
+    elif cap == 2:  # at most 8 groups drawn; the set-aside ones fill what those lacked
+        assert workers.requests == 2 and feed.drawn == 8 and signal == 8 - len(feed.uniform) < 4
+    else:  # drawn until every group of the step differs
+        assert signal == 4 and feed.drawn - len(feed.uniform) >= 4 and feed.uniform  # the rest wait in the buffer
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        RLConfig(algorithm="ppo", group_size=1, dynamic_sampling=2)

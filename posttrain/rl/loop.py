@@ -154,6 +154,9 @@ class Feed:
         self.buffer.dropped, self.buffer.staleness = st.dropped, Counter(st.staleness)
         self.dbuffer = RolloutBuffer(r.max_staleness, st.distill_groups)
         self.inflight: deque[tuple[int, Future]] = deque()  # (worker, its result), oldest first
+        # rl.dynamic_sampling: this step's groups whose rewards all agree, set aside, and the RL groups it drew
+        self.uniform: list[list[Sample]] = []
+        self.drawn = 0
 
     def _submit(self) -> None:
         st, d = self.st, self.distill
@@ -180,8 +183,22 @@ class Feed:
             self._submit()
 
     def _add(self, samples: list[Sample]) -> None:
-        self.buffer.add([s for s in samples if s.teacher is None])
+        groups: dict[int, list[Sample]] = {}
+        for s in samples:
+            if s.teacher is None:
+                groups.setdefault(s.group, []).append(s)
+        self.drawn += len(groups)
+        for g in groups.values():
+            uniform = self.r.dynamic_sampling and len({s.reward for s in g}) == 1
+            (self.uniform.append if uniform else self.buffer.groups.append)(g)
         self.dbuffer.add([s for s in samples if s.teacher is not None])
+
+    def _enough_drawn(self) -> bool:
+        """rl.dynamic_sampling's cap: the step drew its limit of groups, so the set-aside ones fill its batch."""
+        if not self.r.dynamic_sampling or self.drawn < self.r.dynamic_sampling * self.n_rl:
+            return False
+        self.buffer.groups += self.uniform[:max(0, self.n_rl - len(self.buffer))]
+        return True
 
     def collect(self, step: int) -> tuple[list[Sample], list[Sample], float, float]:
         """The step's RL and distillation batches (fresh enough for `step`), and the generation seconds and
@@ -189,17 +206,19 @@ class Feed:
         self.top_up()
         gen_s = gen_tok = 0.0
         self.counts = dict.fromkeys(COUNTS, 0)
+        self.uniform, self.drawn = [], 0
         while True:
             self.buffer.drop_stale(step)
             self.dbuffer.drop_stale(step)
-            if len(self.buffer) >= self.n_rl and len(self.dbuffer) >= self.n_distill:
+            if ((len(self.buffer) >= self.n_rl or self._enough_drawn()) and len(self.dbuffer) >= self.n_distill):
                 break
             samples, info = self.inflight.popleft()[1].result()
             self._add(samples)
             gen_s, gen_tok = gen_s + info["seconds"], gen_tok + info["tokens"]
             for k in self.counts:
                 self.counts[k] += info.get(k, 0)
-            self.top_up()
+            if not (self.r.dynamic_sampling and self.drawn >= self.r.dynamic_sampling * self.n_rl):
+                self.top_up()  # (at the cap nothing more is drawn for this step)
         return (self.buffer.take(self.n_rl, step) if self.n_rl else [],
                 self.dbuffer.take(self.n_distill, step) if self.n_distill else [], gen_s, gen_tok)
 
@@ -256,6 +275,9 @@ def history_row(batch: list[Sample], dbatch: list[Sample], stats: dict, feed: Fe
         tokens = [v for s in both if s.versions for v, m in zip(s.versions, s.gen_mask) if m]
         row["mixed_version_share"] = sum(len({v for v in s.versions if v >= 0}) > 1 for s in both) / len(both)
         row["token_staleness_mean"] = sum(step - v for v in tokens) / max(1, len(tokens))
+    if feed.r.dynamic_sampling:  # groups drawn for the step whose rewards all agreed (set aside, or filling the batch)
+        row["uniform_groups"] = float(len(feed.uniform))
+        row["groups_drawn"] = float(feed.drawn)
     if dbatch and batch:  # distillation beside RL: its samples' reward separately
         row["distill_reward"] = sum(s.reward for s in dbatch) / len(dbatch)
     return row
