@@ -20,12 +20,11 @@ import json
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
 
 from bench import mark, out_dir, size, threads
-from posttrain.device import CPU_BF16, autocast
+from posttrain.device import CPU_BF16, autocast, cpu_bf16_flags
 from posttrain.engines.optim import make_optimizer
 
 # SmolLM2-135M-Instruct's shapes (its config.json after `posttrain checkpoint smollm2-135m-instruct`)
@@ -79,14 +78,6 @@ def decoding(model) -> dict:
             "decode_speedup_bf16_vs_fp32": round(best["bf16"] / best["fp32"], 3)}
 
 
-def cpu_flags() -> list[str]:
-    try:
-        flags = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    return sorted(f for f in flags if "bf16" in f or f.startswith("amx"))
-
-
 def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -112,7 +103,7 @@ def main() -> None:
     fig = mark({"model": "SmolLM2-135M-Instruct's shapes, random weights", "layers": SHAPE["num_hidden_layers"],
                 "threads": torch.get_num_threads(), "repeats": REPEATS, "best_of": "min seconds per mode",
                 "peer": "the same step in fp32 (the embedded default), alternating in one process",
-                "cpu": platform.processor() or platform.machine(), "cpu_bf16_flags": cpu_flags(),
+                "cpu": platform.processor() or platform.machine(), "cpu_bf16_flags": cpu_bf16_flags(),
                 "torch": torch.__version__, "rows": rows,
                 "speedup_bf16_vs_fp32": min(r["speedup_bf16_vs_fp32"] for r in rows), **decode})
     out = out_dir()

@@ -37,14 +37,19 @@ def stage_gpus(setting: str, per_stage: float) -> float:
 CPU_BF16 = "POSTTRAIN_CPU_BF16"  # "1" or "auto" from runtime.cpu_bf16, set in the stage's Ray runtime_env
 
 
-def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without it torch's CPU bf16 matmul is
-    emulated: 9x slower than fp32 at SmolLM2's shapes on an AVX2-only AMD EPYC (2026-12-01)."""
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU's flags that name bf16 or AMX (what a bench records of its machine)."""
     try:
         flags = next(x for x in Path(cpuinfo).read_text().splitlines() if x.startswith("flags")).split()
     except (OSError, StopIteration):
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return []
+    return sorted(f for f in flags if "bf16" in f or f.startswith("amx"))
+
+
+def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without it torch's CPU bf16 matmul is
+    emulated: 9x slower than fp32 at SmolLM2's shapes on an AVX2-only AMD EPYC (2026-12-01)."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_bf16_flags(cpuinfo)))
 
 
 def cpu_bf16_on() -> bool:
