@@ -193,12 +193,15 @@ class Feed:
             (self.uniform.append if uniform else self.buffer.groups.append)(g)
         self.dbuffer.add([s for s in samples if s.teacher is not None])
 
-    def _enough_drawn(self) -> bool:
-        """rl.dynamic_sampling's cap: the step drew its limit of groups, so the set-aside ones fill its batch."""
-        if not self.r.dynamic_sampling or self.drawn < self.r.dynamic_sampling * self.n_rl:
-            return False
-        self.buffer.groups += self.uniform[:max(0, self.n_rl - len(self.buffer))]
-        return True
+    def _capped(self) -> bool:
+        """rl.dynamic_sampling's cap: the step drew its limit of groups."""
+        return bool(self.r.dynamic_sampling) and self.drawn >= self.r.dynamic_sampling * self.n_rl
+
+    def _fill_at_cap(self) -> bool:
+        """At the cap the set-aside groups fill the step's batch."""
+        if self._capped():
+            self.buffer.groups += self.uniform[:max(0, self.n_rl - len(self.buffer))]
+        return self._capped()
 
     def collect(self, step: int) -> tuple[list[Sample], list[Sample], float, float]:
         """The step's RL and distillation batches (fresh enough for `step`), and the generation seconds and
@@ -210,15 +213,15 @@ class Feed:
         while True:
             self.buffer.drop_stale(step)
             self.dbuffer.drop_stale(step)
-            if ((len(self.buffer) >= self.n_rl or self._enough_drawn()) and len(self.dbuffer) >= self.n_distill):
+            if (len(self.buffer) >= self.n_rl or self._fill_at_cap()) and len(self.dbuffer) >= self.n_distill:
                 break
             samples, info = self.inflight.popleft()[1].result()
             self._add(samples)
             gen_s, gen_tok = gen_s + info["seconds"], gen_tok + info["tokens"]
             for k in self.counts:
                 self.counts[k] += info.get(k, 0)
-            if not (self.r.dynamic_sampling and self.drawn >= self.r.dynamic_sampling * self.n_rl):
-                self.top_up()  # (at the cap nothing more is drawn for this step)
+            if not self._capped():  # at the cap nothing more is drawn for this step
+                self.top_up()
         return (self.buffer.take(self.n_rl, step) if self.n_rl else [],
                 self.dbuffer.take(self.n_distill, step) if self.n_distill else [], gen_s, gen_tok)
 
