@@ -33,7 +33,7 @@ from posttrain.rl.ranks import RankedEngines
 from posttrain.rl.rollout import run_episodes
 from posttrain.rl.teachers import TeacherPool
 from posttrain.rl.trainer import Engines, local_engines
-from posttrain.rl.workers import RolloutBuffer, Sample, WorkerPool
+from posttrain.rl.workers import RolloutBuffer, Sample, WorkerPool, groups_of
 
 COUNTS = ("verifications", "accepted", "judge_tokens", "episodes")  # summed over a step's rollout requests
 
@@ -183,12 +183,9 @@ class Feed:
             self._submit()
 
     def _add(self, samples: list[Sample]) -> None:
-        groups: dict[int, list[Sample]] = {}
-        for s in samples:
-            if s.teacher is None:
-                groups.setdefault(s.group, []).append(s)
+        groups = groups_of([s for s in samples if s.teacher is None])
         self.drawn += len(groups)
-        for g in groups.values():
+        for g in groups:
             uniform = self.r.dynamic_sampling and len({s.reward for s in g}) == 1
             (self.uniform.append if uniform else self.buffer.groups.append)(g)
         self.dbuffer.add([s for s in samples if s.teacher is not None])

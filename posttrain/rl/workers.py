@@ -286,6 +286,14 @@ class WorkerPool:
                 w.close()
 
 
+def groups_of(samples: list[Sample]) -> list[list[Sample]]:
+    """The samples by their group (a prompt's rollouts), in the order the groups first appear."""
+    by_group: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_group.setdefault(s.group, []).append(s)
+    return list(by_group.values())
+
+
 class RolloutBuffer:
     """Finished groups waiting for the trainer, oldest first; too-stale groups are dropped and counted."""
 
@@ -296,10 +304,7 @@ class RolloutBuffer:
         self.staleness = Counter()  # staleness of every sample trained on, over the run
 
     def add(self, samples: list[Sample]) -> None:
-        by_group: dict[int, list[Sample]] = {}
-        for s in samples:
-            by_group.setdefault(s.group, []).append(s)
-        self.groups += by_group.values()
+        self.groups += groups_of(samples)
 
     def drop_stale(self, version: int) -> int:
         keep = [g for g in self.groups if version - min(s.version for s in g) <= self.k]
