@@ -264,6 +264,8 @@ def engine_errors(cfg: PipelineConfig) -> list[str]:
     return errors
 
 
+# --- loading: a profile, its overrides, and errors that name the key and the file
+
 def _at(data: dict, path: str) -> Any:
     for part in path.split("."):
         data = data[part]
