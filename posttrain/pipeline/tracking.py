@@ -111,10 +111,19 @@ def log_result(home: str, run_id: str, *, params: dict, metrics: dict[str, float
     for i in range(0, max(len(ms), 1), 900):  # the store caps a batch at 1000 metrics
         c.log_batch(run_id, metrics=ms[i:i + 900], params=ps if i == 0 else [], tags=ts if i == 0 else [])
     if datasets:
-        c.log_inputs(run_id, datasets=[
-            DatasetInput(Dataset(name=n, digest=d[:36], source_type="local", source=json.dumps({"uri": u})),
-                         tags=[InputTag("mlflow.data.context", "input"), InputTag("sha256", d)])
-            for n, d, u in datasets])
+        inputs = [DatasetInput(Dataset(name=n, digest=d[:36], source_type="local", source=json.dumps({"uri": u})),
+                               tags=[InputTag("mlflow.data.context", "input"), InputTag("sha256", d)])
+                  for n, d, u in datasets]
+        for attempt in range(3):
+            try:
+                c.log_inputs(run_id, datasets=inputs)
+                break
+            except Exception as e:
+                # MLflow's SQL store looks a dataset up, then inserts it: two runs logging the same artifact at once
+                # (a shared home, both at the same node) fail one insert on the unique key; again, it is found
+                if attempt == 2 or not re.search("unique constraint|integrityerror", str(e), re.I):
+                    raise
+                time.sleep(0.2 * (attempt + 1))
     for f in files:
         c.log_artifact(run_id, str(f))
 
