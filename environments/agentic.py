@@ -35,23 +35,32 @@ def _names(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
-def _make(max_operand: int, k: int, n_files: int):
+def worked_steps(nums: list[int], carry_rest: bool = False) -> str:
+    """The demonstration's thinking: one running sum a number. `carry_rest`: each step also writes the numbers still
+    to add (`2+4=6 [-5 -5].`), so the next operand is the first of the list just written, not the k-th of the tool's
+    output: the tiny GLM-5's weak seeds summed four of five numbers right and took the fifth from the wrong place."""
+    steps, acc = [], nums[0]
+    for i, n in enumerate(nums[1:], 2):
+        rest = f" [{' '.join(map(str, nums[i:]))}]" if carry_rest and i < len(nums) else ""
+        steps.append(f"{acc}{'+' if n >= 0 else '-'}{abs(n)}={acc + n}{rest}.")
+        acc += n
+    return " ".join(steps)
+
+
+def _make(max_operand: int, k: int, n_files: int, carry_rest: bool = False):
     def make(rng: random.Random) -> tuple[str, Task]:
         # the variant's files are parts in order: what it tests is the episode's length, not finding names
         names = [rng.choice(FILES)] if n_files == 1 else [f"part{i + 1}.txt" for i in range(n_files)]
         # signed: a sum of signed numbers in one step is hard for a small model, step by step it is not
         per_file = [[rng.randint(-max_operand, max_operand) for _ in range(k)] for _ in names]
         nums = [x for xs in per_file for x in xs]
-        steps, acc = [], nums[0]
-        for n in nums[1:]:
-            steps.append(f"{acc}{'+' if n >= 0 else '-'}{abs(n)}={acc + n}.")
-            acc += n
+        acc = sum(nums)
         files = {f: " ".join(map(str, xs)) for f, xs in zip(names, per_file)}
         demo = [m for f in names for m in (
             {"role": "assistant", "reasoning_content": f"I need {f}.", "content": "",
              "tool_calls": [tool_call("read", path=f)]},
             {"role": "tool", "content": files[f]})]
-        demo.append({"role": "assistant", "reasoning_content": " ".join(steps), "content": str(acc)})
+        demo.append({"role": "assistant", "reasoning_content": worked_steps(nums, carry_rest), "content": str(acc)})
         task = Task(id="", domain=DOMAIN, split="", prompt=f"Add up the numbers in {_names(names)}.",
                     answer=str(acc), demo=demo, meta={"files": files})
         return " ".join(f"{f}:{c}" for f, c in files.items()), task
@@ -85,8 +94,12 @@ def summarized(task: Task, n_read: int, resumed_at: int = 0) -> Task:
 
 def generate(split: str, n: int, seed: int, max_operand: int = 20, agentic_numbers: int = 3, agentic_files: int = 1,
              agentic_resumed_share: float = 0.5, agentic_judge_share: float = 0.0, agentic_summary_share: float = 0.0,
-             **_) -> list[Task]:
-    tasks = collect(DOMAIN, split, n, seed, _make(max_operand, agentic_numbers, agentic_files))
+             carry_rest: bool = False, **_) -> list[Task]:
+    """`carry_rest` (`world.domain_knobs: {agentic: {carry_rest: true}}`): demonstrations whose steps carry the
+    numbers left to add (worked_steps)."""
+    if not isinstance(carry_rest, bool):
+        raise ValueError(f"world.domain_knobs.agentic.carry_rest: expected true or false (got {carry_rest!r})")
+    tasks = collect(DOMAIN, split, n, seed, _make(max_operand, agentic_numbers, agentic_files, carry_rest))
     if split != "train":  # training only: evaluation episodes start from the task
         return tasks
     rng = random.Random(f"{DOMAIN}:resumed:{seed}")

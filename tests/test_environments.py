@@ -43,3 +43,25 @@ def test_tool_call_parsing_never_spans_tags():
     # a garbled sample is not a hack attempt: the complete call inside it is the one that counts
     assert parse_tool_call("<tool_call>read va.</think><tool_call>read values.txt</tool_call>") == ("read", "values.txt")
     assert parse_tool_call("<tool_call>read data.txt") is None
+
+
+def test_agentic_steps_can_carry_the_numbers_left_from_the_world_config():
+    """`world.domain_knobs.agentic.carry_rest`: each worked step writes the numbers still to add, so the next operand
+    is the first of the list just written; the tasks, answers and tool outputs stay the world's."""
+    from environments import agentic
+    from posttrain.config import WorldConfig
+    world = WorldConfig(max_operand=5, agentic_numbers=5, domain_knobs={"agentic": {"carry_rest": True}})
+    plain = agentic.generate("train", 40, 0, **WorldConfig(max_operand=5, agentic_numbers=5).knobs("agentic"))
+    carry = agentic.generate("train", 40, 0, **world.knobs("agentic"))
+    assert [(t.prompt, t.answer, t.meta) for t in plain] == [(t.prompt, t.answer, t.meta) for t in carry]
+    for p, c in zip(plain, carry):
+        nums = [int(x) for x in c.meta["files"][next(iter(c.meta["files"]))].split()]
+        steps = c.demo[-1]["reasoning_content"].split(". ")
+        assert len(steps) == len(nums) - 1 and steps[-1].endswith(f"={c.answer}.")
+        for i, step in enumerate(steps[:-1], 2):  # after the i-th number: the rest, in the file's order
+            assert step.endswith(f" [{' '.join(map(str, nums[i:]))}]")
+        assert "[" not in p.demo[-1]["reasoning_content"]  # the default: the running sums alone
+    assert agentic.worked_steps([3, -1, 4]) == "3-1=2. 2+4=6."
+    assert agentic.worked_steps([3, -1, 4], carry_rest=True) == "3-1=2 [4]. 2+4=6."
+    with pytest.raises(ValueError, match="carry_rest"):
+        agentic.generate("train", 2, 0, carry_rest="yes")
