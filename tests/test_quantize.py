@@ -8,7 +8,7 @@ from posttrain.chat import train_tokenizer
 from posttrain.config import ModelConfig, QuantizeConfig
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import IntLinear, load_compressed
-from posttrain.quant.int_matmul import EXACT_FLOAT32_K, _int_mm
+from posttrain.quant.int_matmul import EXACT_FLOAT32_K
 from posttrain.models.preset import build_model, save_checkpoint
 from posttrain.stages.quantize import calibrate, export, linear_bytes, load_checks, targets
 
@@ -28,16 +28,18 @@ def test_int_linear_matches_the_dequantized_matmul_on_int8_activations():
 
 @pytest.mark.parametrize("k", [EXACT_FLOAT32_K, 4 * EXACT_FLOAT32_K])
 def test_cpu_integer_matmul_is_exact_at_the_largest_sums(k):
-    """The CPU path runs int8 x int8 as a float GEMM: exact even where every product is the largest (-128 x -128)."""
+    """The CPU path runs int8 x int8 as a float GEMM: each group's sum exact even where every product is the largest,
+    so the layer gives the integer result rounded once, as the int64 product does."""
     torch.manual_seed(0)
-    a = torch.randint(-128, 128, (5, k), dtype=torch.int8)
-    a[0] = -128
-    b = torch.randint(-128, 128, (k, 7), dtype=torch.int8)
-    b[:, 0] = -128
-    a[1], b[:, 1], b[0, 1] = -127, -127, -126  # an odd sum: past 2^24 float32 cannot hold it
-    exact = a.long() @ b.long()
-    assert exact[0, 0] == k * 2 ** 14 and exact[1, 1] % 2 == 1
-    assert torch.equal(_int_mm(a, b).long(), exact)
+    q = torch.randint(-128, 128, (7, k), dtype=torch.int8)
+    q[0], q[1], q[1, 0] = -128, -127, -126  # row 1's sum is odd: past 2^24 float32 sums cannot hold it
+    x = torch.randint(0, 2, (5, k)).float() * 2 - 1
+    x[0] = -1  # quantized per token: every activation +-127
+    layer = IntLinear(q, torch.ones(7, 1))
+    xq = torch.round(x / (1 / 127)).long()
+    exact = xq @ q.long().T
+    assert exact[0, 0] == k * 127 * 128 and exact[0, 1] % 2 == 1
+    assert torch.equal(layer(x), exact.float() * (x.abs().amax(-1, keepdim=True) / 127))
 
 
 def test_gptq_beats_round_to_nearest_on_correlated_inputs():

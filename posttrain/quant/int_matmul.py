@@ -23,15 +23,11 @@ EXACT_FLOAT32_K = 2 ** 24 // 2 ** 14  # int8 x int8 products summed over this ma
 
 
 def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """int8 [m, k] x int8 [k, n], exactly: int32 on CUDA (its `_int_mm` wants more than 16 rows, so a decode step's
-    few rows are padded), on CPU the same integers as float32 (float64 past EXACT_FLOAT32_K). The CPU path converts
-    the weights for each call: a float copy kept would hold 4 bytes a weight in memory."""
-    if a.is_cuda:
-        if a.size(0) <= 16:
-            return torch._int_mm(torch.nn.functional.pad(a, (0, 0, 0, 17 - a.size(0))), b)[:a.size(0)]
-        return torch._int_mm(a, b)
-    dtype = torch.float32 if a.size(1) <= EXACT_FLOAT32_K else torch.float64
-    return a.to(dtype) @ b.to(dtype)
+    """int8 [m, k] x int8 [k, n] -> int32 on CUDA (its `_int_mm` wants more than 16 rows, so a decode step's few rows
+    are padded)."""
+    if a.size(0) <= 16:
+        return torch._int_mm(torch.nn.functional.pad(a, (0, 0, 0, 17 - a.size(0))), b)[:a.size(0)]
+    return torch._int_mm(a, b)
 
 
 class IntLinear(torch.nn.Module):
