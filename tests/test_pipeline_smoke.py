@@ -191,6 +191,24 @@ def test_rerun_of_sibling_nodes_redoes_them_together(first):
     assert new["stale"] == ["evaluate", "opd", "quantize"]
 
 
+def test_a_downstream_rerun_scores_only_the_checkpoints_it_changed(first):
+    """`rerun quantize --downstream`: evaluate runs again, but only the new export is scored; the others' scores are
+    the first run's, and eval.json names the MLflow run that computed them."""
+    home, report = first
+    posttrain(home, "rerun", "quantize", "--from", report["run_id"], "--set", "quantize.calib_samples=3",
+              "--downstream")
+    new = json.loads((home / "latest" / "report.json").read_text())
+    assert not new["stages"]["evaluate"]["cached"] and new["stages"]["quantize"]["sha256"] != \
+        report["stages"]["quantize"]["sha256"]
+    old_eval, new_eval = (json.loads((Path(r["stages"]["evaluate"]["artifact"]) / "eval.json").read_text())
+                          for r in (report, new))
+    first_evaluate = json.loads((Path(report["stages"]["evaluate"]["artifact"]) / "manifest.json").read_text())
+    assert "memo" not in new_eval["decoding"]["quantized"]
+    for ck in CHECKPOINTS[:-1]:
+        assert new_eval["decoding"][ck]["memo"]["computed_by_run"] == first_evaluate["mlflow_run_id"], ck
+        assert new_eval["eval"][ck] == old_eval["eval"][ck] and new_eval["items"][ck] == old_eval["items"][ck], ck
+
+
 def test_tampered_artifact_is_refused_and_lineage_fails(first):
     home, report = first
     sft_dir = Path(report["stages"]["sft"]["artifact"])

@@ -33,6 +33,7 @@ from posttrain.pipeline.graph import checkpoints
 from posttrain.pipeline.raysupport import map_tasks
 from posttrain.quant.int_linear import is_compressed
 from posttrain.rl.rollout import run_episodes, score
+from posttrain.stages import eval_memo
 from posttrain.stages.ramp import eval_sets
 
 
@@ -222,9 +223,20 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     result = {"eval": {}, "tokens": {}, "pass_at_k": {}, "chat_format": {}, "mtp": {}, "decoding": {}, "items": {},
               "sampling": {"samples": cfg.eval.samples, "temperature": cfg.eval.temperature}}
     cks, plain = checkpoints(cfg), completion_checkpoints(cfg)
-    calls = [(cfg, inputs[stage], completion_suites if ck in plain else chat_suites_of(cfg, ck, chat_suites),
-              ck in plain, cfg.eval.samples if ck in (cfg.eval.samples_on or cks) else 0) for ck, stage in cks.items()]
-    for ck, (s, t, p, info) in zip(cks, _each(calls)):
+    calls = {ck: (cfg, inputs[stage], completion_suites if ck in plain else chat_suites_of(cfg, ck, chat_suites),
+                  ck in plain, cfg.eval.samples if ck in (cfg.eval.samples_on or cks) else 0)
+             for ck, stage in cks.items()}
+    keys = eval_memo.keys(cfg, inputs, {ck: (c[1], c[3], c[4]) for ck, c in calls.items()})
+    done = {ck: hit for ck in cks if (hit := eval_memo.load(keys.get(ck))) is not None}
+    if done:
+        print(f"[evaluate] scores reused, their checkpoints unchanged ({eval_memo.FOLDER}): {', '.join(done)}",
+              flush=True)
+    todo = [ck for ck in cks if ck not in done]
+    for ck, r in zip(todo, _each([calls[ck] for ck in todo])):
+        eval_memo.save(keys.get(ck), r)
+        done[ck] = r
+    for ck in cks:
+        s, t, p, info = done[ck]
         if "acceptance_length" in info:
             result["mtp"][ck] = {"acceptance_length": info.pop("acceptance_length")}
         result["items"][ck] = info.pop("items")
