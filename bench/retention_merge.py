@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,15 +35,15 @@ SUITES = ("reasoning", "agentic", "general", "chat")
 
 
 def mixed(generalist: Path, base: Path, w: float, into: Path) -> Path:
-    """The generalist's folder (config, tokenizer, template) with (1 - w) * its weights + w * the base's."""
+    """The generalist's folder (config, tokenizer, template) with (1 - w) * its weights + w * the base's; a tensor the
+    base does not have (a draft layer added later, as the tiny profile's MTP layer) stays the generalist's."""
     shutil.copytree(generalist, into, ignore=shutil.ignore_patterns("manifest.json", "*.png", "history.json"))
     g, b = load_file(generalist / "model.safetensors"), load_file(base / "model.safetensors")
-    if g.keys() != b.keys() or any(g[k].shape != b[k].shape for k in g):
-        diff = sorted(k for k in g.keys() | b.keys() if k not in g or k not in b or g[k].shape != b[k].shape)
-        raise SystemExit(f"retention_merge: {generalist} and {base} hold different tensors ({diff[:5]}): "
+    if bad := sorted(k for k in g.keys() & b.keys() if g[k].shape != b[k].shape):
+        raise SystemExit(f"retention_merge: {generalist} and {base} hold tensors of different shapes ({bad[:5]}): "
                          f"only checkpoints of one architecture and vocabulary can be averaged")
-    save_file({k: ((1 - w) * g[k].double() + w * b[k].double()).to(g[k].dtype) for k in g}, into / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file({k: ((1 - w) * v.double() + w * b[k].double()).to(v.dtype) if k in b else v for k, v in g.items()},
+              into / "model.safetensors", metadata={"format": "pt"})
     return into
 
 
@@ -94,3 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(fig, indent=1))
     print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
