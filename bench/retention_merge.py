@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from bench import mark, out_dir, size, small, smoke_report, threads
 
@@ -34,16 +33,14 @@ WEIGHTS, N = size("0,0.15,0.3,0.5", "0,0.5"), size(0, 4)
 SUITES = ("reasoning", "agentic", "general", "chat")
 
 
-def mixed(generalist: Path, base: Path, w: float, into: Path) -> Path:
-    """The generalist's folder (config, tokenizer, template) with (1 - w) * its weights + w * the base's; a tensor the
-    base does not have (a draft layer added later, as the tiny profile's MTP layer) stays the generalist's."""
+def mixed(generalist: Path, base: Path, w: float, into: Path, only: str = "") -> Path:
+    """A copy of the generalist's folder (config, tokenizer, template) averaged with the base (posttrain/merge.py)."""
+    from posttrain.merge import average_with_base
     shutil.copytree(generalist, into, ignore=shutil.ignore_patterns("manifest.json", "*.png", "history.json"))
-    g, b = load_file(generalist / "model.safetensors"), load_file(base / "model.safetensors")
-    if bad := sorted(k for k in g.keys() & b.keys() if g[k].shape != b[k].shape):
-        raise SystemExit(f"retention_merge: {generalist} and {base} hold tensors of different shapes ({bad[:5]}): "
-                         f"only checkpoints of one architecture and vocabulary can be averaged")
-    save_file({k: ((1 - w) * v.double() + w * b[k].double()).to(v.dtype) if k in b else v for k, v in g.items()},
-              into / "model.safetensors", metadata={"format": "pt"})
+    try:
+        average_with_base(into, base, w, only)
+    except ValueError as e:
+        raise SystemExit(f"retention_merge: {e}") from None
     return into
 
 
@@ -56,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", default="latest", help="the run whose base, generalist and test splits are used")
     p.add_argument("--weights", default=WEIGHTS, help="the base's shares w to score, comma-separated")
+    p.add_argument("--only", default="", help="average only the tensors whose names this regular expression finds")
+    p.add_argument("--tag", default="", help="written to retention_merge-TAG.json instead of retention_merge.json")
     a = p.parse_args(argv if argv is not None else [])
     if small():
         report, cfg = json.loads(smoke_report().read_text()), load_config("smoke-dense")
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as d:
         for w in (float(x) for x in a.weights.split(",")):
             t = time.perf_counter()
-            path = mixed(art["opd"], art["base"], w, Path(d) / f"w{w}")
+            path = mixed(art["opd"], art["base"], w, Path(d) / f"w{w}", a.only)
             scores, tokens, _, _ = evaluate_checkpoint(cfg, str(path), chosen)
             shutil.rmtree(path)
             row = {"w": w, "scores": scores, "tokens": tokens, "seconds": round(time.perf_counter() - t, 1)}
@@ -85,13 +84,13 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(f"w={w}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items())
                   + "".join(f", {k} {row[k]}" for k in row if k.endswith("kept")) + f" ({row['seconds']} s)", flush=True)
-    fig = mark({"run": report["run_id"], "profile": cfg.profile, "suites": list(chosen),
+    fig = mark({"run": report["run_id"], "profile": cfg.profile, "only": a.only, "suites": list(chosen),
                 "tasks_per_suite": {k: len(v[0]) for k, v in chosen.items()},
                 "reference": {ck: {s: ref.get(ck, {}).get(s) for s in SUITES} for ck in
                               ("base", "sft", "specialist/reasoning", "specialist/agentic", "specialist/general",
                                "generalist")},
                 "rows": rows})
-    out = out_dir() / "retention_merge.json"
+    out = out_dir() / f"retention_merge{'-' + a.tag if a.tag else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(fig, indent=1))
     print(f"wrote {out}")

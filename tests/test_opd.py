@@ -150,6 +150,7 @@ def test_the_base_model_teaches_everyday_instructions_with_thinking_off(models, 
     assert "base" not in graph(load_config("smoke-dense"))["opd"].inputs
     assert "base" in graph(load_config("smoke-dense", ["opd.everyday_prompts=8"]))["opd"].inputs
     assert "base" in graph(load_config("smoke-dense", ["opd.route={general: base}"]))["opd"].inputs
+    assert "base" in graph(load_config("smoke-dense", ["opd.base_weight=0.3"]))["opd"].inputs  # averaged in
     pool = environments.get("reasoning").generate("train", 8, 0) + everyday.tasks(list(PROMPTS[:8]))
     r = RLConfig(steps=2, prompts_per_step=0, group_size=2, max_new_tokens=8, val_every=0, stop_check=False)
     _, _, st = train_policy(r, models["student"], [], pool[:2], seed=0,

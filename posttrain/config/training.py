@@ -339,6 +339,9 @@ class OPDConfig(_Strict):
     # (posttrain/replay.py's, thinking off) and every domain `route` sends to "base" (e.g. {general: base});
     # 0 and no route to it: no base teacher
     everyday_prompts: AtLeast0 = 0
+    # the generalist written as (1 - w) * its weights + w * the base's (posttrain/merge.py: model averaging against
+    # what post-training cost, Lin et al. 2023); 0: the generalist as OPD left it
+    base_weight: Share = 0.0
     max_staleness: AtLeast0 = 1
     teacher_cpus: NonNegative = 0.2      # Ray CPUs each teacher actor reserves
     # actor: one Ray actor per teacher, which every rollout worker calls (large teachers, GPUs); worker: each
@@ -350,6 +353,10 @@ class OPDConfig(_Strict):
 
     def base_teaches(self) -> bool:
         return self.everyday_prompts > 0 or "base" in self.route.values()
+
+    def uses_base(self) -> bool:
+        """The base checkpoint is an input: as a teacher, or averaged into the generalist."""
+        return self.base_teaches() or self.base_weight > 0
 
 
 class LoraSettings(_Strict):

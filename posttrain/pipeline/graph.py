@@ -83,9 +83,10 @@ def graph(cfg: PipelineConfig) -> dict[str, Stage]:
                 ("seed", f"rl:{d}", "moe", "lora", *ENGINES), "tasks.rl:rl", (("domain", d),), num_cpus=0.4,
                 threads=1, resumable=True) for d in order],
         # the trainer, one rollout worker (0.25) and a teacher per domain (0.2 each): 1.35 CPUs for three
-        # with opd.everyday_prompts or a route to "base", the base model is one more teacher
+        # with opd.everyday_prompts or a route to "base", the base model is one more teacher; with opd.base_weight it
+        # is averaged into the generalist
         Stage("opd", "posttrain.stages.opd:run",
-              ("sft", "curate", *specialists, *(("base",) if cfg.opd.base_teaches() else ())),
+              ("sft", "curate", *specialists, *(("base",) if cfg.opd.uses_base() else ())),
               ("seed", "opd", "rl", "moe", "lora", *ENGINES), "tasks.opd:opd", num_cpus=0.5, threads=1, resumable=True),
         Stage("quantize", "posttrain.stages.quantize:run", ("opd", "curate"), ("seed", "quantize"),
               "tasks.quantize:quantize"),

@@ -11,6 +11,7 @@ from environments import everyday
 from posttrain.config import PipelineConfig, RLConfig
 from posttrain.data import load_tasks
 from posttrain.engines import lora_options, rollout_options, train_options
+from posttrain.merge import average_with_base
 from posttrain.models import moe
 from posttrain.models.preset import save_checkpoint
 from posttrain.pipeline.artifacts import read_manifest
@@ -83,6 +84,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
                                  engine=(cfg.runtime.train_engine, train_options(cfg) | lora_options(cfg, "opd")),
                                  **rollout_options(cfg))
     save_checkpoint(policy, tok, out)
+    averaged = average_with_base(out, inputs["base"], o.base_weight) if o.base_weight else {}
     hist = st.history
     (out / "history.json").write_text(json.dumps(hist))
     moe.plot_load(hist, out / moe.PLOT, "opd")
@@ -92,7 +94,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path, scratch: str = "
     metrics = {"wall_s": st.wall_s, "steps_per_s": o.steps / st.wall_s,
                "student_tokens": hist["student_tokens"][-1], "teacher_tokens": hist["teacher_tokens"][-1],
                **summarize(hist, "reverse_kl", 5), **moe_metrics(hist, 5),
-               "masked_token_fraction": sum(hist["distill_masked_fraction"]) / o.steps, **kept_metrics(st)}
+               "masked_token_fraction": sum(hist["distill_masked_fraction"]) / o.steps, **kept_metrics(st),
+               **({"base_weight": o.base_weight, "tensors_averaged": averaged["averaged"]} if averaged else {})}
     for d in domains:
         before, after = hist[f"val_score/{d}"][0][1], hist[f"val_score/{d}"][-1][1]
         metrics |= {f"val_score_before_{d}": before, f"val_score_after_{d}": after,
