@@ -4,8 +4,9 @@ two thirds of evaluate's 30-50 minutes).
 
 The evaluate node's own cache key covers every checkpoint at once, so any new one recomputes all of them. This memo
 is per checkpoint: keyed by that checkpoint's artifact digest, its name (which suites and samples it gets), the
-curated test split's digest, evaluate's config sections and code digest (its whole import closure, environments
-included) and the device type. Evaluation is deterministic for those (a checkpoint's torch seed is set before it is
+curated test split's digest, evaluate's config sections (of `rl` only what its suites' episodes take from it, so a
+rerun of one specialist with new RL settings scores only that specialist) and code digest (its whole import closure,
+environments included) and the device type. Evaluation is deterministic for those (a checkpoint's torch seed is set before it is
 scored, docs/glm5.md's determinism check), so a hit is the score it would compute. It lives beside the store's local
 mirror (`<home>/eval-memo/`): a miss, or a machine without it, only computes. Each reused entry names the MLflow run
 that computed it in eval.json's `decoding`, for the lineage audit; delete the folder to score everything afresh."""
@@ -30,17 +31,18 @@ def _home() -> Path | None:
     return Path(home) / FOLDER if home else None
 
 
-def keys(cfg: PipelineConfig, inputs: dict[str, str], calls: dict[str, tuple[str, bool, int]]) -> dict[str, str]:
-    """checkpoint name -> memo key, for `calls` {name: (its stage's artifact dir, scored as completion, samples)};
-    none outside a pipeline node."""
+def keys(cfg: PipelineConfig, inputs: dict[str, str], calls: dict[str, tuple[str, bool, int, dict]]) -> dict[str, str]:
+    """checkpoint name -> memo key, for `calls` {name: (its stage's artifact dir, scored as completion, samples,
+    {suite: the RL settings its episodes use})}; none outside a pipeline node."""
     if _home() is None:
         return {}
     stage = graph(cfg)["evaluate"]
-    common = {"config": cfg.digest(*stage.sections), "code": stage_code_digest(stage.fn.split(":")[0], cfg),
+    common = {"config": cfg.digest(*(s for s in stage.sections if s != "rl")),
+              "code": stage_code_digest(stage.fn.split(":")[0], cfg),
               "curate": read_manifest(inputs["curate"])["sha256"], "device": device().type}
     return {ck: sha256_json({**common, "checkpoint": read_manifest(path)["sha256"], "name": ck,
-                             "completion": completion, "samples": samples})
-            for ck, (path, completion, samples) in calls.items()}
+                             "completion": completion, "samples": samples, "episodes": episodes})
+            for ck, (path, completion, samples, episodes) in calls.items()}
 
 
 def load(key: str | None) -> tuple | None:

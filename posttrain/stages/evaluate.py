@@ -110,6 +110,14 @@ def benchmark_lineage(cfg: PipelineConfig) -> dict:
     return out
 
 
+def episode_settings(cfg: PipelineConfig, suite: str) -> dict:
+    """What a chat suite's episodes take from its domain's RL settings (the specialist's turns and context budget):
+    the only part of `rl` a score depends on, so eval_memo keys on these and not on the whole section."""
+    r = cfg.rl.for_domain(suite.split(":")[0].split("@")[0])
+    return dict(max_turns=r.max_turns, context_budget=r.context_budget, compaction=r.compaction,
+                summary=r.compaction_summary)
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c passed (Chen et al. 2021)."""
     return 1.0 - comb(n - c, k) / comb(n, k) if n - c >= k else 1.0
@@ -140,9 +148,7 @@ def evaluate_checkpoint(cfg: PipelineConfig, path: str, suite_tasks: dict, compl
         if completion:
             s, n_gen = completion_scores(engine, tok, tasks, thinking=thinking, max_new_tokens=max_new, batch_size=bs)
         else:
-            r = cfg.rl.for_domain(name.split(":")[0].split("@")[0])  # its specialist's turns and context budget
-            kw = dict(max_new_tokens=max_new, max_turns=r.max_turns, batch_size=bs,
-                      context_budget=r.context_budget, compaction=r.compaction, summary=r.compaction_summary,
+            kw = dict(max_new_tokens=max_new, batch_size=bs, **episode_settings(cfg, name),
                       enable_thinking=bool(thinking),
                       thinking_turns="after_tools" if thinking == "after_tools" else "all")
             eps = run_episodes(engine, tok, tasks, temperature=0.0, **kw)
@@ -226,7 +232,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, str], out: Path) -> dict:
     calls = {ck: (cfg, inputs[stage], completion_suites if ck in plain else chat_suites_of(cfg, ck, chat_suites),
                   ck in plain, cfg.eval.samples if ck in (cfg.eval.samples_on or cks) else 0)
              for ck, stage in cks.items()}
-    keys = eval_memo.keys(cfg, inputs, {ck: (c[1], c[3], c[4]) for ck, c in calls.items()})
+    keys = eval_memo.keys(cfg, inputs, {ck: (c[1], c[3], c[4], {k: episode_settings(cfg, k) for k in c[2]})
+                                        for ck, c in calls.items()})
     done = {ck: hit for ck in cks if (hit := eval_memo.load(keys.get(ck))) is not None}
     if done:
         print(f"[evaluate] scores reused, their checkpoints unchanged ({eval_memo.FOLDER}): {', '.join(done)}",
