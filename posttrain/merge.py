@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 from safetensors import safe_open
@@ -38,29 +39,27 @@ def average_with_base(folder: str | Path, base: str | Path, w: float, only: str 
     ours, theirs = _tensor_files(folder), _tensor_files(base)
     if not ours:
         raise ValueError(f"average_with_base: {folder} holds no safetensors weights")
-    shapes = {}
-    for name in ours.keys() & theirs.keys():
-        with safe_open(ours[name], "pt") as a, safe_open(theirs[name], "pt") as b:
-            if a.get_slice(name).get_shape() != b.get_slice(name).get_shape():
-                shapes[name] = (a.get_slice(name).get_shape(), b.get_slice(name).get_shape())
-    if shapes:
-        raise ValueError(f"average_with_base: {folder} and {base} hold tensors of different shapes "
-                         f"({dict(sorted(shapes.items())[:3])}): only one architecture and vocabulary can be averaged")
-    counts = {"averaged": 0, "kept": 0}
-    for f in sorted(set(ours.values())):
-        with safe_open(f, "pt") as h:
-            meta = h.metadata()
-        tensors = load_file(f)
-        for name, t in tensors.items():
-            if name not in theirs or (only and not re.search(only, name)):
-                counts["kept"] += 1
-                continue
-            with safe_open(theirs[name], "pt") as h:
-                b = h.get_tensor(name)
-            tensors[name] = ((1 - w) * t.double() + w * b.double()).to(t.dtype)
-            counts["averaged"] += 1
-        tmp = f.with_name(f".{f.name}.tmp")
-        save_file(tensors, tmp, metadata=meta)
-        tmp.replace(f)
+    with ExitStack() as stack:  # each file opened once (memory-mapped), not once per tensor
+        handles = {f: stack.enter_context(safe_open(f, "pt")) for f in {*ours.values(), *theirs.values()}}
+        shapes = {name: (a, b) for name in ours.keys() & theirs.keys()
+                  if (a := handles[ours[name]].get_slice(name).get_shape())
+                  != (b := handles[theirs[name]].get_slice(name).get_shape())}
+        if shapes:
+            raise ValueError(f"average_with_base: {folder} and {base} hold tensors of different shapes "
+                             f"({dict(sorted(shapes.items())[:3])}): only one architecture and vocabulary can be "
+                             f"averaged")
+        counts = {"averaged": 0, "kept": 0}
+        for f in sorted(set(ours.values())):
+            tensors = load_file(f)
+            for name, t in tensors.items():
+                if name not in theirs or (only and not re.search(only, name)):
+                    counts["kept"] += 1
+                    continue
+                b = handles[theirs[name]].get_tensor(name)
+                tensors[name] = ((1 - w) * t.double() + w * b.double()).to(t.dtype)
+                counts["averaged"] += 1
+            tmp = f.with_name(f".{f.name}.tmp")
+            save_file(tensors, tmp, metadata=handles[f].metadata())
+            tmp.replace(f)
     return counts
 
