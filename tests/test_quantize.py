@@ -8,7 +8,7 @@ from posttrain.chat import train_tokenizer
 from posttrain.config import ModelConfig, QuantizeConfig
 from posttrain.quant.gptq import HessianTracker, gptq, rtn
 from posttrain.quant.int_linear import IntLinear, load_compressed
-from posttrain.quant.int_matmul import EXACT_FLOAT32_K
+from posttrain.quant.int_matmul import CPU_ROWS, EXACT_FLOAT32_K
 from posttrain.models.preset import build_model, save_checkpoint
 from posttrain.stages.quantize import calibrate, export, linear_bytes, load_checks, targets
 
@@ -40,6 +40,15 @@ def test_cpu_integer_matmul_is_exact_at_the_largest_sums(k):
     exact = xq @ q.long().T
     assert exact[0, 0] == k * 127 * 128 and exact[0, 1] % 2 == 1
     assert torch.equal(layer(x), exact.float() * (x.abs().amax(-1, keepdim=True) / 127))
+
+
+def test_cpu_integer_matmul_gives_each_row_the_same_bits_in_any_batch():
+    """A prefill's rows run in chunks (CPU_ROWS): a row's output is the one it gets alone, so a prompt scores the
+    same whatever it is batched with."""
+    torch.manual_seed(0)
+    q, s = rtn(torch.randn(40, 128), 4, 32, torch.float32)
+    layer, x = IntLinear(q, s), torch.randn(2 * CPU_ROWS + 5, 128)
+    assert torch.equal(layer(x), torch.cat([layer(r[None]) for r in x]))
 
 
 def test_gptq_beats_round_to_nearest_on_correlated_inputs():
