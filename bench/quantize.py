@@ -4,7 +4,8 @@ HTML report rendered in headless Chromium.
 - bytes: linear-layer weights vs bf16, checkpoint on disk, model in memory (from the run's report);
 - quality: greedy test score per suite, quantized minus generalist (from the run's report);
 - speed: greedy generation tokens/s, integer kernels (posttrain/quant/int_linear.py) vs the fp32 model, the same
-  prompts in the same process (batch 32 and batch 1);
+  prompts in the same process (batch 32 and batch 1), and prefill tokens/s (one forward over 8 prompts of 256
+  tokens: what scoring long prompts, IFBench's or long context's, costs);
 - rendering: a Chromium screenshot of report.html, with the share of the page that is ink (text, plots).
 Run it after `make run`. BENCH_SMALL=1 (bench/__init__.py): the smoke run's checkpoints, 4 prompts, 8 new tokens;
 without Chromium, the screenshot is skipped with a note."""
@@ -21,6 +22,7 @@ from bench import mark, out_dir, size, small, smoke_report
 OUT = out_dir()
 SMOKE_RUN = True  # small mode starts from the smoke run (bench/__init__.py)
 PROMPTS, NEW_TOKENS = size(32, 4), size(48, 8)
+PREFILL_ROWS, PREFILL_LEN = size(8, 2), size(256, 32)
 
 
 def _tokens_per_s(model, tok, prompts: list[list[int]], n_new: int) -> float:
@@ -30,6 +32,15 @@ def _tokens_per_s(model, tok, prompts: list[list[int]], n_new: int) -> float:
     t0 = time.perf_counter()
     outs = engine.generate(prompts, max_new_tokens=n_new, temperature=0.0, stop_ids=set())
     return sum(len(g.ids) for g in outs) / (time.perf_counter() - t0)
+
+
+def _prefill_tokens_per_s(model, prompts: list[list[int]]) -> float:
+    ids = torch.tensor([(p * (PREFILL_LEN // len(p) + 1))[:PREFILL_LEN] for p in prompts[:PREFILL_ROWS]])
+    with torch.no_grad():
+        model(ids[:1, :8])  # warm-up
+        t0 = time.perf_counter()
+        model(ids)
+    return ids.numel() / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -54,6 +65,9 @@ def main() -> None:
         speed[f"int_tokens_per_s{label}"] = _tokens_per_s(qm, tok, batch, NEW_TOKENS)
         speed[f"fp32_tokens_per_s{label}"] = _tokens_per_s(fp, tok, batch, NEW_TOKENS)
         speed[f"speed_ratio_vs_fp32{label}"] = speed[f"int_tokens_per_s{label}"] / speed[f"fp32_tokens_per_s{label}"]
+    speed |= {"int_prefill_tokens_per_s": _prefill_tokens_per_s(qm, prompts),
+              "fp32_prefill_tokens_per_s": _prefill_tokens_per_s(fp, prompts)}
+    speed["prefill_ratio_vs_fp32"] = speed["int_prefill_tokens_per_s"] / speed["fp32_prefill_tokens_per_s"]
     ev = report["eval"]
     drop = {s: round(ev["generalist"][s] - ev["quantized"][s], 4) for s in ev["generalist"]}
     OUT.mkdir(parents=True, exist_ok=True)
