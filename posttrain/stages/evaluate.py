@@ -187,8 +187,8 @@ def _each(calls: list[tuple]) -> list[tuple[dict, dict, dict, dict]]:
     if device().type != "cpu" or not ray.is_initialized():
         return [evaluate_checkpoint(*c) for c in calls]
     # longest first, so the short ones fill the gaps at the end: the checkpoints that also sample pass@k (~3x a
-    # greedy one on tiny), the W4A8 export (its integer kernels ~1.4x on SmolLM2), the other chat checkpoints, then
-    # the completion ones (fewer suites)
+    # greedy one on tiny), the W4A8 export (its integer kernels ~2x), the other chat checkpoints, then the completion
+    # ones (fewer suites)
     order = sorted(range(len(calls)), key=lambda i: (not calls[i][4], not is_compressed(calls[i][1]), calls[i][3]))
     # 0.9 CPU each: two fit beside the stage's own 0.1 on a 2-CPU Ray
     done = map_tasks(_evaluate_alone, [calls[i] for i in order], "evaluate", num_cpus=0.9)
